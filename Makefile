@@ -1,0 +1,40 @@
+# The two entry points: `make demo` (the main job) and `make test` (everything CI runs).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+NPROC ?= 4
+
+.PHONY: demo test lint typecheck pytest bench golden venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/areal-fn demo --nproc $(NPROC)
+
+lint: $(STAMP)
+	$(BIN)/ruff check areal_fn tests bench
+	$(BIN)/ruff format --check areal_fn tests bench
+
+typecheck: $(STAMP)
+	$(BIN)/mypy areal_fn
+
+pytest: $(STAMP)
+	HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -q -n 2 --dist loadgroup tests
+
+test: lint typecheck pytest
+
+bench: $(STAMP)
+	$(BIN)/python -m bench
+
+golden: $(STAMP)
+	$(BIN)/python -m areal_fn.golden specs/golden
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
