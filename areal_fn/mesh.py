@@ -9,6 +9,7 @@ import math
 from collections.abc import Sequence
 
 import attrs
+
 from .errors import SpecError
 
 
