@@ -89,9 +89,10 @@ class Sharding:
         return " ".join(f"{n}:{p}" for n, p in zip(self.mesh.names, self.placements, strict=True))
 
 
-@beartype
 def check_sharding(shape: tuple[int, ...], sharding: Sharding) -> None:
     """Raise ``SpecError`` if ``sharding`` cannot apply to a tensor of ``shape``."""
+    if not isinstance(sharding, Sharding):
+        raise SpecError(f"sharding={sharding!r} must be a Sharding")
     for axis, p in zip(sharding.mesh.names, sharding.placements, strict=True):
         if isinstance(p, (Shard, StridedShard)) and p.dim >= len(shape):
             raise SpecError(

@@ -12,11 +12,27 @@ from ..sharding import Sharding
 AXIS_NAMES = ("dp", "tp", "pp", "cp", "ep", "dp_shard", "dp_replicate", "etp")
 
 #: dtypes drawn by :func:`tensors` (bf16 included).
-DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8, torch.bool)
+DTYPES = (
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.uint8,
+    torch.bool,
+)
 
 
 @st.composite
-def meshes(draw: st.DrawFn, *, min_axes: int = 1, max_axes: int = 4, max_world: int = 64, max_axis_size: int = 8) -> Mesh:
+def meshes(
+    draw: st.DrawFn,
+    *,
+    min_axes: int = 1,
+    max_axes: int = 4,
+    max_world: int = 64,
+    max_axis_size: int = 8,
+) -> Mesh:
     """Meshes of 1..4 named axes whose world size is at most ``max_world``."""
     n = draw(st.integers(min_axes, max_axes))
     names = draw(st.permutations(AXIS_NAMES))[:n]
@@ -30,7 +46,9 @@ def meshes(draw: st.DrawFn, *, min_axes: int = 1, max_axes: int = 4, max_world: 
 
 
 @st.composite
-def shapes(draw: st.DrawFn, *, min_dims: int = 1, max_dims: int = 3, max_side: int = 13) -> tuple[int, ...]:
+def shapes(
+    draw: st.DrawFn, *, min_dims: int = 1, max_dims: int = 3, max_side: int = 13
+) -> tuple[int, ...]:
     """Small shapes; sides include 0, 1 and sizes that do not divide evenly."""
     n = draw(st.integers(min_dims, max_dims))
     return tuple(draw(st.integers(0, max_side)) for _ in range(n))
@@ -96,7 +114,11 @@ def sharded_shapes(draw: st.DrawFn, **kwargs: object) -> tuple[tuple[int, ...], 
 
 @st.composite
 def tensors(
-    draw: st.DrawFn, shape: tuple[int, ...], *, dtypes: tuple[torch.dtype, ...] = DTYPES, finite: bool = False
+    draw: st.DrawFn,
+    shape: tuple[int, ...],
+    *,
+    dtypes: tuple[torch.dtype, ...] = DTYPES,
+    finite: bool = False,
 ) -> torch.Tensor:
     """A tensor of ``shape`` with arbitrary bits (NaN, inf and -0.0 included for floats).
 

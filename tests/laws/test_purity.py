@@ -17,7 +17,18 @@ IMPURE = {"cli.py", "__main__.py", "golden.py"}
 #: (module, function) pairs allowed to read a file: foreign inputs enter through these.
 FILE_READERS = {("model.py", "load_hf_config")}
 
-FORBIDDEN_IMPORTS = ("torch.distributed", "os", "pathlib", "subprocess", "socket", "tempfile", "shutil", "random", "time", "datetime")
+FORBIDDEN_IMPORTS = (
+    "torch.distributed",
+    "os",
+    "pathlib",
+    "subprocess",
+    "socket",
+    "tempfile",
+    "shutil",
+    "random",
+    "time",
+    "datetime",
+)
 FORBIDDEN_CALLS = {"open", "getenv", "environ", "input", "exec", "eval"}
 
 
@@ -54,13 +65,18 @@ def test_core_module_source_is_pure(path):
             names = []
         for n in names:
             allowed_reader = (path.name, owner.get(node)) in FILE_READERS
-            if any(n == f or n.startswith(f + ".") for f in FORBIDDEN_IMPORTS) and not allowed_reader:
+            if (
+                any(n == f or n.startswith(f + ".") for f in FORBIDDEN_IMPORTS)
+                and not allowed_reader
+            ):
                 problems.append(f"line {node.lineno}: imports {n}")
         if isinstance(node, (ast.Name, ast.Attribute)):
             name = node.id if isinstance(node, ast.Name) else node.attr
             if name in FORBIDDEN_CALLS and (path.name, owner.get(node)) not in FILE_READERS:
                 problems.append(f"line {node.lineno}: uses {name}")
-    assert not problems, f"{path.relative_to(ROOT)} is part of the pure core but " + "; ".join(problems)
+    assert not problems, f"{path.relative_to(ROOT)} is part of the pure core but " + "; ".join(
+        problems
+    )
 
 
 def test_importing_the_core_starts_nothing_and_reads_no_environment():

@@ -98,7 +98,10 @@ def test_unshard_partial_avg_is_close(data):
 def test_unshard_reduces_partial_sums(case):
     shape, s = case
     if not any(isinstance(p, Partial) and p.op == "sum" for p in s.placements):
-        s = Sharding(mesh=Mesh(names=(*s.mesh.names, "px"), sizes=(*s.mesh.sizes, 3)), placements=(*s.placements, Partial()))
+        s = Sharding(
+            mesh=Mesh(names=(*s.mesh.names, "px"), sizes=(*s.mesh.sizes, 3)),
+            placements=(*s.placements, Partial()),
+        )
     if any(isinstance(p, Partial) and p.op != "sum" for p in s.placements):
         return
     g = torch.Generator().manual_seed(0)
@@ -172,7 +175,9 @@ def test_partition_spec_geometry_is_jax_geometry(data):
         if d >= 0:
             entries[d].append(a)
     mult = [data.draw(st.integers(1, 3)) for _ in range(ndim)]
-    shape = tuple(m * math.prod(mesh.axis_size(a) for a in e) for m, e in zip(mult, entries, strict=True))
+    shape = tuple(
+        m * math.prod(mesh.axis_size(a) for a in e) for m, e in zip(mult, entries, strict=True)
+    )
     s = from_partition_spec(PartitionSpec(entries=tuple(tuple(e) for e in entries)), mesh)
     for r in range(mesh.size):
         c = dict(zip(mesh.names, mesh.coords(r), strict=True))

@@ -1,0 +1,290 @@
+"""Layouts: every rank's local tensors as pieces of canonical tensors.
+
+A layout is a tuple of :class:`LogicalTensor`. A logical tensor is the tensor a
+framework holds before sharding (possibly fused and padded: Megatron's
+``linear_qkv``, ``linear_fc1 = [gate; up]``, a vocab-padded embedding), described by
+a *fusion map* (which box of which canonical tensor sits at which logical box;
+uncovered logical regions are padding), and a :class:`~areal_fn.sharding.Sharding`
+of it over a mesh of the whole world, plus optional *presence* constraints (a
+pipeline stage's tensors exist only on ranks with that ``pp`` coordinate).
+
+``Layout.local_tensors(rank)`` composes the two: each local tensor is a list of
+:class:`Piece` (canonical name, canonical box, local box), padding pieces having no
+canonical source. Everything else (conversion, transfer plans, checkpoints, memory)
+is geometry on these pieces.
+"""
+
+import functools
+from collections.abc import Mapping, Sequence
+
+import attrs
+from beartype import beartype
+
+from .box import Box
+from .errors import LayoutError
+from .mesh import Mesh
+from .placement import Replicate
+from .sharding import Sharding, check_sharding, local_pieces, local_shape
+from .tensor_spec import TensorSpec, dtype_name
+
+
+@attrs.frozen(kw_only=True)
+class FusionPiece:
+    """Canonical box ``canonical_box`` of tensor ``canonical`` sits at ``logical_box``."""
+
+    canonical: str
+    canonical_box: Box
+    logical_box: Box
+
+    def __attrs_post_init__(self) -> None:
+        if self.canonical_box.shape != self.logical_box.shape:
+            raise LayoutError(
+                f"fusion piece of {self.canonical!r}: canonical box {self.canonical_box} has shape "
+                f"{self.canonical_box.shape} but logical box {self.logical_box} has shape "
+                f"{self.logical_box.shape}; they must match element for element"
+            )
+
+
+@attrs.frozen(kw_only=True)
+class Piece:
+    """Part of a local tensor: ``canonical_box`` of ``canonical`` at ``local_box``.
+
+    ``canonical is None`` marks padding (no canonical source; zero on load, dropped on
+    export).
+    """
+
+    canonical: str | None
+    canonical_box: Box | None
+    local_box: Box
+
+    @property
+    def is_padding(self) -> bool:
+        return self.canonical is None
+
+
+@attrs.frozen(kw_only=True)
+class LocalTensor:
+    """One tensor as a rank holds it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    pieces: tuple[Piece, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def _presence(value: object) -> tuple[tuple[str, int], ...]:
+    if isinstance(value, Mapping):
+        value = tuple(value.items())
+    return tuple((str(a), int(c)) for a, c in value)  # type: ignore[union-attr]
+
+
+@attrs.frozen(kw_only=True)
+class LogicalTensor:
+    """A framework tensor: name, shape, dtype, fusion map, sharding and presence."""
+
+    name: str
+    shape: tuple[int, ...] = attrs.field(converter=tuple)
+    dtype: str = attrs.field(converter=dtype_name)
+    fusion: tuple[FusionPiece, ...] = attrs.field(converter=tuple)
+    sharding: Sharding
+    present: tuple[tuple[str, int], ...] = attrs.field(default=(), converter=_presence)
+
+    def __attrs_post_init__(self) -> None:
+        full = Box.full(self.shape)
+        for f in self.fusion:
+            if not full.contains(f.logical_box):
+                raise LayoutError(
+                    f"{self.name}: fusion piece of {f.canonical!r} at {f.logical_box} lies outside the "
+                    f"logical shape {self.shape}"
+                )
+        try:
+            check_sharding(self.shape, self.sharding)
+        except Exception as e:
+            raise LayoutError(f"{self.name}: {e}") from None
+        mesh = self.sharding.mesh
+        for axis, c in self.present:
+            if axis not in mesh.names or not 0 <= c < mesh.axis_size(axis):
+                raise LayoutError(
+                    f"{self.name}: presence constraint {axis}={c} does not fit {mesh}; use an axis of the "
+                    "mesh and a coordinate inside it"
+                )
+            placement = self.sharding.placements[mesh.axis_index(axis)]
+            if not isinstance(placement, Replicate):
+                raise LayoutError(
+                    f"{self.name}: presence constraint {axis}={c} is on an axis placed {placement}; a tensor "
+                    f"present at one coordinate of {axis!r} must be Replicate() on it"
+                )
+
+    @property
+    def is_padded(self) -> bool:
+        return sum(f.logical_box.numel for f in self.fusion) < Box.full(self.shape).numel
+
+    def is_present(self, rank: int) -> bool:
+        if not self.present:
+            return True
+        mesh = self.sharding.mesh
+        coords = mesh.coords(rank)
+        return all(coords[mesh.axis_index(a)] == c for a, c in self.present)
+
+    def local(self, rank: int) -> LocalTensor | None:
+        """This tensor as ``rank`` holds it, or None where it is absent."""
+        if not self.is_present(rank):
+            return None
+        return _local(self, self.sharding.mesh.coords(rank))
+
+
+@functools.lru_cache(maxsize=65536)
+def _local_geometry(
+    shape: tuple[int, ...], sharding: Sharding, rank: int
+) -> tuple[tuple[int, ...], tuple[tuple[Box, Box], ...]]:
+    return local_shape(shape, sharding, rank), local_pieces(shape, sharding, rank)
+
+
+def _local(t: LogicalTensor, coords: tuple[int, ...]) -> LocalTensor:
+    rank = t.sharding.mesh.rank(coords)
+    lshape, geometry = _local_geometry(t.shape, t.sharding, rank)
+    pieces: list[Piece] = []
+    for gbox, lbox in geometry:
+        covered = 0
+        for f in t.fusion:
+            inter = gbox.intersect(f.logical_box)
+            if inter is None:
+                continue
+            covered += inter.numel
+            cbox = inter.shift(
+                tuple(
+                    c - lo for c, lo in zip(f.canonical_box.start, f.logical_box.start, strict=True)
+                )
+            )
+            local_box = inter.shift(
+                tuple(lo - g for lo, g in zip(lbox.start, gbox.start, strict=True))
+            )
+            pieces.append(Piece(canonical=f.canonical, canonical_box=cbox, local_box=local_box))
+        if covered < gbox.numel:
+            for pad in _subtract(gbox, [f.logical_box for f in t.fusion]):
+                local_box = pad.shift(
+                    tuple(lo - g for lo, g in zip(lbox.start, gbox.start, strict=True))
+                )
+                pieces.append(Piece(canonical=None, canonical_box=None, local_box=local_box))
+    return LocalTensor(name=t.name, shape=lshape, dtype=t.dtype, pieces=tuple(pieces))
+
+
+def _subtract(box: Box, holes: Sequence[Box]) -> list[Box]:
+    """``box`` minus the union of ``holes``, as disjoint boxes."""
+    parts = [box]
+    for h in holes:
+        nxt: list[Box] = []
+        for p in parts:
+            inter = p.intersect(h)
+            if inter is None:
+                nxt.append(p)
+                continue
+            # split p around inter, dim by dim
+            rest = p
+            for d in range(p.ndim):
+                (lo, hi), (ilo, ihi) = rest.ranges[d], inter.ranges[d]
+                if lo < ilo:
+                    nxt.append(_with_range(rest, d, (lo, ilo)))
+                if ihi < hi:
+                    nxt.append(_with_range(rest, d, (ihi, hi)))
+                rest = _with_range(rest, d, (ilo, ihi))
+        parts = nxt
+    return parts
+
+
+def _with_range(box: Box, d: int, r: tuple[int, int]) -> Box:
+    ranges = list(box.ranges)
+    ranges[d] = r
+    return Box(ranges=tuple(ranges))
+
+
+def _check_tensors(_inst: object, _attr: object, tensors: tuple[LogicalTensor, ...]) -> None:
+    names: set[str] = set()
+    for t in tensors:
+        if t.name in names and not t.present:
+            raise LayoutError(
+                f"layout has tensor {t.name!r} twice without presence constraints to tell them apart"
+            )
+        names.add(t.name)
+
+
+@attrs.frozen(kw_only=True)
+class Layout:
+    """Every rank's local tensors, as logical tensors over one world of ranks.
+
+    ``canonical`` lists the canonical tensors the layout draws from (the model), in
+    checkpoint order; ``kind`` names the framework (``fsdp2``, ``megatron``, ``sglang``...).
+    """
+
+    kind: str
+    world_size: int
+    canonical: tuple[TensorSpec, ...] = attrs.field(converter=tuple)
+    tensors: tuple[LogicalTensor, ...] = attrs.field(converter=tuple, validator=_check_tensors)
+
+    def __attrs_post_init__(self) -> None:
+        for t in self.tensors:
+            if t.sharding.mesh.size != self.world_size:
+                raise LayoutError(
+                    f"{t.name}: its mesh {t.sharding.mesh} has {t.sharding.mesh.size} ranks, the layout "
+                    f"{self.world_size}; every tensor's mesh must cover the whole world"
+                )
+        known = {c.name: c for c in self.canonical}
+        for t in self.tensors:
+            for f in t.fusion:
+                spec = known.get(f.canonical)
+                if spec is None:
+                    raise LayoutError(
+                        f"{t.name}: fusion piece names {f.canonical!r}, which is not a canonical tensor"
+                    )
+                if not Box.full(spec.shape).contains(f.canonical_box):
+                    raise LayoutError(
+                        f"{t.name}: fusion piece box {f.canonical_box} lies outside {f.canonical!r} of shape {spec.shape}"
+                    )
+
+    @property
+    def meshes(self) -> tuple[Mesh, ...]:
+        out: list[Mesh] = []
+        for t in self.tensors:
+            if t.sharding.mesh not in out:
+                out.append(t.sharding.mesh)
+        return tuple(out)
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.world_size:
+            raise LayoutError(
+                f"rank={rank} is outside this {self.kind} layout of {self.world_size} ranks"
+            )
+
+    @beartype
+    def local_tensors(self, rank: int) -> tuple[LocalTensor, ...]:
+        """The local tensors ``rank`` holds, in layout order."""
+        self._check_rank(rank)
+        out = []
+        for t in self.tensors:
+            loc = t.local(rank)
+            if loc is not None:
+                out.append(loc)
+        return tuple(out)
+
+    def tensor(self, name: str) -> LogicalTensor:
+        for t in self.tensors:
+            if t.name == name:
+                return t
+        raise LayoutError(f"layout has no tensor {name!r}")
+
+    def holders(self, canonical: str) -> tuple[tuple[int, str, Piece], ...]:
+        """Every (rank, local tensor name, piece) holding part of ``canonical``."""
+        out = []
+        for r in range(self.world_size):
+            for lt in self.local_tensors(r):
+                for p in lt.pieces:
+                    if p.canonical == canonical:
+                        out.append((r, lt.name, p))
+        return tuple(out)
