@@ -4,63 +4,106 @@ from hypothesis import strategies as st
 
 from ..box import Box
 from ..layout import FusionPiece, Layout, LogicalTensor
+from ..mesh import Mesh
 from ..placement import Replicate
 from ..tensor_spec import TensorSpec
 from .core import meshes, shardings
 
+#: A family: canonical tensors sharing ``cols`` and ``groups`` (like q, k, v of one layer).
+Family = tuple[tuple[TensorSpec, ...], int, int]
+
+
+@st.composite
+def canonical_families(draw: st.DrawFn, *, max_families: int = 3) -> tuple[Family, ...]:
+    out = []
+    for t in range(draw(st.integers(1, max_families))):
+        cols = draw(st.integers(1, 5))
+        groups = draw(st.sampled_from([1, 2, 4]))
+        k = draw(st.integers(1, 3))
+        specs = tuple(
+            TensorSpec(
+                name=f"t{t}.c{i}", shape=(draw(st.integers(1, 3)) * groups, cols), dtype="float32"
+            )
+            for i in range(k)
+        )
+        out.append((specs, groups, cols))
+    return tuple(out)
+
+
+def _fused(
+    name: str, specs: tuple[TensorSpec, ...], groups: int, cols: int, pad: int
+) -> tuple[tuple[int, int], tuple[FusionPiece, ...]]:
+    fusion = []
+    row = 0
+    for g in range(groups):
+        for s in specs:
+            r = s.shape[0] // groups
+            fusion.append(
+                FusionPiece(
+                    canonical=s.name,
+                    canonical_box=Box(ranges=((g * r, (g + 1) * r), (0, cols))),
+                    logical_box=Box(ranges=((row, row + r), (0, cols))),
+                )
+            )
+            row += r
+    return (row + pad, cols), tuple(fusion)
+
+
+@st.composite
+def layouts_for(
+    draw: st.DrawFn, families: tuple[Family, ...], *, mesh: Mesh | None = None, max_world: int = 16
+) -> Layout:
+    """A layout of the given canonical families: each family is fused (interleaved in
+    a divisor of its group count, like Megatron's per-group QKV) or kept as separate
+    tensors, optionally padded, sharded at random, optionally present on one
+    coordinate of a replicated axis (like a pipeline stage)."""
+    mesh = mesh if mesh is not None else draw(meshes(max_world=max_world, max_axes=3))
+    logical: list[LogicalTensor] = []
+    canonical: list[TensorSpec] = []
+    for fi, (specs, groups, cols) in enumerate(families):
+        canonical += specs
+        if len(specs) > 1 and draw(st.booleans()):
+            g = draw(st.sampled_from([d for d in (1, 2, 4) if groups % d == 0]))
+            parts = [(f"fused{fi}", specs, g)]
+        else:
+            parts = [(f"sep{fi}.{i}", (s,), 1) for i, s in enumerate(specs)]
+        for name, members, g in parts:
+            shape, fusion = _fused(name, members, g, cols, draw(st.integers(0, 2)))
+            sharding = draw(shardings(2, mesh=mesh, partial_ops=()))
+            replicated = [
+                n
+                for n, p in zip(mesh.names, sharding.placements, strict=True)
+                if isinstance(p, Replicate)
+            ]
+            present: tuple[tuple[str, int], ...] = ()
+            if replicated and draw(st.booleans()):
+                axis = draw(st.sampled_from(replicated))
+                present = ((axis, draw(st.integers(0, mesh.axis_size(axis) - 1))),)
+            logical.append(
+                LogicalTensor(
+                    name=name,
+                    shape=shape,
+                    dtype="float32",
+                    fusion=fusion,
+                    sharding=sharding,
+                    present=present,
+                )
+            )
+    return Layout(
+        kind="synthetic", world_size=mesh.size, canonical=tuple(canonical), tensors=tuple(logical)
+    )
+
 
 @st.composite
 def fused_layouts(draw: st.DrawFn, *, max_world: int = 16) -> Layout:
-    """A layout of 1-3 logical tensors, each interleaving 1-3 canonical tensors in
-    ``groups`` row blocks (like Megatron's per-group QKV), with optional padding rows
-    and an optional presence constraint (like a pipeline stage)."""
-    mesh = draw(meshes(max_world=max_world, max_axes=3))
-    canonical: list[TensorSpec] = []
-    logical: list[LogicalTensor] = []
-    for t in range(draw(st.integers(1, 3))):
-        cols = draw(st.integers(1, 5))
-        groups = draw(st.integers(1, 3))
-        k = draw(st.integers(1, 3))
-        rows_per_group = [draw(st.integers(1, 3)) for _ in range(k)]
-        names = [f"t{t}.c{i}" for i in range(k)]
-        canonical += [
-            TensorSpec(name=n, shape=(r * groups, cols), dtype="float32")
-            for n, r in zip(names, rows_per_group, strict=True)
-        ]
-        fusion = []
-        row = 0
-        for g in range(groups):
-            for n, r in zip(names, rows_per_group, strict=True):
-                fusion.append(
-                    FusionPiece(
-                        canonical=n,
-                        canonical_box=Box(ranges=((g * r, (g + 1) * r), (0, cols))),
-                        logical_box=Box(ranges=((row, row + r), (0, cols))),
-                    )
-                )
-                row += r
-        pad = draw(st.integers(0, 3))
-        shape = (row + pad, cols)
-        sharding = draw(shardings(2, mesh=mesh, partial_ops=()))
-        present = ()
-        replicated = [
-            n
-            for n, p in zip(mesh.names, sharding.placements, strict=True)
-            if isinstance(p, Replicate)
-        ]
-        if replicated and draw(st.booleans()):
-            axis = draw(st.sampled_from(replicated))
-            present = ((axis, draw(st.integers(0, mesh.axis_size(axis) - 1))),)
-        logical.append(
-            LogicalTensor(
-                name=f"fused{t}",
-                shape=shape,
-                dtype="float32",
-                fusion=tuple(fusion),
-                sharding=sharding,
-                present=present,
-            )
-        )
-    return Layout(
-        kind="synthetic", world_size=mesh.size, canonical=tuple(canonical), tensors=tuple(logical)
+    """A synthetic layout of 1-3 families of canonical tensors."""
+    return draw(layouts_for(draw(canonical_families()), max_world=max_world))
+
+
+@st.composite
+def layout_pairs(draw: st.DrawFn, *, max_world: int = 16) -> tuple[Layout, Layout]:
+    """Two independent layouts of the same canonical tensors (different meshes, fusions, shardings)."""
+    fams = draw(canonical_families())
+    return draw(layouts_for(fams, max_world=max_world)), draw(
+        layouts_for(fams, max_world=max_world)
     )
