@@ -37,17 +37,31 @@ class FusionPiece:
     logical_box: Box
 
     def __attrs_post_init__(self) -> None:
-        if self.canonical_box.shape != self.logical_box.shape:
+        extra = self.logical_box.ndim - self.canonical_box.ndim
+        if (
+            extra < 0
+            or self.logical_box.shape[extra:] != self.canonical_box.shape
+            or any(s != 1 for s in self.logical_box.shape[:extra])
+        ):
             raise LayoutError(
                 f"fusion piece of {self.canonical!r}: canonical box {self.canonical_box} has shape "
                 f"{self.canonical_box.shape} but logical box {self.logical_box} has shape "
-                f"{self.logical_box.shape}; they must match element for element"
+                f"{self.logical_box.shape}; they must match element for element (a logical box may "
+                "only add leading dims of extent 1, like a stacked expert)"
             )
+
+    @property
+    def stacked_dims(self) -> int:
+        """Leading logical dims (of extent 1) the canonical tensor does not have."""
+        return self.logical_box.ndim - self.canonical_box.ndim
 
 
 @attrs.frozen(kw_only=True)
 class Piece:
     """Part of a local tensor: ``canonical_box`` of ``canonical`` at ``local_box``.
+
+    ``local_box`` may have extra leading dims of extent 1 (stacked experts): the data
+    maps by reshape.
 
     ``canonical is None`` marks padding (no canonical source; zero on load, dropped on
     export).
@@ -60,6 +74,19 @@ class Piece:
     @property
     def is_padding(self) -> bool:
         return self.canonical is None
+
+    def local_of(self, box: Box) -> Box:
+        """The local box holding canonical sub-box ``box`` (which this piece must contain)."""
+        if self.canonical_box is None:
+            raise LayoutError("a padding piece holds no canonical data")
+        k = self.local_box.ndim - self.canonical_box.ndim
+        shifted = box.shift(
+            tuple(
+                lo - c
+                for lo, c in zip(self.local_box.start[k:], self.canonical_box.start, strict=True)
+            )
+        )
+        return Box(ranges=self.local_box.ranges[:k] + shifted.ranges)
 
 
 @attrs.frozen(kw_only=True)
@@ -158,9 +185,12 @@ def _local(t: LogicalTensor, coords: tuple[int, ...]) -> LocalTensor:
             if inter is None:
                 continue
             covered += inter.numel
-            cbox = inter.shift(
+            k = f.stacked_dims
+            inner = Box(ranges=inter.ranges[k:]) if k else inter
+            cbox = inner.shift(
                 tuple(
-                    c - lo for c, lo in zip(f.canonical_box.start, f.logical_box.start, strict=True)
+                    c - lo
+                    for c, lo in zip(f.canonical_box.start, f.logical_box.start[k:], strict=True)
                 )
             )
             local_box = inter.shift(

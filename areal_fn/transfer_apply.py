@@ -27,6 +27,7 @@ def apply_transfers(
             raise PlanError(
                 f"transfer {t} names a tensor or rank that is not present: {e}"
             ) from None
-        d[t.dst_box.slices()] = s[t.src_box.slices()].to(d.dtype)
+        region = d[t.dst_box.slices()]
+        region.copy_(s[t.src_box.slices()].reshape(region.shape))
         total += t.nbytes
     return total
