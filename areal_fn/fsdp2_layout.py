@@ -1,0 +1,133 @@
+"""FSDP2 (+ DTensor TP, + HSDP) layouts of a transformers model.
+
+Names are the transformers 5 parameter names (``model.named_parameters()``: MoE
+experts stacked as ``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` and ``down_proj``; tied
+``lm_head`` is the embedding and not listed twice). The mesh is the one torch builds,
+row-major: ``dp_replicate`` (HSDP replicas, only when > 1), ``dp_shard`` (FSDP shards
+over data x context parallel ranks), ``tp`` (only when > 1).
+
+TP plan by role (like AReaL's): q/k/v/gate/up and ``lm_head`` column-wise
+(``Shard(0)``), o/down row-wise (``Shard(1)``, their biases replicated), embeddings
+row-wise over the vocabulary (``Shard(0)``; ``tp_embeddings=False`` replicates them),
+norms, q/k norms, router and stacked experts replicated. FSDP2 then shards dim 0 of
+every parameter over ``dp_shard``; on a dim that TP already shards it produces
+``StridedShard(0, split_factor=tp)`` (right-to-left sharding), elsewhere ``Shard(0)``.
+"""
+
+import attrs
+from beartype import beartype
+
+from .allocation import ParallelDims
+from .errors import LayoutError
+from .families.hf_memory import hf_memory_view
+from .layout import FusionPiece, Layout, LogicalTensor
+from .mesh import Mesh
+from .model import ModelSpec
+from .placement import Placement, Replicate, Shard, StridedShard
+from .sharding import Sharding
+
+_COLWISE = (
+    "q_proj.weight",
+    "k_proj.weight",
+    "v_proj.weight",
+    "q_proj.bias",
+    "k_proj.bias",
+    "v_proj.bias",
+    "gate_proj.weight",
+    "up_proj.weight",
+    "gate_proj.bias",
+    "up_proj.bias",
+)
+_ROWWISE = ("o_proj.weight", "down_proj.weight")
+
+
+@attrs.frozen(kw_only=True)
+class Fsdp2Options:
+    """Choices that change an FSDP2 layout. ``hsdp_replicas`` must divide ``dp``."""
+
+    hsdp_replicas: int = 1
+    tp_embeddings: bool = True
+
+
+def fsdp2_mesh(dims: ParallelDims, options: Fsdp2Options) -> Mesh:
+    """The mesh of the parameters' DTensors."""
+    if dims.dp % options.hsdp_replicas:
+        raise LayoutError(
+            f"hsdp_replicas={options.hsdp_replicas} does not divide dp={dims.dp}; HSDP splits the data-parallel "
+            f"ranks into replicas x shards, use hsdp_replicas in {[d for d in range(1, dims.dp + 1) if dims.dp % d == 0]}"
+        )
+    axes: dict[str, int] = {}
+    if options.hsdp_replicas > 1:
+        axes["dp_replicate"] = options.hsdp_replicas
+    axes["dp_shard"] = dims.dp // options.hsdp_replicas * dims.cp
+    if dims.tp > 1:
+        axes["tp"] = dims.tp
+    return Mesh.of(**axes)
+
+
+def tp_placement(name: str, options: Fsdp2Options) -> Placement:
+    """The TP placement of a parameter by its role (its name's suffix)."""
+    if name.endswith(_COLWISE) and ".experts." not in name:
+        return Shard(dim=0)
+    if name.endswith(_ROWWISE) and ".experts." not in name:
+        return Shard(dim=1)
+    if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+        return Shard(dim=0) if options.tp_embeddings else Replicate()
+    return Replicate()
+
+
+def check_fsdp2(model: ModelSpec, dims: ParallelDims) -> None:
+    tp = dims.tp
+    for what, n in (
+        ("num_attention_heads", model.num_attention_heads),
+        ("num_key_value_heads", model.num_key_value_heads),
+        ("intermediate_size", model.intermediate_size),
+    ):
+        if n % tp:
+            raise LayoutError(
+                f"tp={tp} does not divide {what}={n} ({model.model_type}); column/row-wise TP shards whole heads "
+                f"and channels, use tp in {[d for d in range(1, n + 1) if n % d == 0]}"
+            )
+
+
+@beartype
+def fsdp2_layout(
+    model: ModelSpec, dims: ParallelDims, *, options: Fsdp2Options = Fsdp2Options()
+) -> Layout:
+    """Every rank's parameters under FSDP2 (+TP, +HSDP) for the ``fsdp`` component ``dims``."""
+    check_fsdp2(model, dims)
+    mesh = fsdp2_mesh(dims, options)
+    tensors = []
+    for mt in hf_memory_view(model):
+        if model.tie_word_embeddings and mt.name == "lm_head.weight":
+            continue  # the same Parameter as the embedding
+        tp = tp_placement(mt.name, options)
+        placements: list[Placement] = []
+        if "dp_replicate" in mesh.names:
+            placements.append(Replicate())
+        if isinstance(tp, Shard) and tp.dim == 0:
+            placements.append(
+                StridedShard(dim=0, split_factor=dims.tp) if dims.tp > 1 else Shard(dim=0)
+            )
+        else:
+            placements.append(Shard(dim=0))
+        if "tp" in mesh.names:
+            placements.append(tp)
+        fusion = tuple(
+            FusionPiece(
+                canonical=p.canonical, canonical_box=p.canonical_box, logical_box=p.memory_box
+            )
+            for p in mt.pieces
+        )
+        tensors.append(
+            LogicalTensor(
+                name=mt.name,
+                shape=mt.shape,
+                dtype=mt.dtype,
+                fusion=fusion,
+                sharding=Sharding(mesh=mesh, placements=tuple(placements)),
+            )
+        )
+    return Layout(
+        kind="fsdp2", world_size=mesh.size, canonical=model.tensors, tensors=tuple(tensors)
+    )

@@ -1,0 +1,93 @@
+"""Hypothesis strategies for HF model configs and :class:`~areal_fn.model.ModelSpec`.
+
+:func:`hf_configs` draws tiny ``config.json`` dicts that are valid by construction for
+:func:`~areal_fn.model.model_from_hf_config` *and* for transformers (heads are drawn as
+``num_key_value_heads * group``, ``head_dim`` is drawn even, MoE top-k is drawn inside
+``1..num_experts``); optional keys are sometimes omitted so family defaults get
+exercised. Everything shrinks towards one layer, one head, small sizes and omitted keys.
+"""
+
+from hypothesis import strategies as st
+
+from ..families import FAMILIES
+from ..families import family as _family
+from ..model import ModelSpec, model_from_hf_config
+
+#: Every family name, sorted.
+FAMILY_NAMES: tuple[str, ...] = tuple(sorted(FAMILIES))
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _maybe(draw: st.DrawFn, cfg: dict[str, object], key: str, strategy: st.SearchStrategy) -> None:
+    """Set ``cfg[key]`` from ``strategy`` or leave it out (shrinks towards leaving it out)."""
+    if draw(st.booleans()):
+        cfg[key] = draw(strategy)
+
+
+@st.composite
+def hf_configs(
+    draw: st.DrawFn,
+    family: str | None = None,
+    *,
+    max_layers: int = 4,
+    max_kv_heads: int = 3,
+    max_group: int = 3,
+    max_experts: int = 4,
+) -> dict[str, object]:
+    """A tiny, valid ``config.json`` dict of ``family`` (any family when None)."""
+    name = draw(st.sampled_from(FAMILY_NAMES)) if family is None else family
+    fam = _family(name)
+    kv = draw(st.integers(1, max_kv_heads))
+    heads = kv * draw(st.integers(1, max_group))
+    head_dim = 2 * draw(st.integers(1, 4))
+    layers = draw(st.integers(1, max_layers))
+    explicit_head_dim = fam.head_dim_required or draw(st.booleans())
+    if not explicit_head_dim:
+        hidden = heads * head_dim
+    elif fam.hidden_divisible_by_heads:
+        hidden = heads * draw(st.integers(1, 4))
+    else:
+        hidden = draw(st.integers(1, 16))
+    cfg: dict[str, object] = {
+        "model_type": name,
+        "hidden_size": hidden,
+        "intermediate_size": draw(st.integers(1, 16)),
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "vocab_size": draw(st.integers(1, 64)),
+    }
+    if "num_key_value_heads" in fam.required or kv != heads or draw(st.booleans()):
+        cfg["num_key_value_heads"] = kv
+    if explicit_head_dim:
+        cfg["head_dim"] = head_dim
+    _maybe(draw, cfg, "tie_word_embeddings", st.booleans())
+    _maybe(draw, cfg, "rms_norm_eps", st.sampled_from([1e-6, 1e-5]))
+    _maybe(draw, cfg, "rope_theta", st.sampled_from([10000.0, 500000.0, 1000000]))
+    _maybe(draw, cfg, "max_position_embeddings", st.integers(16, 4096))
+    _maybe(draw, cfg, "torch_dtype", st.sampled_from(_DTYPES))
+    for key, _fields in fam.bias_flags:
+        _maybe(draw, cfg, key, st.booleans())
+    if name == "llama" and draw(st.booleans()):
+        cfg["rope_scaling"] = {
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8,
+            "rope_type": "llama3",
+        }
+    if fam.moe:
+        experts = draw(st.integers(1, max_experts))
+        cfg["num_local_experts" if draw(st.booleans()) else "num_experts"] = experts
+        cfg["num_experts_per_tok"] = draw(st.integers(1, experts))
+        cfg["moe_intermediate_size"] = draw(st.integers(1, 16))
+        _maybe(draw, cfg, "decoder_sparse_step", st.integers(1, 3))
+        _maybe(draw, cfg, "mlp_only_layers", st.lists(st.integers(0, layers - 1), unique=True))
+        _maybe(draw, cfg, "norm_topk_prob", st.booleans())
+    return cfg
+
+
+@st.composite
+def model_specs(draw: st.DrawFn, family: str | None = None, **kwargs: int) -> ModelSpec:
+    """A :class:`ModelSpec` of a tiny config drawn by :func:`hf_configs`."""
+    return model_from_hf_config(draw(hf_configs(family, **kwargs)))

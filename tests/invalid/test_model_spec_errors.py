@@ -1,0 +1,400 @@
+"""Invalid inputs to model specs, HF conversion and vocab padding: one table of (call, error, regex)."""
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import attrs
+import pytest
+import torch
+
+from areal_fn.errors import ConversionError, SpecError
+from areal_fn.families.hf_memory import canonical_to_hf_state, hf_state_to_canonical
+from areal_fn.model import model_from_hf_config
+from areal_fn.vocab import padded_vocab_size
+
+BASE: dict[str, dict[str, object]] = {
+    "llama": {
+        "model_type": "llama",
+        "hidden_size": 16,
+        "intermediate_size": 24,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 32,
+    },
+    "qwen3_moe": {
+        "model_type": "qwen3_moe",
+        "hidden_size": 16,
+        "intermediate_size": 24,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "vocab_size": 32,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 8,
+    },
+}
+
+
+def cfg(base: str, **changes: object) -> Callable[[], object]:
+    """A call building a spec from ``BASE[base]`` with keys changed (``None`` deletes)."""
+
+    def call() -> object:
+        c = dict(BASE[base])
+        for k, v in changes.items():
+            if v is None:
+                c.pop(k, None)
+            else:
+                c[k] = v
+        return model_from_hf_config(c)
+
+    return call
+
+
+def spec(base: str = "llama", **kw: object):  # type: ignore[no-untyped-def]
+    return model_from_hf_config(dict(BASE[base], **kw))
+
+
+def evolve(**changes: object) -> Callable[[], object]:
+    return lambda: attrs.evolve(spec(), **changes)
+
+
+def _moe_state() -> dict[str, torch.Tensor]:
+    s = spec("qwen3_moe")
+    return {t.name: torch.zeros(t.shape) for t in s.tensors}
+
+
+def _drop(d: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in d.items() if k != name}
+
+
+def _tied_mismatch() -> object:
+    s = spec(tie_word_embeddings=True)
+    sd = canonical_to_hf_state({t.name: torch.zeros(t.shape) for t in s.tensors}, s)
+    sd["lm_head.weight"] = torch.ones_like(sd["lm_head.weight"])
+    return hf_state_to_canonical(sd, s)
+
+
+def _bad_json(tmp: Path) -> object:
+    p = tmp / "config.json"
+    p.write_text("{not json")
+    return model_from_hf_config(p)
+
+
+def _json_list(tmp: Path) -> object:
+    p = tmp / "config.json"
+    p.write_text(json.dumps([1, 2]))
+    return model_from_hf_config(tmp)
+
+
+def _bad_in_file(tmp: Path) -> object:
+    p = tmp / "Tiny.json"
+    p.write_text(json.dumps(dict(BASE["llama"], num_key_value_heads=3)))
+    return model_from_hf_config(p)
+
+
+CASES: list[tuple[str, Callable[..., object], type[Exception], str]] = [
+    # -- config.json problems ----------------------------------------------------------
+    (
+        "unsupported model_type",
+        cfg("llama", model_type="gpt2"),
+        SpecError,
+        r"model_type='gpt2' is not supported; supported model types are \['llama', 'qwen2', 'qwen3', 'qwen3_moe'\]",
+    ),
+    (
+        "no model_type",
+        cfg("llama", model_type=None),
+        SpecError,
+        r"config has model_type=None.*one of \['llama'",
+    ),
+    (
+        "missing hidden_size",
+        cfg("llama", hidden_size=None),
+        SpecError,
+        r"llama config is missing required field\(s\) \['hidden_size'\]",
+    ),
+    (
+        "missing moe fields",
+        cfg("qwen3_moe", num_experts=None, moe_intermediate_size=None),
+        SpecError,
+        r"qwen3_moe config is missing required field\(s\) \['num_experts', 'moe_intermediate_size'\]",
+    ),
+    (
+        "qwen3 needs head_dim",
+        cfg("qwen3_moe", model_type="qwen3", head_dim=None),
+        SpecError,
+        r"qwen3 config is missing required field\(s\) \['head_dim'\]",
+    ),
+    (
+        "qwen2 needs kv heads",
+        cfg("llama", model_type="qwen2", num_key_value_heads=None),
+        SpecError,
+        r"qwen2 config is missing required field\(s\) \['num_key_value_heads'\]",
+    ),
+    (
+        "heads not divisible by kv heads",
+        cfg("llama", num_key_value_heads=3),
+        SpecError,
+        r"num_key_value_heads=3 does not divide num_attention_heads=4",
+    ),
+    (
+        "hidden not divisible, no head_dim",
+        cfg("qwen3_moe", hidden_size=18, head_dim=None),
+        SpecError,
+        r"hidden_size=18 is not divisible by num_attention_heads=4 and the config has no head_dim; give head_dim",
+    ),
+    (
+        "llama hidden not divisible even with head_dim",
+        cfg("llama", hidden_size=18, head_dim=4),
+        SpecError,
+        r"hidden_size=18 is not divisible by num_attention_heads=4; llama requires it",
+    ),
+    ("odd head_dim", cfg("qwen3_moe", head_dim=5), SpecError, r"head_dim=5 is odd; rotary"),
+    (
+        "negative intermediate",
+        cfg("llama", intermediate_size=-1),
+        SpecError,
+        r"intermediate_size=-1 must be an int >= 1",
+    ),
+    (
+        "zero layers",
+        cfg("llama", num_hidden_layers=0),
+        SpecError,
+        r"num_hidden_layers=0 must be an int >= 1",
+    ),
+    (
+        "float size",
+        cfg("llama", vocab_size=32.0),
+        SpecError,
+        r"vocab_size=32.0 must be an int >= 1",
+    ),
+    (
+        "bool size",
+        cfg("llama", hidden_size=True),
+        SpecError,
+        r"hidden_size=True must be an int >= 1",
+    ),
+    (
+        "string flag",
+        cfg("llama", tie_word_embeddings="yes"),
+        SpecError,
+        r"tie_word_embeddings='yes' must be true or false",
+    ),
+    (
+        "bad eps",
+        cfg("llama", rms_norm_eps=0),
+        SpecError,
+        r"rms_norm_eps=0 must be a finite number > 0",
+    ),
+    (
+        "bad rope_theta",
+        cfg("llama", rope_theta=-1.0),
+        SpecError,
+        r"rope_theta=-1.0 must be a finite number > 0",
+    ),
+    (
+        "rope_theta disagrees",
+        cfg("llama", rope_theta=1.0, rope_parameters={"rope_theta": 2.0}),
+        SpecError,
+        r"rope_theta=1.0 and rope_parameters.rope_theta=2.0; they must agree",
+    ),
+    (
+        "rope_scaling not a mapping",
+        cfg("llama", rope_scaling=0),
+        SpecError,
+        r"rope_scaling=0 must be a mapping or null",
+    ),
+    (
+        "unknown dtype",
+        cfg("llama", torch_dtype="float8"),
+        SpecError,
+        r"torch_dtype: dtype='float8' is not a known dtype",
+    ),
+    (
+        "mlp_only_layers out of range",
+        cfg("qwen3_moe", mlp_only_layers=[1, 4]),
+        SpecError,
+        r"mlp_only_layers=\[1, 4\] contains 4, outside range\(0, 4\) \(num_hidden_layers=4\)",
+    ),
+    (
+        "mlp_only_layers not a list",
+        cfg("qwen3_moe", mlp_only_layers=3),
+        SpecError,
+        r"mlp_only_layers=3 must be a list",
+    ),
+    (
+        "decoder_sparse_step zero",
+        cfg("qwen3_moe", decoder_sparse_step=0),
+        SpecError,
+        r"decoder_sparse_step=0 must be an int >= 1",
+    ),
+    (
+        "top-k above experts",
+        cfg("qwen3_moe", num_experts_per_tok=5),
+        SpecError,
+        r"num_experts_per_tok=5 must be in 1..num_experts=4",
+    ),
+    (
+        "zero experts",
+        cfg("qwen3_moe", num_experts=0),
+        SpecError,
+        r"num_experts=0 must be an int >= 1",
+    ),
+    (
+        "expert alias conflict",
+        cfg("qwen3_moe", num_local_experts=8),
+        SpecError,
+        r"both num_experts=4 and num_local_experts=8; they name the same field",
+    ),
+    # -- files ---------------------------------------------------------------------------
+    (
+        "no such file",
+        lambda: model_from_hf_config("/nonexistent/dir"),
+        SpecError,
+        r"no config file at '/nonexistent/dir/?",
+    ),
+    ("invalid json", _bad_json, SpecError, r"is not valid JSON"),
+    ("json not an object", _json_list, SpecError, r"holds a JSON list, not an object"),
+    (
+        "error names the file",
+        _bad_in_file,
+        SpecError,
+        r"Tiny\.json: num_key_value_heads=3 does not divide",
+    ),
+    # -- ModelSpec records -----------------------------------------------------------------
+    (
+        "qwen2 cannot drop qkv bias",
+        lambda: attrs.evolve(spec(model_type="qwen2"), qkv_bias=False),
+        SpecError,
+        r"qwen2 has qkv_bias=True by construction, got qkv_bias=False",
+    ),
+    (
+        "llama biases go together",
+        evolve(qkv_bias=True),
+        SpecError,
+        r"llama sets qkv_bias and o_bias together from config key 'attention_bias'",
+    ),
+    (
+        "moe_layers length",
+        evolve(moe_layers=(False,)),
+        SpecError,
+        r"moe_layers has 1 entries but num_layers=2",
+    ),
+    (
+        "dense family with experts",
+        evolve(num_experts=2),
+        SpecError,
+        r"llama is a dense family but num_experts",
+    ),
+    (
+        "moe_layers not bools",
+        evolve(moe_layers=(0, 1)),
+        SpecError,
+        r"moe_layers has 0; every entry must be a bool",
+    ),
+    (
+        "negative field",
+        evolve(vocab_size=-3),
+        SpecError,
+        r"ModelSpec.vocab_size=-3 must be an int >= 1",
+    ),
+    (
+        "unknown tensor",
+        lambda: spec().tensor("model.layers.9.mlp.up_proj.weight"),
+        SpecError,
+        r"llama model has no tensor 'model.layers.9.mlp.up_proj.weight' among its 21 canonical tensors; similar names",
+    ),
+    (
+        "layer out of range",
+        lambda: spec().layer_tensors(2),
+        SpecError,
+        r"layer=2 is out of range; the model has num_layers=2",
+    ),
+    # -- conversion ------------------------------------------------------------------------
+    (
+        "canonical missing a tensor",
+        lambda: canonical_to_hf_state(_drop(_moe_state(), "model.norm.weight"), spec("qwen3_moe")),
+        ConversionError,
+        r"canonical tensors does not match the qwen3_moe spec: missing 1 tensor\(s\) \['model.norm.weight'\]",
+    ),
+    (
+        "canonical extra tensor",
+        lambda: canonical_to_hf_state(dict(_moe_state(), extra=torch.zeros(1)), spec("qwen3_moe")),
+        ConversionError,
+        r"1 unexpected tensor\(s\) \['extra'\]",
+    ),
+    (
+        "canonical wrong shape",
+        lambda: canonical_to_hf_state(
+            dict(_moe_state(), **{"model.norm.weight": torch.zeros(3)}), spec("qwen3_moe")
+        ),
+        ConversionError,
+        r"canonical tensor 'model.norm.weight' has shape \(3,\), the spec says \(16,\)",
+    ),
+    (
+        "fused parts disagree on dtype",
+        lambda: canonical_to_hf_state(
+            dict(
+                _moe_state(),
+                **{
+                    "model.layers.0.mlp.experts.0.up_proj.weight": torch.zeros(
+                        8, 16, dtype=torch.float16
+                    )
+                },
+            ),
+            spec("qwen3_moe"),
+        ),
+        ConversionError,
+        r"'model.layers.0.mlp.experts.gate_up_proj' fuses 8 canonical tensors with different dtypes",
+    ),
+    (
+        "state_dict with per-expert names",
+        lambda: hf_state_to_canonical(_moe_state(), spec("qwen3_moe")),
+        ConversionError,
+        r"state_dict does not match the qwen3_moe spec: missing 8 tensor\(s\) \['model.layers.0.mlp.experts.gate_up_proj'",
+    ),
+    (
+        "tied lm_head differs",
+        _tied_mismatch,
+        ConversionError,
+        r"'lm_head.weight' should alias 'model.embed_tokens.weight' \(tie_word_embeddings=True\)",
+    ),
+    # -- vocab padding -----------------------------------------------------------------------
+    (
+        "tp zero",
+        lambda: padded_vocab_size(100, tp=0),
+        SpecError,
+        r"padded_vocab_size: tp=0 must be an int >= 1",
+    ),
+    (
+        "vocab zero",
+        lambda: padded_vocab_size(0, tp=1),
+        SpecError,
+        r"vocab_size=0 must be an int >= 1",
+    ),
+    (
+        "divisible_by zero",
+        lambda: padded_vocab_size(10, tp=1, divisible_by=0),
+        SpecError,
+        r"divisible_by=0 must be",
+    ),
+]
+
+#: Calls that take the test's tmp_path.
+_NEEDS_TMP = (_bad_json, _json_list, _bad_in_file)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "regex"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
+def test_invalid(
+    call: Callable[..., object], error: type[Exception], regex: str, tmp_path: Path
+) -> None:
+    with pytest.raises(error, match=regex):
+        if call in _NEEDS_TMP:
+            call(tmp_path)
+        else:
+            call()

@@ -1,0 +1,185 @@
+"""Laws of ModelSpec, the HF memory view, and vocab padding; published parameter counts."""
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from areal_fn.box import Box
+from areal_fn.families.hf_memory import hf_memory_view
+from areal_fn.model import ModelSpec, load_hf_config, model_from_hf_config
+from areal_fn.tensor_spec import TensorSpec
+from areal_fn.testing.models import FAMILY_NAMES, hf_configs, model_specs
+from areal_fn.vocab import padded_vocab_size, vocab_padding
+
+SPECS = Path(__file__).resolve().parents[2] / "specs" / "models"
+
+#: Published totals (billions) and the exact counts of the released checkpoints.
+PUBLISHED = {
+    "Qwen2.5-0.5B": (0.49, 494_032_768),
+    "Qwen2.5-7B": (7.6, 7_615_616_512),
+    "Qwen2.5-72B": (72.7, 72_706_203_648),
+    "Qwen3-8B": (8.2, 8_190_735_360),
+    "Qwen3-30B-A3B": (30.5, 30_532_122_624),
+    "Qwen3-235B-A22B": (235.0, 235_093_634_560),
+    "Llama-3.2-1B": (1.24, 1_235_814_400),
+    "Llama-3.1-8B": (8.0, 8_030_261_248),
+    "Llama-3.1-70B": (70.6, 70_553_706_496),
+    "Llama-3.1-405B": (405.0, 405_853_388_800),
+}
+
+
+def test_every_published_config_is_present() -> None:
+    assert sorted(p.stem for p in SPECS.glob("*.json")) == sorted(PUBLISHED)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_published_parameter_counts(name: str) -> None:
+    spec = model_from_hf_config(SPECS / f"{name}.json")
+    billions, exact = PUBLISHED[name]
+    assert math.isclose(spec.num_params, billions * 1e9, rel_tol=0.01)
+    assert spec.num_params == exact
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_published_specs_repr_round_trip(name: str) -> None:
+    spec = model_from_hf_config(SPECS / f"{name}.json")
+    assert eval(repr(spec)) == spec
+    assert model_from_hf_config(spec.hf_config()) == spec
+
+
+def test_published_architecture_facts() -> None:
+    q05 = model_from_hf_config(SPECS / "Qwen2.5-0.5B.json")
+    assert q05.tie_word_embeddings and q05.qkv_bias and not q05.o_bias
+    assert q05.tensor("model.layers.0.self_attn.k_proj.bias").shape == (128,)
+    moe = model_from_hf_config(SPECS / "Qwen3-30B-A3B.json")
+    assert moe.moe_layers == (True,) * 48 and moe.num_experts == 128
+    assert moe.tensor("model.layers.47.mlp.experts.127.down_proj.weight").shape == (2048, 768)
+    assert moe.tensor("model.layers.0.mlp.gate.weight").shape == (128, 2048)
+    llama = model_from_hf_config(SPECS / "Llama-3.1-8B.json")
+    assert dict(llama.rope_scaling)["rope_type"] == "llama3" and llama.rope_theta == 500000.0
+    assert llama.tensors[-1].name == "lm_head.weight"
+    assert model_from_hf_config(SPECS / "Llama-3.2-1B.json").head_dim == 64
+
+
+def test_path_dir_and_dict_agree(tmp_path: Path) -> None:
+    src = SPECS / "Qwen3-8B.json"
+    (tmp_path / "config.json").write_text(src.read_text())
+    assert model_from_hf_config(tmp_path) == model_from_hf_config(src)
+    assert model_from_hf_config(str(src)) == model_from_hf_config(load_hf_config(src))
+
+
+def test_tensor_spec_repr_round_trip() -> None:
+    t = TensorSpec(name="model.norm.weight", shape=(8,), dtype="bfloat16")
+    assert eval(repr(t)) == t
+
+
+@given(spec=model_specs())
+def test_repr_round_trip(spec: ModelSpec) -> None:
+    assert eval(repr(spec)) == spec
+    assert hash(eval(repr(spec))) == hash(spec)
+
+
+@given(cfg=hf_configs())
+def test_deterministic_and_json_stable(cfg: dict[str, object]) -> None:
+    a = model_from_hf_config(cfg)
+    b = model_from_hf_config(json.loads(json.dumps(copy.deepcopy(cfg))))
+    assert a == b and a.tensors == b.tensors
+
+
+@given(spec=model_specs())
+def test_hf_config_round_trip(spec: ModelSpec) -> None:
+    assert model_from_hf_config(spec.hf_config()) == spec
+    assert model_from_hf_config(json.loads(json.dumps(spec.hf_config()))) == spec
+
+
+@given(spec=model_specs())
+def test_tensor_laws(spec: ModelSpec) -> None:
+    names = spec.tensor_names
+    assert len(set(names)) == len(names)
+    assert spec.num_params == sum(math.prod(t.shape) for t in spec.tensors)
+    assert all(t.dtype == spec.dtype for t in spec.tensors)
+    assert ("lm_head.weight" in names) == (not spec.tie_word_embeddings)
+    assert names[0] == "model.embed_tokens.weight"
+    tail = (
+        ("model.norm.weight",)
+        if spec.tie_word_embeddings
+        else ("model.norm.weight", "lm_head.weight")
+    )
+    assert names[-len(tail) :] == tail
+    layers = [t.name for i in range(spec.num_layers) for t in spec.layer_tensors(i)]
+    assert list(names) == [names[0], *layers, *tail]
+    for t in spec.tensors:
+        assert spec.tensor(t.name) is t
+    for i in range(spec.num_layers):
+        has_experts = any(".mlp.experts." in t.name for t in spec.layer_tensors(i))
+        assert spec.is_moe_layer(i) == has_experts
+
+
+@given(spec=model_specs())
+def test_moe_tensor_counts(spec: ModelSpec) -> None:
+    for i in range(spec.num_layers):
+        experts = [t for t in spec.layer_tensors(i) if ".mlp.experts." in t.name]
+        assert len(experts) == (3 * spec.num_experts if spec.is_moe_layer(i) else 0)
+
+
+@given(spec=model_specs())
+def test_memory_view_tiles_memory_and_covers_canonical_once(spec: ModelSpec) -> None:
+    view = hf_memory_view(spec)
+    assert len({m.name for m in view}) == len(view)
+    covered: dict[str, int] = {}
+    for m in view:
+        whole = Box.full(m.shape)
+        assert sum(p.memory_box.numel for p in m.pieces) == whole.numel
+        for a_i, a in enumerate(m.pieces):
+            assert whole.contains(a.memory_box)
+            assert a.canonical_box == Box.full(spec.tensor(a.canonical).shape)
+            for b in m.pieces[a_i + 1 :]:
+                assert a.memory_box.intersect(b.memory_box) is None
+            covered[a.canonical] = covered.get(a.canonical, 0) + 1
+    assert sorted(covered) == sorted(spec.tensor_names)
+    aliases = {"model.embed_tokens.weight": 2} if spec.tie_word_embeddings else {}
+    assert covered == {n: aliases.get(n, 1) for n in spec.tensor_names}
+    fused = [m for m in view if m.is_fused]
+    moe_layers = sum(spec.moe_layers)
+    assert len(fused) == 2 * moe_layers + spec.tie_word_embeddings
+
+
+def _megatron_reference(vocab: int, divisible_by: int, tp: int) -> int:
+    after, multiple = vocab, divisible_by * tp
+    while after % multiple:
+        after += 1
+    return after
+
+
+@settings(max_examples=200)
+@given(
+    vocab=st.integers(1, 300_000), tp=st.integers(1, 64), d=st.sampled_from([1, 8, 64, 128, 256])
+)
+def test_padded_vocab_matches_megatron(vocab: int, tp: int, d: int) -> None:
+    padded = padded_vocab_size(vocab, tp=tp, divisible_by=d)
+    assert padded == _megatron_reference(vocab, d, tp)
+    assert padded % (d * tp) == 0 and 0 <= padded - vocab < d * tp
+    assert padded_vocab_size(padded, tp=tp, divisible_by=d) == padded
+    assert vocab_padding(vocab, tp=tp, divisible_by=d) == padded - vocab
+
+
+def test_padded_vocab_examples() -> None:
+    assert padded_vocab_size(151936, tp=1) == 151936
+    assert padded_vocab_size(151936, tp=8) == 152576
+    assert padded_vocab_size(152064, tp=8) == 152576
+    assert padded_vocab_size(128256, tp=8) == 129024
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_strategy_covers_each_family(family: str) -> None:
+    @settings(max_examples=5)
+    @given(spec=model_specs(family))
+    def check(spec: ModelSpec) -> None:
+        assert spec.model_type == family
+
+    check()

@@ -1,0 +1,237 @@
+"""Oracle: ModelSpec against real transformers models and the files save_pretrained writes.
+
+Facts pinned here (transformers 5, safetensors):
+- ``save_pretrained`` writes Qwen3-MoE experts one tensor per expert
+  (``mlp.experts.{e}.{gate,up,down}_proj.weight``), although the model holds them fused.
+- A safetensors file lists its tensors sorted by name; our canonical order is the
+  state-dict order (see ``areal_fn.model``), compared against ``model.state_dict()``.
+- Tied models write no ``lm_head.weight``.
+"""
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from safetensors import safe_open
+
+from areal_fn.families.hf_memory import canonical_to_hf_state, hf_memory_view, hf_state_to_canonical
+from areal_fn.model import ModelSpec, model_from_hf_config
+from areal_fn.tensor_spec import torch_dtype
+from areal_fn.testing.models import hf_configs
+
+transformers = pytest.importorskip("transformers")
+
+SPECS = Path(__file__).resolve().parents[2] / "specs" / "models"
+
+_ST_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def _build(cfg: dict[str, object], *, meta: bool = False) -> Any:
+    rest = {k: v for k, v in cfg.items() if k != "model_type"}
+    config = transformers.AutoConfig.for_model(cfg["model_type"], **rest)
+    dtype = torch_dtype(model_from_hf_config(cfg).dtype)
+    if meta:
+        with torch.device("meta"):
+            return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def _read_checkpoint(
+    path: Path,
+) -> tuple[dict[str, tuple[tuple[int, ...], str]], dict[str, torch.Tensor]]:
+    """(name -> (shape, dtype name), name -> tensor) of every safetensors file in ``path``."""
+    files = sorted(path.glob("*.safetensors"))
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        assert sorted({path / f for f in weight_map.values()}) == files
+    meta: dict[str, tuple[tuple[int, ...], str]] = {}
+    data: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), "pt") as st:
+            keys = list(st.keys())
+            assert keys == sorted(keys), "safetensors lists tensors sorted by name"
+            for k in keys:
+                sl = st.get_slice(k)
+                meta[k] = (tuple(sl.get_shape()), _ST_DTYPES[sl.get_dtype()])
+                data[k] = st.get_tensor(k)
+    if index.exists():
+        assert set(weight_map) == set(meta)
+    return meta, data
+
+
+def _expanded_state_dict_order(model: Any, spec: ModelSpec) -> list[str]:
+    """model.state_dict() names; a layer's fused expert tensors are replaced, at the first
+    one, by their pieces expert-major (expert 0 of every fused tensor, then expert 1, ...);
+    a tied ``lm_head.weight`` alias adds nothing."""
+    view = {m.name: m for m in hf_memory_view(spec)}
+    names = list(model.state_dict())
+    out: list[str] = []
+    for name in names:
+        if ".mlp.experts." in name:
+            layer = name.split(".mlp.experts.")[0]
+            group = [n for n in names if n.startswith(layer + ".mlp.experts.")]
+            if name != group[0]:
+                continue
+            for e in range(spec.num_experts):
+                for g in group:
+                    out += [
+                        p.canonical for p in view[g].pieces if p.memory_box.ranges[0] == (e, e + 1)
+                    ]
+            continue
+        out += [p.canonical for p in view[name].pieces if p.canonical not in out]
+    return out
+
+
+def _check_model(cfg: dict[str, object], tmp_path: Path, *, shard: str | None = None) -> None:
+    spec = model_from_hf_config(cfg)
+    model = _build(cfg)
+    sd = model.state_dict()
+    # in-memory view == real state dict, in order
+    assert [(m.name, m.shape) for m in hf_memory_view(spec)] == [
+        (k, tuple(v.shape)) for k, v in sd.items()
+    ]
+    assert spec.num_params == sum(p.numel() for p in model.parameters())
+    assert list(spec.tensor_names) == _expanded_state_dict_order(model, spec)
+    # what save_pretrained writes == canonical tensors
+    kwargs = {"max_shard_size": shard} if shard else {}
+    model.save_pretrained(tmp_path, **kwargs)
+    meta, disk = _read_checkpoint(tmp_path)
+    assert meta == {t.name: (t.shape, t.dtype) for t in spec.tensors}
+    if spec.tie_word_embeddings:
+        assert "lm_head.weight" not in meta
+    # exact conversion both ways, against the file transformers wrote
+    canonical = hf_state_to_canonical(sd, spec)
+    assert list(canonical) == list(spec.tensor_names)
+    assert all(torch.equal(canonical[k], disk[k]) for k in disk)
+    back = canonical_to_hf_state(disk, spec)
+    assert list(back) == list(sd)
+    assert all(torch.equal(back[k], sd[k]) for k in sd)
+    fresh = _build(cfg)
+    fresh.load_state_dict(back, strict=True)
+    assert all(torch.equal(v, sd[k]) for k, v in fresh.state_dict().items())
+
+
+def _cfg(model_type: str, **kw: object) -> dict[str, object]:
+    base: dict[str, object] = {
+        "model_type": model_type,
+        "hidden_size": 16,
+        "intermediate_size": 24,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 40,
+        "torch_dtype": "float32",
+    }
+    base.update(kw)
+    return base
+
+
+_LLAMA3_ROPE = {
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "rope_type": "llama3",
+}
+
+CASES = {
+    "qwen2": _cfg("qwen2"),
+    "qwen2-tied": _cfg("qwen2", tie_word_embeddings=True),
+    "qwen3": _cfg("qwen3", head_dim=6),
+    "qwen3-bias-tied": _cfg("qwen3", head_dim=8, attention_bias=True, tie_word_embeddings=True),
+    "llama-untied": _cfg(
+        "llama", rope_scaling=_LLAMA3_ROPE, rope_theta=500000.0, max_position_embeddings=512
+    ),
+    "llama-tied": _cfg(
+        "llama",
+        tie_word_embeddings=True,
+        head_dim=2,
+        rope_scaling=_LLAMA3_ROPE,
+        max_position_embeddings=512,
+    ),
+    "llama-biases": _cfg("llama", attention_bias=True, mlp_bias=True, torch_dtype="bfloat16"),
+    "qwen3_moe-sparse2-mlp-only": _cfg(
+        "qwen3_moe",
+        num_hidden_layers=6,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=8,
+        decoder_sparse_step=2,
+        mlp_only_layers=[3],
+        norm_topk_prob=True,
+    ),
+    "qwen3_moe-tied-local-experts": _cfg(
+        "qwen3_moe",
+        num_hidden_layers=2,
+        num_local_experts=3,
+        num_experts_per_tok=3,
+        moe_intermediate_size=4,
+        tie_word_embeddings=True,
+        torch_dtype="bfloat16",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_spec_matches_transformers_and_save_pretrained(name: str, tmp_path: Path) -> None:
+    _check_model(CASES[name], tmp_path)
+
+
+def test_sharded_checkpoint_moe(tmp_path: Path) -> None:
+    """Several shards plus an index: the union of files is still the canonical set."""
+    _check_model(CASES["qwen3_moe-sparse2-mlp-only"], tmp_path, shard="4KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+
+
+def test_moe_layer_pattern_matches_transformers() -> None:
+    cfg = CASES["qwen3_moe-sparse2-mlp-only"]
+    spec = model_from_hf_config(cfg)
+    model = _build(cfg, meta=True)
+    real = tuple(
+        type(layer.mlp).__name__.endswith("SparseMoeBlock") for layer in model.model.layers
+    )
+    assert spec.moe_layers == real == (False, True, False, False, False, True)
+
+
+@settings(max_examples=25)
+@given(cfg=hf_configs())
+def test_random_configs_match_transformers(cfg: dict[str, object]) -> None:
+    spec = model_from_hf_config(cfg)
+    model = _build(cfg, meta=True)
+    assert [(m.name, m.shape) for m in hf_memory_view(spec)] == [
+        (k, tuple(v.shape)) for k, v in model.state_dict().items()
+    ]
+    assert spec.num_params == sum(p.numel() for p in model.parameters())
+    # our own hf_config() builds the same model
+    again = _build(spec.hf_config(), meta=True)
+    assert [(k, v.shape) for k, v in again.state_dict().items()] == [
+        (k, v.shape) for k, v in model.state_dict().items()
+    ]
+
+
+@settings(max_examples=10)
+@given(cfg=hf_configs("qwen3_moe", max_layers=3))
+def test_random_moe_round_trip_is_bitwise(cfg: dict[str, object]) -> None:
+    spec = model_from_hf_config(cfg)
+    sd = _build(cfg).state_dict()
+    back = canonical_to_hf_state(hf_state_to_canonical(sd, spec), spec)
+    assert list(back) == list(sd)
+    assert all(torch.equal(back[k], sd[k]) for k in sd)
+
+
+@pytest.mark.parametrize("path", sorted(SPECS.glob("*.json")), ids=lambda p: p.stem)
+def test_published_configs_match_transformers_on_meta(path: Path) -> None:
+    """Full-size published configs: names, shapes and parameter counts of the real model."""
+    cfg = json.loads(path.read_text())
+    spec = model_from_hf_config(path)
+    model = _build(cfg, meta=True)
+    assert [(m.name, m.shape) for m in hf_memory_view(spec)] == [
+        (k, tuple(v.shape)) for k, v in model.state_dict().items()
+    ]
+    assert spec.num_params == sum(p.numel() for p in model.parameters())
