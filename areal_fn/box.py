@@ -1,5 +1,6 @@
 """`Box`: a product of half-open index ranges, the unit of all piece geometry."""
 
+import functools
 from collections.abc import Sequence
 
 import attrs
@@ -8,6 +9,15 @@ from .errors import SpecError
 
 
 def _ranges(value: object) -> tuple[tuple[int, int], ...]:
+    if type(value) is tuple and all(
+        type(r) is tuple
+        and len(r) == 2
+        and type(r[0]) is int
+        and type(r[1]) is int
+        and 0 <= r[0] <= r[1]
+        for r in value
+    ):
+        return value  # fast path: already a tuple of valid (start, stop) int pairs
     if not isinstance(value, Sequence) or isinstance(value, str):
         raise SpecError(f"Box.ranges={value!r} must be a sequence of (start, stop) pairs")
     out = []
@@ -33,7 +43,11 @@ class Box:
     @classmethod
     def full(cls, shape: Sequence[int]) -> "Box":
         """The box covering a whole tensor of ``shape``."""
-        return cls(ranges=tuple((0, int(d)) for d in shape))
+        return (
+            _full_box(tuple(int(d) for d in shape))
+            if cls is Box
+            else cls(ranges=tuple((0, int(d)) for d in shape))
+        )
 
     @property
     def ndim(self) -> int:
@@ -102,3 +116,8 @@ class Box:
 
     def __str__(self) -> str:
         return "[" + ", ".join(f"{lo}:{hi}" for lo, hi in self.ranges) + "]"
+
+
+@functools.lru_cache(maxsize=8192)
+def _full_box(shape: tuple[int, ...]) -> Box:
+    return Box(ranges=tuple((0, d) for d in shape))

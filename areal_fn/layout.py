@@ -28,6 +28,21 @@ from .sharding import Sharding, check_sharding, local_pieces, local_shape
 from .tensor_spec import TensorSpec, dtype_name
 
 
+@functools.lru_cache(maxsize=4096)
+def _boxes_match(canonical: Box, logical: Box) -> bool:
+    extra = logical.ndim - canonical.ndim
+    return (
+        extra >= 0
+        and logical.shape[extra:] == canonical.shape
+        and all(s == 1 for s in logical.shape[:extra])
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _fits(shape: tuple[int, ...], box: Box) -> bool:
+    return Box.full(shape).contains(box)
+
+
 @attrs.frozen(kw_only=True)
 class FusionPiece:
     """Canonical box ``canonical_box`` of tensor ``canonical`` sits at ``logical_box``."""
@@ -37,12 +52,7 @@ class FusionPiece:
     logical_box: Box
 
     def __attrs_post_init__(self) -> None:
-        extra = self.logical_box.ndim - self.canonical_box.ndim
-        if (
-            extra < 0
-            or self.logical_box.shape[extra:] != self.canonical_box.shape
-            or any(s != 1 for s in self.logical_box.shape[:extra])
-        ):
+        if not _boxes_match(self.canonical_box, self.logical_box):
             raise LayoutError(
                 f"fusion piece of {self.canonical!r}: canonical box {self.canonical_box} has shape "
                 f"{self.canonical_box.shape} but logical box {self.logical_box} has shape "
@@ -124,9 +134,8 @@ class LogicalTensor:
     present: tuple[tuple[str, int], ...] = attrs.field(default=(), converter=_presence)
 
     def __attrs_post_init__(self) -> None:
-        full = Box.full(self.shape)
         for f in self.fusion:
-            if not full.contains(f.logical_box):
+            if not _fits(self.shape, f.logical_box):
                 raise LayoutError(
                     f"{self.name}: fusion piece of {f.canonical!r} at {f.logical_box} lies outside the "
                     f"logical shape {self.shape}"
@@ -245,7 +254,7 @@ def _check_tensors(_inst: object, _attr: object, tensors: tuple[LogicalTensor, .
         names.add(t.name)
 
 
-@attrs.frozen(kw_only=True)
+@attrs.frozen(kw_only=True, slots=False)
 class Layout:
     """Every rank's local tensors, as logical tensors over one world of ranks.
 
@@ -273,7 +282,7 @@ class Layout:
                     raise LayoutError(
                         f"{t.name}: fusion piece names {f.canonical!r}, which is not a canonical tensor"
                     )
-                if not Box.full(spec.shape).contains(f.canonical_box):
+                if not _fits(spec.shape, f.canonical_box):
                     raise LayoutError(
                         f"{t.name}: fusion piece box {f.canonical_box} lies outside {f.canonical!r} of shape {spec.shape}"
                     )
@@ -296,17 +305,38 @@ class Layout:
     def local_tensors(self, rank: int) -> tuple[LocalTensor, ...]:
         """The local tensors ``rank`` holds, in layout order."""
         self._check_rank(rank)
-        out = []
+        found: list[int] = []
+        for (mesh, present), indices in self._by_presence.items():
+            if not present:
+                found.extend(indices)
+                continue
+            coords = mesh.coords(rank)
+            if all(coords[mesh.axis_index(a)] == c for a, c in present):
+                found.extend(indices)
+        found.sort()
+        return tuple(
+            _local(self.tensors[i], self.tensors[i].sharding.mesh.coords(rank)) for i in found
+        )
+
+    @functools.cached_property
+    def _by_presence(self) -> dict[tuple[Mesh, tuple[tuple[str, int], ...]], list[int]]:
+        index: dict[tuple[Mesh, tuple[tuple[str, int], ...]], list[int]] = {}
+        for i, t in enumerate(self.tensors):
+            index.setdefault((t.sharding.mesh, t.present), []).append(i)
+        return index
+
+    @functools.cached_property
+    def _by_name(self) -> dict[str, LogicalTensor]:
+        out: dict[str, LogicalTensor] = {}
         for t in self.tensors:
-            loc = t.local(rank)
-            if loc is not None:
-                out.append(loc)
-        return tuple(out)
+            out.setdefault(t.name, t)
+        return out
 
     def tensor(self, name: str) -> LogicalTensor:
-        for t in self.tensors:
-            if t.name == name:
-                return t
+        """The first logical tensor called ``name``."""
+        t = self._by_name.get(name)
+        if t is not None:
+            return t
         raise LayoutError(f"layout has no tensor {name!r}")
 
     def holders(self, canonical: str) -> tuple[tuple[int, str, Piece], ...]:

@@ -185,10 +185,14 @@ def megatron_layout(
     vpad = padded_vocab_size(model.vocab_size, tp=dims.tp, divisible_by=vocab_divisible_by)
     tensors: list[LogicalTensor] = []
 
+    shardings: dict[Placement, Sharding] = {}
+
     def dense_sharding(tp_placement: Placement) -> Sharding:
-        return Sharding(
-            mesh=dense, placements=(Replicate(), Replicate(), Replicate(), tp_placement)
-        )
+        if tp_placement not in shardings:
+            shardings[tp_placement] = Sharding(
+                mesh=dense, placements=(Replicate(), Replicate(), Replicate(), tp_placement)
+            )
+        return shardings[tp_placement]
 
     def add(
         name: str,
@@ -364,6 +368,13 @@ def _layer(
                 stage,
             )
         return
+    fc1_sharding = Sharding(
+        mesh=expert,
+        placements=(Replicate(), Replicate(), Replicate(), StridedShard(dim=0, split_factor=2)),
+    )
+    fc2_sharding = Sharding(
+        mesh=expert, placements=(Replicate(), Replicate(), Replicate(), Shard(dim=1))
+    )
     e_count = model.num_experts
     add(
         mp + "mlp.router.weight",
@@ -397,15 +408,7 @@ def _layer(
                 shape=shape,
                 dtype=model.dtype,
                 fusion=fusion,
-                sharding=Sharding(
-                    mesh=expert,
-                    placements=(
-                        Replicate(),
-                        Replicate(),
-                        Replicate(),
-                        StridedShard(dim=0, split_factor=2),
-                    ),
-                ),
+                sharding=fc1_sharding,
                 present=present,
             )
         )
@@ -415,9 +418,7 @@ def _layer(
                 shape=(hid, inter),
                 dtype=model.dtype,
                 fusion=_full(ehp + "down_proj.weight", (hid, inter)),
-                sharding=Sharding(
-                    mesh=expert, placements=(Replicate(), Replicate(), Replicate(), Shard(dim=1))
-                ),
+                sharding=fc2_sharding,
                 present=present,
             )
         )
