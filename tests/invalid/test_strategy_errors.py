@@ -1,0 +1,105 @@
+"""check_strategy refuses what cannot run, naming the model, the numbers and the remedy."""
+
+import pathlib
+
+import pytest
+
+from areal_fn.allocation_parse import parse_allocation
+from areal_fn.errors import LayoutError
+from areal_fn.model import model_from_hf_config
+from areal_fn.strategy_check import check_strategy
+
+SPECS = pathlib.Path(__file__).resolve().parents[2] / "specs" / "models"
+
+
+def model(name: str):
+    return model_from_hf_config(SPECS / f"{name}.json")
+
+
+CASES = [
+    (
+        "Qwen2.5-7B",
+        "megatron:d1t8",
+        None,
+        r"megatron \(megatron:d1t8\) cannot hold this qwen2 model: tp=8 does not divide num_attention_heads=28 \(qwen2\); use tp in \[1, 2, 4, 7, 14, 28\]",
+    ),
+    (
+        "Qwen2.5-7B",
+        "megatron:d1t7",
+        None,
+        r"tp=7 does not divide num_key_value_heads=4 \(qwen2\); Megatron shards whole query groups, use tp in \[1, 2, 4\]",
+    ),
+    ("Qwen2.5-7B", "fsdp:d1t7", None, r"tp=7 does not divide num_key_value_heads=4"),
+    (
+        "Qwen2.5-7B",
+        "sglang:d1t14",
+        None,
+        r"tp=14 exceeds num_key_value_heads=4 but is not a multiple of it; the engines replicate each KV head on tp/kv ranks",
+    ),
+    (
+        "Qwen3-30B-A3B",
+        "megatron:d3e3",
+        None,
+        r"ep=3 does not divide num_experts=128; use ep in \[1, 2, 4, 8, 16, 32, 64, 128\]",
+    ),
+    (
+        "Qwen2.5-0.5B",
+        "megatron:d1p25",
+        None,
+        r"pp=25 x vpp=1 = 25 pipeline chunks exceed num_layers=24",
+    ),
+    (
+        "Qwen2.5-0.5B",
+        "megatron:d1p12v3",
+        None,
+        r"pp=12 x vpp=3 = 36 pipeline chunks exceed num_layers=24",
+    ),
+    (
+        "Qwen2.5-7B",
+        "megatron:d2e2",
+        None,
+        r"ep=2, etp=1 given for dense model qwen2 without experts; use ep=1, etp=1",
+    ),
+    (
+        "Qwen2.5-7B",
+        "fsdp:d4",
+        8,
+        r"allocation fsdp:d4 needs 4 ranks but 8 devices were given; change the degrees so their product is 8",
+    ),
+    ("Qwen2.5-7B", "sglang:d4t2+fsdp:d8", 8, r"needs 16 ranks but 8 devices were given"),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "alloc", "devices", "message"), CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES]
+)
+def test_check_strategy_refuses(name, alloc, devices, message):
+    with pytest.raises(LayoutError, match=message):
+        check_strategy(model(name), parse_allocation(alloc), n_devices=devices)
+
+
+@pytest.mark.parametrize(
+    ("name", "alloc"),
+    [
+        (
+            "Qwen2.5-7B",
+            "sglang:d1t8",
+        ),  # 28 heads: t8 does not divide -> refused above for megatron; sglang too
+    ],
+)
+def test_inference_tp_must_divide_query_heads(name, alloc):
+    with pytest.raises(LayoutError, match=r"tp=8 does not divide num_attention_heads=28"):
+        check_strategy(model(name), parse_allocation(alloc))
+
+
+@pytest.mark.parametrize(
+    ("name", "alloc"),
+    [
+        ("Qwen2.5-7B", "sglang:d2t4+megatron:d2p2t2"),
+        ("Qwen3-8B", "sglang:d1t16+fsdp:d16"),  # 8 KV heads replicated twice
+        ("Qwen3-235B-A22B", "sglang:d8t8+megatron:(attn:d4p8t2|ffn:e8)"),
+        ("Llama-3.1-405B", "vllm:d2t16+megatron:d8p8t8"),
+    ],
+)
+def test_check_strategy_accepts_real_jobs(name, alloc):
+    check_strategy(model(name), parse_allocation(alloc))
