@@ -1,5 +1,10 @@
 """areal_fn: the distributed-training core of LLM RL systems as pure functions."""
 
+from .allocation import Allocation as Allocation
+from .allocation import Backend as Backend
+from .allocation import Component as Component
+from .allocation import ParallelDims as ParallelDims
+from .allocation_parse import parse_allocation as parse_allocation
 from .box import Box as Box
 from .errors import CheckpointError as CheckpointError
 from .errors import ConversionError as ConversionError
@@ -7,7 +12,22 @@ from .errors import LayoutError as LayoutError
 from .errors import ParseError as ParseError
 from .errors import PlanError as PlanError
 from .errors import SpecError as SpecError
+from .families.hf_memory import canonical_to_hf_state as canonical_to_hf_state
+from .families.hf_memory import hf_memory_view as hf_memory_view
+from .families.hf_memory import hf_state_to_canonical as hf_state_to_canonical
+from .fsdp2_layout import Fsdp2Options as Fsdp2Options
+from .fsdp2_layout import fsdp2_layout as fsdp2_layout
+from .inference_layout import inference_layout as inference_layout
+from .layout import FusionPiece as FusionPiece
+from .layout import Layout as Layout
+from .layout import LocalTensor as LocalTensor
+from .layout import LogicalTensor as LogicalTensor
+from .layout import Piece as Piece
+from .megatron_layout import megatron_layout as megatron_layout
 from .mesh import Mesh as Mesh
+from .model import ModelSpec as ModelSpec
+from .model import load_hf_config as load_hf_config
+from .model import model_from_hf_config as model_from_hf_config
 from .partition_spec import PartitionSpec as PartitionSpec
 from .partition_spec import from_partition_spec as from_partition_spec
 from .partition_spec import to_partition_spec as to_partition_spec
@@ -22,6 +42,14 @@ from .sharding import check_sharding as check_sharding
 from .sharding import local_boxes as local_boxes
 from .sharding import local_pieces as local_pieces
 from .sharding import local_shape as local_shape
+from .strategy_check import check_strategy as check_strategy
 from .tensor_spec import TensorSpec as TensorSpec
+from .transfer import Bucket as Bucket
+from .transfer import BucketPlan as BucketPlan
+from .transfer import Transfer as Transfer
+from .transfer import TransferPlan as TransferPlan
+from .transfer import bucket as bucket
+from .transfer import plan_transfers as plan_transfers
+from .vocab import padded_vocab_size as padded_vocab_size
 
 __version__ = "0.1.0"
