@@ -1,5 +1,7 @@
 """Hypothesis strategies for fused, padded logical tensors and synthetic layouts."""
 
+from typing import TYPE_CHECKING
+
 from hypothesis import strategies as st
 
 from ..box import Box
@@ -7,6 +9,12 @@ from ..layout import FusionPiece, Layout, LogicalTensor
 from ..mesh import Mesh
 from ..placement import Replicate
 from ..tensor_spec import TensorSpec
+
+if TYPE_CHECKING:
+    from ..allocation import ParallelDims
+    from ..model import ModelSpec
+import itertools
+
 from .core import meshes, shardings
 
 #: A family: canonical tensors sharing ``cols`` and ``groups`` (like q, k, v of one layer).
@@ -106,4 +114,74 @@ def layout_pairs(draw: st.DrawFn, *, max_world: int = 16) -> tuple[Layout, Layou
     fams = draw(canonical_families())
     return draw(layouts_for(fams, max_world=max_world)), draw(
         layouts_for(fams, max_world=max_world)
+    )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@st.composite
+def megatron_dims_for(
+    draw: st.DrawFn, model: "ModelSpec", *, max_world: int = 16
+) -> "ParallelDims":
+    """Megatron degrees valid for ``model`` (TP divides heads/KV/channels, EP the
+    experts, PP x VPP at most the layers)."""
+    import math
+
+    from ..allocation import ParallelDims
+
+    dense = [model.intermediate_size] if any(not m for m in model.moe_layers) else []
+    g = math.gcd(model.num_attention_heads, model.num_key_value_heads, *dense)
+    tp = draw(st.sampled_from([d for d in _divisors(g) if d <= max_world]))
+    pp = draw(st.integers(1, min(model.num_layers, max(1, max_world // tp), 4)))
+    vpp = draw(st.integers(1, max(1, model.num_layers // pp))) if pp > 1 else 1
+    vpp = min(vpp, 3)
+    dp = draw(st.integers(1, max(1, max_world // (tp * pp))))
+    ep = etp = 1
+    if model.is_moe:
+        stage = dp * tp
+        ep = draw(st.sampled_from([d for d in _divisors(model.num_experts) if stage % d == 0]))
+        etp = draw(
+            st.sampled_from(
+                [d for d in _divisors(model.moe_intermediate_size) if stage % (ep * d) == 0]
+            )
+        )
+    return ParallelDims(dp=dp, tp=tp, pp=pp, ep=ep, etp=etp, vpp=vpp)
+
+
+@st.composite
+def megatron_layouts_for(draw: st.DrawFn, model: "ModelSpec", *, max_world: int = 16) -> Layout:
+    """A Megatron layout of ``model`` with random degrees, naming and an uneven stage split."""
+    from ..megatron_layout import megatron_layout
+    from ..pipeline import StagePlan
+
+    dims = draw(megatron_dims_for(model, max_world=max_world))
+    k = dims.pp * dims.vpp
+    # random composition of num_layers into k positive parts
+    cuts = (
+        sorted(
+            draw(
+                st.lists(
+                    st.integers(1, model.num_layers - 1),
+                    min_size=k - 1,
+                    max_size=k - 1,
+                    unique=True,
+                )
+            )
+        )
+        if k > 1
+        else []
+    )
+    bounds = [0, *cuts, model.num_layers]
+    lengths = tuple(b - a for a, b in itertools.pairwise(bounds))
+    stages = StagePlan(
+        costs=(1.0,) * model.num_layers, num_stages=dims.pp, vpp=dims.vpp, stage_lengths=lengths
+    )
+    return megatron_layout(
+        model,
+        dims,
+        naming=draw(st.sampled_from(["local", "te"])),
+        stages=stages,
+        grouped_gemm=draw(st.booleans()),
     )
