@@ -64,8 +64,7 @@ def check_inference(model: ModelSpec, dims: ParallelDims) -> None:
         raise LayoutError(f"pp={dims.pp} exceeds num_layers={model.num_layers}")
 
 
-def padded_vocab(vocab: int, tp: int) -> int:
-    multiple = VOCAB_PADDING
+def padded_vocab(vocab: int, tp: int, multiple: int = VOCAB_PADDING) -> int:
     padded = -(-vocab // multiple) * multiple
     if padded % tp:
         raise LayoutError(
@@ -86,8 +85,18 @@ def layer_stage(layer: int, num_layers: int, pp: int) -> int:
 
 
 @beartype
-def inference_layout(model: ModelSpec, dims: ParallelDims) -> Layout:
-    """Every rank's weights in an SGLang / vLLM deployment of ``dims`` (``d``, ``t``, ``p``)."""
+def inference_layout(
+    model: ModelSpec, dims: ParallelDims, *, vocab_multiple: int = VOCAB_PADDING
+) -> Layout:
+    """Every rank's weights in an SGLang / vLLM deployment of ``dims`` (``d``, ``t``, ``p``).
+
+    ``vocab_multiple`` is the engines' vocabulary padding (64); 1 means unpadded, as a
+    plain DTensor tensor-parallel model holds it.
+    """
+    if vocab_multiple < 1:
+        raise LayoutError(
+            f"vocab_multiple={vocab_multiple} must be >= 1 (64 for SGLang/vLLM, 1 for no padding)"
+        )
     if dims.cp != 1 or dims.ep != 1 or dims.vpp != 1:
         raise LayoutError(f"inference layouts take d, t, p only; got {dims}")
     check_inference(model, dims)
@@ -95,7 +104,7 @@ def inference_layout(model: ModelSpec, dims: ParallelDims) -> Layout:
     mesh = Mesh.of(dp=dims.dp, pp=dims.pp, tp=tp)
     kv_mesh = mesh.split("tp", tp_kv=min(tp, nkv), tp_rep=max(1, tp // nkv))
     tensors = []
-    vpad = padded_vocab(model.vocab_size, tp)
+    vpad = padded_vocab(model.vocab_size, tp, vocab_multiple)
     for spec in model.tensors:
         name, shape = spec.name, spec.shape
         layer = layer_of(name)
