@@ -68,7 +68,7 @@ def padded_vocab(vocab: int, tp: int, multiple: int = VOCAB_PADDING) -> int:
     padded = -(-vocab // multiple) * multiple
     if padded % tp:
         raise LayoutError(
-            f"padded vocabulary {padded} (vocab {vocab} padded to a multiple of 64) is not divisible by tp={tp}"
+            f"padded vocabulary {padded} (vocab {vocab} padded to a multiple of {multiple}) is not divisible by tp={tp}; use a tp that divides it"
         )
     return padded
 
