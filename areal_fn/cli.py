@@ -1,2 +1,232 @@
-def main() -> None:
-    raise SystemExit("not yet")
+"""The ``areal-fn`` command: plan, convert, checkpoint inspect, demo.
+
+Bad input prints one line (``areal-fn: error: ...``) and exits 2; no traceback.
+"""
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from .allocation import Backend, Component
+from .allocation_parse import parse_allocation
+from .errors import SpecError
+from .layout import Layout
+from .model import ModelSpec, model_from_hf_config
+
+#: The tiny Qwen2-architecture model the demo trains (random weights, no download).
+DEMO_CONFIG: dict[str, object] = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+}
+
+
+def _model(arg: str) -> ModelSpec:
+    if arg == "demo":
+        return model_from_hf_config(DEMO_CONFIG)
+    builtin = Path(__file__).resolve().parent.parent / "specs" / "models" / f"{arg}.json"
+    return model_from_hf_config(builtin if not Path(arg).exists() and builtin.exists() else arg)
+
+
+def layout_for(model: ModelSpec, component: Component) -> Layout:
+    """The layout of one allocation component (default options)."""
+    from .fsdp2_layout import fsdp2_layout
+    from .inference_layout import inference_layout
+    from .megatron_layout import default_stages, megatron_layout
+    from .pipeline import split_evenly
+
+    if component.backend is Backend.MEGATRON:
+        dims = component.dims
+        try:
+            stages = default_stages(model, dims)
+        except SpecError:
+            stages = split_evenly([1.0] * model.num_layers, dims.pp, vpp=dims.vpp)
+        return megatron_layout(model, dims, stages=stages)
+    if component.backend is Backend.FSDP:
+        return fsdp2_layout(model, component.dims)
+    return inference_layout(model, component.dims)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .strategy_check import check_strategy
+
+    console = Console()
+    model = _model(args.config)
+    alloc = parse_allocation(args.allocation)
+    check_strategy(model, alloc)
+    console.print(
+        f"[bold]{model.model_type}[/] {model.num_layers} layers, {model.num_params:,} parameters; allocation [bold]{alloc}[/] on {alloc.world_size} ranks"
+    )
+    for comp in alloc.components:
+        layout = layout_for(model, comp)
+        rr = alloc.rank_range(comp)
+        console.print(
+            f"\n[bold]{comp.label}[/] {comp} ranks {rr.start}..{rr.stop - 1}: meshes "
+            + ", ".join(str(m) for m in layout.meshes)
+        )
+        table = Table(title=f"{comp.label}: per-rank tensors and parameter bytes ({model.dtype})")
+        for col in ("rank", "tensors", "elements", "bytes"):
+            table.add_column(col, justify="right")
+        shown = (
+            range(layout.world_size)
+            if layout.world_size <= args.max_ranks
+            else [0, layout.world_size // 2, layout.world_size - 1]
+        )
+        for r in shown:
+            lts = layout.local_tensors(r)
+            numel = sum(t.numel for t in lts)
+            from .tensor_spec import DTYPE_BYTES
+
+            table.add_row(
+                str(rr.start + r),
+                str(len(lts)),
+                f"{numel:,}",
+                _human(numel * DTYPE_BYTES[model.dtype]),
+            )
+        console.print(table)
+        if args.tensors:
+            t2 = Table(title=f"{comp.label}: placements")
+            for col in ("tensor", "shape", "placements", "present"):
+                t2.add_column(col)
+            for t in layout.tensors[: args.tensors]:
+                t2.add_row(
+                    t.name,
+                    str(t.shape),
+                    str(t.sharding),
+                    ",".join(f"{a}={c}" for a, c in t.present),
+                )
+            console.print(t2)
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    import torch
+    from rich.console import Console
+    from rich.progress import Progress
+    from safetensors.torch import save_file
+
+    from .convert import iter_to_megatron
+    from .runtime.hf_io import HfCheckpoint
+
+    console = Console()
+    alloc = parse_allocation(args.allocation)
+    comp = alloc.training if len(alloc.components) > 1 else alloc.components[0]
+    src = Path(args.src)
+    dst = Path(args.dst)
+    model = model_from_hf_config(src)
+    layout = layout_for(model, comp)
+    ranks = range(layout.world_size) if args.rank is None else [args.rank]
+    start = time.perf_counter()
+    total_bytes = 0
+    total_tensors = 0
+    with HfCheckpoint(src) as ckpt:
+        ckpt.check(model)
+        dst.mkdir(parents=True, exist_ok=args.overwrite)
+        with Progress(console=console, transient=True) as progress:
+            task = progress.add_task(
+                "converting", total=sum(len(layout.local_tensors(r)) for r in ranks)
+            )
+            for r in ranks:
+                state: dict[str, torch.Tensor] = {}
+                for name, t in iter_to_megatron(ckpt.read, layout, r):
+                    state[name] = t
+                    total_bytes += t.numel() * t.element_size()
+                    total_tensors += 1
+                    progress.advance(task)
+                save_file(
+                    state,
+                    str(dst / f"rank{r:05d}.safetensors"),
+                    metadata={"allocation": str(alloc), "rank": str(r)},
+                )
+    seconds = time.perf_counter() - start
+    console.print(
+        f"converted {total_tensors} tensors, {_human(total_bytes)} for {len(ranks)} rank(s) of {comp} in {seconds:.2f} s -> {dst}"
+    )
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .runtime.demo import run_demo
+
+    return run_demo(nproc=args.nproc, steps=args.steps)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="areal-fn",
+        description="Plan, convert, checkpoint and run distributed LLM training layouts.",
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+    plan = sub.add_parser(
+        "plan", help="mesh, per-rank tensors and placements of a model under an allocation"
+    )
+    plan.add_argument(
+        "config",
+        help="HF config.json, a directory holding one, a name from specs/models (e.g. Qwen2.5-7B) or 'demo'",
+    )
+    plan.add_argument(
+        "allocation", help="allocation string, e.g. 'megatron:d2p2t2' or 'sglang:d4t2+fsdp:d8'"
+    )
+    plan.add_argument(
+        "--max-ranks",
+        type=int,
+        default=16,
+        help="rows of the per-rank table before it is summarised",
+    )
+    plan.add_argument(
+        "--tensors", type=int, default=0, help="also list the placements of the first N tensors"
+    )
+    plan.set_defaults(func=cmd_plan)
+    conv = sub.add_parser(
+        "convert", help="HF checkpoint -> per-rank state of a layout (safetensors per rank)"
+    )
+    conv.add_argument("src", help="HF checkpoint directory")
+    conv.add_argument("allocation", help="e.g. megatron:t2p2")
+    conv.add_argument("dst", help="output directory")
+    conv.add_argument("--rank", type=int, default=None, help="convert only this rank")
+    conv.add_argument("--overwrite", action="store_true")
+    conv.set_defaults(func=cmd_convert)
+    demo = sub.add_parser(
+        "demo", help="the main job: train, checkpoint, reshard and sync a tiny model on CPU"
+    )
+    demo.add_argument("--nproc", type=int, default=4)
+    demo.add_argument("--steps", type=int, default=8)
+    demo.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (SpecError, FileNotFoundError, NotADirectoryError, FileExistsError) as e:
+        print(f"areal-fn: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
