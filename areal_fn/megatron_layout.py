@@ -129,9 +129,10 @@ def check_megatron(model: ModelSpec, dims: ParallelDims) -> None:
                 f"etp={dims.etp} does not divide moe_intermediate_size={model.moe_intermediate_size}; "
                 f"use etp in {divs(model.moe_intermediate_size)}"
             )
-    elif dims.ep > 1 or dims.etp > 1:
+    elif dims.ep > 1:
         raise LayoutError(
-            f"ep={dims.ep}, etp={dims.etp} given for dense model {model.model_type} without experts; use ep=1, etp=1"
+            f"ep={dims.ep} given for dense model {model.model_type} without experts; use ep=1 "
+            "(etp is ignored for dense models)"
         )
     chunks = dims.pp * dims.vpp
     if model.num_layers < chunks:

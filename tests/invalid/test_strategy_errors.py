@@ -58,7 +58,7 @@ CASES = [
         "Qwen2.5-7B",
         "megatron:d2e2",
         None,
-        r"ep=2, etp=1 given for dense model qwen2 without experts; use ep=1, etp=1",
+        r"ep=2 given for dense model qwen2 without experts; use ep=1",
     ),
     (
         "Qwen2.5-7B",

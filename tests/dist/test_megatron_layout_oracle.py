@@ -1,0 +1,131 @@
+"""megatron_layout against what real Megatron-Core GPTModels hold on every rank.
+
+The records come from one torchrun launch of real Megatron-Core on CPU (the
+``megatron_ground_truth`` fixture of ``test_megatron_cpu``); this module predicts
+every rank's parameter names and shapes (and expert placement) with our pure layout
+and requires exact agreement.
+"""
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from areal_fn.allocation import ParallelDims
+from areal_fn.megatron_layout import megatron_layout
+from areal_fn.model import model_from_hf_config
+from areal_fn.pipeline import StagePlan
+from tests.dist.test_megatron_cpu import megatron_ground_truth  # noqa: F401 - fixture
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.xdist_group("megatron_cpu")]
+
+#: cases whose structure our layout predicts (legacy GroupedMLP names and refused cases excluded)
+SKIP = ("grouped", "structure", "-c2")
+
+
+def _hf_config(arch: dict[str, Any]) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "model_type": arch["hf"],
+        "hidden_size": arch["hidden_size"],
+        "num_hidden_layers": arch["num_layers"],
+        "num_attention_heads": arch["num_attention_heads"],
+        "num_key_value_heads": arch["num_key_value_heads"],
+        "head_dim": arch["head_dim"],
+        "intermediate_size": arch["intermediate_size"],
+        "vocab_size": arch["vocab_size"],
+        "max_position_embeddings": arch["max_position_embeddings"],
+        "tie_word_embeddings": arch["tie_word_embeddings"],
+        "rms_norm_eps": arch["rms_norm_eps"],
+        "rope_theta": arch["rope_theta"],
+        "torch_dtype": "float32",
+    }
+    if arch["hf"] == "llama":
+        cfg["attention_bias"] = arch["qkv_bias"]
+    if arch["num_experts"]:
+        cfg.update(
+            num_experts=arch["num_experts"],
+            moe_intermediate_size=arch["moe_intermediate_size"],
+            num_experts_per_tok=arch["num_experts_per_tok"],
+            norm_topk_prob=arch["norm_topk_prob"],
+        )
+        pattern = arch.get("moe_layer_pattern")
+        if pattern:
+            cfg["mlp_only_layers"] = [i for i, m in enumerate(pattern) if not m]
+    return cfg
+
+
+def _cases(root: Path) -> list[str]:
+    manifest = json.loads((root / "manifest.json").read_text())
+    return [c["name"] for c in manifest["cases"] if not any(s in c["name"] for s in SKIP)]
+
+
+def _records(root: Path, case: str, world: int) -> list[dict[str, Any]]:
+    return [json.loads((root / case / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def test_every_rank_holds_what_megatron_layout_predicts(megatron_ground_truth: Path) -> None:  # noqa: F811
+    root = megatron_ground_truth
+    checked = 0
+    for case in _cases(root):
+        recs = _records(root, case, 4)
+        rec0 = recs[0]
+        if rec0["error"]:
+            continue
+        arch, sizes = rec0["arch"], rec0["sizes"]
+        model = model_from_hf_config(_hf_config(arch))
+        vpp = sizes["vpp"] or 1
+        dims = ParallelDims(
+            dp=sizes["dp"],
+            tp=sizes["tp"],
+            pp=sizes["pp"],
+            cp=sizes["cp"],
+            ep=sizes["ep"],
+            etp=sizes["etp"],
+            vpp=vpp,
+        )
+        # stage lengths as Megatron placed the layers (checked against our default split below)
+        lengths = [0] * (dims.pp * vpp)
+        for rec in recs:
+            for v, chunk in enumerate(rec["chunks"]):
+                lengths[v * dims.pp + rec["ranks"]["pp"]] = len(chunk["layer_numbers"])
+        stages = StagePlan(
+            costs=(1.0,) * model.num_layers,
+            num_stages=dims.pp,
+            vpp=vpp,
+            stage_lengths=tuple(lengths),
+        )
+        if not rec0["config"]:
+            assert megatron_layout(model, dims, vocab_divisible_by=1) == megatron_layout(
+                model, dims, stages=stages, vocab_divisible_by=1
+            ), case
+        layout = megatron_layout(model, dims, stages=stages, vocab_divisible_by=1)
+        for r, rec in enumerate(recs):
+            real = {}
+            for v, chunk in enumerate(rec["chunks"]):
+                prefix = f"model{v}." if vpp > 1 else ""
+                for name, shape, _dtype in chunk["parameters"]:
+                    real[prefix + name] = tuple(shape)
+            ours = {lt.name: lt.shape for lt in layout.local_tensors(r)}
+            assert ours == real, (
+                f"{case} rank {r}: ours-real {sorted(set(ours) - set(real))[:5]} real-ours {sorted(set(real) - set(ours))[:5]} shapes {[(n, ours[n], real[n]) for n in ours if n in real and ours[n] != real[n]][:5]}"
+            )
+            # experts: which global experts this rank holds
+            for v, chunk in enumerate(rec["chunks"]):
+                for module, experts in (chunk.get("experts") or {}).items():
+                    local_layer = int(module.split(".")[2])
+                    layer = sum(lengths[: v * dims.pp + rec["ranks"]["pp"]]) + local_layer
+                    prefix = f"model{v}." if vpp > 1 else ""
+                    held = sorted(
+                        {
+                            int(p.canonical.split(".")[5])
+                            for lt in layout.local_tensors(r)
+                            if lt.name.startswith(f"{prefix}{module}.experts.")
+                            for p in lt.pieces
+                            if p.canonical is not None
+                            and f"model.layers.{layer}.mlp.experts." in p.canonical
+                        }
+                    )
+                    assert held == sorted(experts), (case, r, module)
+            checked += 1
+    assert checked >= 4 * 20, checked
