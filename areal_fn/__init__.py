@@ -31,6 +31,13 @@ from .model import model_from_hf_config as model_from_hf_config
 from .partition_spec import PartitionSpec as PartitionSpec
 from .partition_spec import from_partition_spec as from_partition_spec
 from .partition_spec import to_partition_spec as to_partition_spec
+from .pipeline import StagePlan as StagePlan
+from .pipeline import megatron_layout_string as megatron_layout_string
+from .pipeline import partition_pipeline as partition_pipeline
+from .pipeline import split_evenly as split_evenly
+from .pipeline_costs import flop_costs as flop_costs
+from .pipeline_costs import memory_costs as memory_costs
+from .pipeline_costs import param_costs as param_costs
 from .placement import Partial as Partial
 from .placement import Replicate as Replicate
 from .placement import Shard as Shard

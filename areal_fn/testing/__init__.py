@@ -18,3 +18,6 @@ from .layouts import fused_layouts as fused_layouts
 from .layouts import layout_pairs as layout_pairs
 from .models import hf_configs as hf_configs
 from .models import model_specs as model_specs
+from .pipeline import layer_costs as layer_costs
+from .pipeline import pipeline_problems as pipeline_problems
+from .pipeline import stage_plans as stage_plans
