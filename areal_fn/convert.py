@@ -15,7 +15,7 @@ from torch import Tensor
 
 from .box import Box
 from .errors import ConversionError
-from .layout import Layout, LocalTensor
+from .layout import Layout, LocalTensor, Piece
 from .tensor_spec import TensorSpec, torch_dtype
 
 #: ``read(canonical_name, box) -> tensor of box.shape``.
@@ -168,7 +168,7 @@ def iter_to_hf(
     ``ConversionError`` naming the tensor and ranks.
     """
     _check_locals(states, layout)
-    holders: dict[str, list[tuple[int, str, object]]] = {}
+    holders: dict[str, list[tuple[int, str, Piece]]] = {}
     for r in range(layout.world_size):
         for lt in layout.local_tensors(r):
             for p in lt.pieces:
@@ -180,8 +180,8 @@ def iter_to_hf(
         out = torch.empty(spec.shape, dtype=out_dtype)
         written = torch.zeros(spec.shape, dtype=torch.bool)
         for r, name, p in hs:
-            assert p.canonical_box is not None  # type: ignore[attr-defined]
-            cbox, lbox = p.canonical_box, p.local_box  # type: ignore[attr-defined]
+            assert p.canonical_box is not None
+            cbox, lbox = p.canonical_box, p.local_box
             src = states[r][name][lbox.slices()].reshape(cbox.shape)
             region = out[cbox.slices()]
             seen = written[cbox.slices()]

@@ -102,6 +102,20 @@ def fsdp2_layout(
         if model.tie_word_embeddings and mt.name == "lm_head.weight":
             continue  # the same Parameter as the embedding
         tp = tp_placement(mt.name, options)
+        dp_shard = mesh.axis_size("dp_shard")
+        if (
+            isinstance(tp, Shard)
+            and tp.dim == 0
+            and dims.tp > 1
+            and mt.shape[0] % dims.tp
+            and dp_shard > 2
+        ):
+            raise LayoutError(
+                f"{mt.name}: dim 0 of size {mt.shape[0]} is not divisible by tp={dims.tp}, and FSDP2 over "
+                f"dp_shard={dp_shard} (> 2) then stores shards its own placements (StridedShard) do not "
+                "describe; pad the dim to a multiple of tp, use tp_embeddings=False for the vocabulary, or "
+                "keep dp_shard <= 2"
+            )
         placements: list[Placement] = []
         if "dp_replicate" in mesh.names:
             placements.append(Replicate())

@@ -139,6 +139,7 @@ def inference_layout(
             placement = Shard(dim=0)
         elif name.endswith(("o_proj.weight", "down_proj.weight")):
             placement = Shard(dim=1)
+        placements: tuple[Placement, ...]
         if m is kv_mesh:
             placements = (Replicate(), Replicate(), placement, Replicate())
         else:

@@ -15,7 +15,7 @@ is geometry on these pieces.
 """
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
 from beartype import beartype
@@ -116,10 +116,27 @@ class LocalTensor:
         return n
 
 
-def _presence(value: object) -> tuple[tuple[str, int], ...]:
-    if isinstance(value, Mapping):
-        value = tuple(value.items())
-    return tuple((str(a), int(c)) for a, c in value)  # type: ignore[union-attr]
+def _presence(
+    value: "Mapping[str, int] | Iterable[tuple[str, int]]",
+) -> tuple[tuple[str, int], ...]:
+    pairs = tuple(value.items()) if isinstance(value, Mapping) else tuple(value)
+    return tuple((str(a), int(c)) for a, c in pairs)
+
+
+def _ints(value: Iterable[int]) -> tuple[int, ...]:
+    return tuple(value)
+
+
+def _fusion(value: Iterable[FusionPiece]) -> tuple[FusionPiece, ...]:
+    return tuple(value)
+
+
+def _specs(value: Iterable[TensorSpec]) -> tuple[TensorSpec, ...]:
+    return tuple(value)
+
+
+def _logical(value: "Iterable[LogicalTensor]") -> "tuple[LogicalTensor, ...]":
+    return tuple(value)
 
 
 @attrs.frozen(kw_only=True)
@@ -127,9 +144,9 @@ class LogicalTensor:
     """A framework tensor: name, shape, dtype, fusion map, sharding and presence."""
 
     name: str
-    shape: tuple[int, ...] = attrs.field(converter=tuple)
+    shape: tuple[int, ...] = attrs.field(converter=_ints)
     dtype: str = attrs.field(converter=dtype_name)
-    fusion: tuple[FusionPiece, ...] = attrs.field(converter=tuple)
+    fusion: tuple[FusionPiece, ...] = attrs.field(converter=_fusion)
     sharding: Sharding
     present: tuple[tuple[str, int], ...] = attrs.field(default=(), converter=_presence)
 
@@ -264,8 +281,8 @@ class Layout:
 
     kind: str
     world_size: int
-    canonical: tuple[TensorSpec, ...] = attrs.field(converter=tuple)
-    tensors: tuple[LogicalTensor, ...] = attrs.field(converter=tuple, validator=_check_tensors)
+    canonical: tuple[TensorSpec, ...] = attrs.field(converter=_specs)
+    tensors: tuple[LogicalTensor, ...] = attrs.field(converter=_logical, validator=_check_tensors)
 
     def __attrs_post_init__(self) -> None:
         for t in self.tensors:

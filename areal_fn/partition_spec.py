@@ -26,7 +26,7 @@ def _entries(value: object) -> tuple[tuple[str, ...], ...]:
         raise SpecError(
             f"PartitionSpec.entries={value!r} must be a sequence with one entry per tensor dim"
         )
-    out = []
+    out: list[tuple[str, ...]] = []
     for i, e in enumerate(value):
         if e is None:
             out.append(())

@@ -41,7 +41,7 @@ def _placements(value: object) -> tuple[Placement, ...]:
     return out
 
 
-def _check_mesh(_inst: object, _attr: object, value: object) -> None:
+def _check_mesh(_inst: object, _attr: object, value: Mesh) -> None:
     if not isinstance(value, Mesh):
         raise SpecError(f"Sharding.mesh={value!r} must be a Mesh")
 

@@ -219,8 +219,11 @@ def _plan_tensor(
         if piece.canonical is None or piece.canonical_box is None:
             continue
         want = piece.canonical_box
-        cands = [(h, h.cbox.intersect(want)) for h in holders.get(piece.canonical, ())]
-        cands = [(h, i) for h, i in cands if i is not None]
+        cands: list[tuple[_Holder, Box]] = []
+        for h in holders.get(piece.canonical, ()):
+            inter = h.cbox.intersect(want)
+            if inter is not None:
+                cands.append((h, inter))
         covered_by = [i for _, i in cands]
         cuts = _cuts(covered_by, want)
         cells: list[tuple[Box, int]] = []

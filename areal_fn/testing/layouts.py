@@ -78,13 +78,14 @@ def layouts_for(
         for name, members, g in parts:
             shape, fusion = _fused(name, members, g, cols, draw(st.integers(0, 2)))
             sharding = draw(shardings(2, mesh=mesh, partial_ops=()))
-            replicated = [
+            replicated: list[str] = [
                 n
                 for n, p in zip(mesh.names, sharding.placements, strict=True)
                 if isinstance(p, Replicate)
             ]
             present: tuple[tuple[str, int], ...] = ()
-            if replicated and draw(st.booleans()):
+            constrain: bool = draw(st.booleans())
+            if replicated and constrain:
                 axis = draw(st.sampled_from(replicated))
                 present = ((axis, draw(st.integers(0, mesh.axis_size(axis) - 1))),)
             logical.append(

@@ -103,3 +103,25 @@ def test_inference_tp_must_divide_query_heads(name, alloc):
 )
 def test_check_strategy_accepts_real_jobs(name, alloc):
     check_strategy(model(name), parse_allocation(alloc))
+
+
+def test_fsdp2_refuses_uneven_tp_rows_over_more_than_two_shards():
+    from areal_fn import Fsdp2Options, ParallelDims, fsdp2_layout, model_from_hf_config
+
+    m = model_from_hf_config(
+        dict(
+            model_type="qwen2",
+            hidden_size=8,
+            intermediate_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            vocab_size=9,
+        )
+    )
+    with pytest.raises(
+        LayoutError,
+        match=r"model.embed_tokens.weight: dim 0 of size 9 is not divisible by tp=2, and FSDP2 over dp_shard=4 \(> 2\)",
+    ):
+        fsdp2_layout(m, ParallelDims(dp=4, tp=2))
+    fsdp2_layout(m, ParallelDims(dp=4, tp=2), options=Fsdp2Options(tp_embeddings=False))

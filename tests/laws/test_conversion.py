@@ -75,6 +75,8 @@ def test_fsdp2_and_inference_round_trips_are_bitwise(data):
             ]
         )
     )
+    if tp > 1 and dp > 2 and model.vocab_size % tp:
+        dp = 2  # FSDP2 cannot describe that case; fsdp2_layout refuses it (tests/invalid)
     round_trip(fsdp2_layout(model, ParallelDims(dp=dp, tp=tp)), canon)
     itp = data.draw(
         st.sampled_from(
