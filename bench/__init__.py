@@ -1,0 +1,1 @@
+"""Side-by-side benchmarks: ``python -m bench [name ...]`` runs ``bench/bench_<name>.py``."""
