@@ -19,8 +19,8 @@ demo: $(STAMP)
 	$(BIN)/areal-fn demo --nproc $(NPROC)
 
 lint: $(STAMP)
-	$(BIN)/ruff check areal_fn tests bench
-	$(BIN)/ruff format --check areal_fn tests bench
+	$(BIN)/ruff check areal_fn tests bench tools
+	$(BIN)/ruff format --check areal_fn tests bench tools
 
 typecheck: $(STAMP)
 	$(BIN)/mypy areal_fn
