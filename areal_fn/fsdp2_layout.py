@@ -90,6 +90,33 @@ def check_fsdp2(model: ModelSpec, dims: ParallelDims) -> None:
             )
 
 
+def fsdp2_sharding(
+    name: str, shape: tuple[int, ...], dims: ParallelDims, mesh: Mesh, options: Fsdp2Options
+) -> Sharding:
+    """The sharding FSDP2 (+TP) gives parameter ``name`` of ``shape`` on ``mesh``.
+
+    ``LayoutError`` when FSDP2 would store the parameter unlike its own placements: a
+    TP row-sharded dim not divisible by ``tp`` over more than two FSDP shards.
+    """
+    tp = tp_placement(name, options)
+    dp_shard = mesh.axis_size("dp_shard")
+    row_tp = isinstance(tp, Shard) and tp.dim == 0 and dims.tp > 1
+    if row_tp and shape[0] % dims.tp and dp_shard > 2:
+        raise LayoutError(
+            f"{name}: dim 0 of size {shape[0]} is not divisible by tp={dims.tp}, and FSDP2 over "
+            f"dp_shard={dp_shard} (> 2) then stores shards its own placements (StridedShard) do not "
+            "describe; pad the dim to a multiple of tp, use tp_embeddings=False for the vocabulary, or "
+            "keep dp_shard <= 2"
+        )
+    placements: list[Placement] = []
+    if "dp_replicate" in mesh.names:
+        placements.append(Replicate())
+    placements.append(StridedShard(dim=0, split_factor=dims.tp) if row_tp else Shard(dim=0))
+    if "tp" in mesh.names:
+        placements.append(tp)
+    return Sharding(mesh=mesh, placements=tuple(placements))
+
+
 @beartype
 def fsdp2_layout(
     model: ModelSpec, dims: ParallelDims, *, options: Fsdp2Options = Fsdp2Options()
@@ -101,32 +128,7 @@ def fsdp2_layout(
     for mt in hf_memory_view(model):
         if model.tie_word_embeddings and mt.name == "lm_head.weight":
             continue  # the same Parameter as the embedding
-        tp = tp_placement(mt.name, options)
-        dp_shard = mesh.axis_size("dp_shard")
-        if (
-            isinstance(tp, Shard)
-            and tp.dim == 0
-            and dims.tp > 1
-            and mt.shape[0] % dims.tp
-            and dp_shard > 2
-        ):
-            raise LayoutError(
-                f"{mt.name}: dim 0 of size {mt.shape[0]} is not divisible by tp={dims.tp}, and FSDP2 over "
-                f"dp_shard={dp_shard} (> 2) then stores shards its own placements (StridedShard) do not "
-                "describe; pad the dim to a multiple of tp, use tp_embeddings=False for the vocabulary, or "
-                "keep dp_shard <= 2"
-            )
-        placements: list[Placement] = []
-        if "dp_replicate" in mesh.names:
-            placements.append(Replicate())
-        if isinstance(tp, Shard) and tp.dim == 0:
-            placements.append(
-                StridedShard(dim=0, split_factor=dims.tp) if dims.tp > 1 else Shard(dim=0)
-            )
-        else:
-            placements.append(Shard(dim=0))
-        if "tp" in mesh.names:
-            placements.append(tp)
+        sharding = fsdp2_sharding(mt.name, mt.shape, dims, mesh, options)
         fusion = tuple(
             FusionPiece(
                 canonical=p.canonical, canonical_box=p.canonical_box, logical_box=p.memory_box
@@ -139,7 +141,7 @@ def fsdp2_layout(
                 shape=mt.shape,
                 dtype=mt.dtype,
                 fusion=fusion,
-                sharding=Sharding(mesh=mesh, placements=tuple(placements)),
+                sharding=sharding,
             )
         )
     return Layout(
