@@ -1,11 +1,17 @@
 """areal_fn: the distributed-training core of LLM RL systems as pure functions."""
 
+from .advisor import Suggestion as Suggestion
+from .advisor import suggest_strategy as suggest_strategy
 from .allocation import Allocation as Allocation
 from .allocation import Backend as Backend
 from .allocation import Component as Component
 from .allocation import ParallelDims as ParallelDims
 from .allocation_parse import parse_allocation as parse_allocation
 from .box import Box as Box
+from .convert import iter_to_hf as iter_to_hf
+from .convert import iter_to_megatron as iter_to_megatron
+from .convert import to_hf as to_hf
+from .convert import to_megatron as to_megatron
 from .errors import CheckpointError as CheckpointError
 from .errors import ConversionError as ConversionError
 from .errors import LayoutError as LayoutError
@@ -24,6 +30,10 @@ from .layout import LocalTensor as LocalTensor
 from .layout import LogicalTensor as LogicalTensor
 from .layout import Piece as Piece
 from .megatron_layout import megatron_layout as megatron_layout
+from .memory import ActivationModel as ActivationModel
+from .memory import MemoryReport as MemoryReport
+from .memory import PrecisionPolicy as PrecisionPolicy
+from .memory import estimate_memory as estimate_memory
 from .mesh import Mesh as Mesh
 from .model import ModelSpec as ModelSpec
 from .model import load_hf_config as load_hf_config

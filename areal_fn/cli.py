@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from .allocation import Backend, Component
 from .allocation_parse import parse_allocation
@@ -67,18 +68,54 @@ def _human(n: float) -> str:
     return str(n)
 
 
+def _bytes_arg(text: str) -> int:
+    units = {
+        "": 1,
+        "B": 1,
+        "KB": 10**3,
+        "MB": 10**6,
+        "GB": 10**9,
+        "TB": 10**12,
+        "KIB": 2**10,
+        "MIB": 2**20,
+        "GIB": 2**30,
+        "TIB": 2**40,
+    }
+    t = text.strip().upper()
+    num = t.rstrip("KMGTIB")
+    unit = t[len(num) :]
+    try:
+        value = float(num)
+    except ValueError:
+        raise SpecError(
+            f"--device-memory {text!r} is not a size; write e.g. 80GB or 80GiB"
+        ) from None
+    if unit not in units or value <= 0:
+        raise SpecError(f"--device-memory {text!r} is not a size; write e.g. 80GB or 80GiB")
+    return int(value * units[unit])
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from .memory import PrecisionPolicy, estimate_memory
     from .strategy_check import check_strategy
+    from .tensor_spec import DTYPE_BYTES
 
     console = Console()
     model = _model(args.config)
+    if args.suggest:
+        return _suggest(console, model, args)
+    if args.allocation is None:
+        raise SpecError(
+            "plan needs an ALLOCATION (e.g. 'megatron:d2p2t2'), or --suggest N to rank strategies"
+        )
     alloc = parse_allocation(args.allocation)
     check_strategy(model, alloc)
     console.print(
-        f"[bold]{model.model_type}[/] {model.num_layers} layers, {model.num_params:,} parameters; allocation [bold]{alloc}[/] on {alloc.world_size} ranks"
+        f"[bold]{model.model_type}[/] {model.num_layers} layers, {model.num_params:,} parameters; "
+        f"allocation [bold]{alloc}[/] on {alloc.world_size} ranks"
     )
     for comp in alloc.components:
         layout = layout_for(model, comp)
@@ -87,26 +124,36 @@ def cmd_plan(args: argparse.Namespace) -> int:
             f"\n[bold]{comp.label}[/] {comp} ranks {rr.start}..{rr.stop - 1}: meshes "
             + ", ".join(str(m) for m in layout.meshes)
         )
-        table = Table(title=f"{comp.label}: per-rank tensors and parameter bytes ({model.dtype})")
-        for col in ("rank", "tensors", "elements", "bytes"):
-            table.add_column(col, justify="right")
-        shown = (
-            range(layout.world_size)
-            if layout.world_size <= args.max_ranks
-            else [0, layout.world_size // 2, layout.world_size - 1]
-        )
-        for r in shown:
-            lts = layout.local_tensors(r)
-            numel = sum(t.numel for t in lts)
-            from .tensor_spec import DTYPE_BYTES
-
-            table.add_row(
-                str(rr.start + r),
-                str(len(lts)),
-                f"{numel:,}",
-                _human(numel * DTYPE_BYTES[model.dtype]),
+        if comp.is_training:
+            console.print(str(estimate_memory(layout, PrecisionPolicy.bf16_mixed())))
+        else:
+            table = Table(title=f"{comp.label}: weights per rank ({model.dtype})")
+            for col in ("rank", "tensors", "elements", "bytes"):
+                table.add_column(col, justify="right")
+            shown = (
+                range(layout.world_size)
+                if layout.world_size <= args.max_ranks
+                else [0, layout.world_size // 2, layout.world_size - 1]
             )
-        console.print(table)
+            for r in shown:
+                lts = layout.local_tensors(r)
+                numel = sum(t.numel for t in lts)
+                table.add_row(
+                    str(rr.start + r),
+                    str(len(lts)),
+                    f"{numel:,}",
+                    _human(numel * DTYPE_BYTES[model.dtype]),
+                )
+            console.print(table)
+        if comp.backend is Backend.MEGATRON:
+            from .megatron_layout import default_stages
+            from .pipeline import megatron_layout_string, split_evenly
+
+            try:
+                stages = default_stages(model, comp.dims)
+            except SpecError:
+                stages = split_evenly([1.0] * model.num_layers, comp.dims.pp, vpp=comp.dims.vpp)
+            console.print(f"pipeline: {megatron_layout_string(stages)}")
         if args.tensors:
             t2 = Table(title=f"{comp.label}: placements")
             for col in ("tensor", "shape", "placements", "present"):
@@ -119,6 +166,71 @@ def cmd_plan(args: argparse.Namespace) -> int:
                     ",".join(f"{a}={c}" for a, c in t.present),
                 )
             console.print(t2)
+        if args.png:
+            _pictures(console, model, comp, layout, Path(args.png))
+    return 0
+
+
+def _pictures(console: "Any", model: ModelSpec, comp: Component, layout: Layout, out: Path) -> None:
+    from .runtime.pictures import bar_chart_png, rank_grid_png, write
+    from .tensor_spec import DTYPE_BYTES
+
+    mesh = layout.meshes[0]
+    rows = mesh.sizes[0]
+    cols = mesh.size // rows
+    stage_axis = "pp" if "pp" in mesh.names else None
+    stage_of = [
+        mesh.coords(r)[mesh.axis_index(stage_axis)] if stage_axis else 0
+        for r in range(layout.world_size)
+    ]
+    bytes_of = [
+        sum(t.numel for t in layout.local_tensors(r)) * DTYPE_BYTES[model.dtype]
+        for r in range(layout.world_size)
+    ]
+    name = str(comp).replace(":", "-").replace("|", "_").replace("(", "").replace(")", "")
+    paths = [write(out / f"{name}.ranks.png", rank_grid_png(rows, cols, stage_of, bytes_of))]
+    if comp.backend is Backend.MEGATRON:
+        from .megatron_layout import default_stages
+        from .pipeline import StagePlan, split_evenly
+        from .pipeline_costs import param_costs
+
+        try:
+            lengths = default_stages(model, comp.dims).stage_lengths
+        except SpecError:
+            lengths = split_evenly(
+                [1.0] * model.num_layers, comp.dims.pp, vpp=comp.dims.vpp
+            ).stage_lengths
+        costs = param_costs(model)
+        plan = StagePlan(
+            costs=costs.layers,
+            num_stages=comp.dims.pp,
+            vpp=comp.dims.vpp,
+            stage_lengths=lengths,
+            first_extra=costs.embedding,
+            last_extra=costs.head,
+        )
+        paths.append(write(out / f"{name}.stages.png", bar_chart_png(plan.chunk_loads)))
+    console.print("pictures: " + ", ".join(str(p) for p in paths))
+
+
+def _suggest(console: "Any", model: ModelSpec, args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from .advisor import suggest_strategy
+
+    if args.device_memory is None:
+        raise SpecError("--suggest needs --device-memory (e.g. 80GB)")
+    found = suggest_strategy(model, args.suggest, _bytes_arg(args.device_memory), top=args.top)
+    table = Table(
+        title=f"strategies for {model.model_type} ({model.num_params:,} parameters) on {args.suggest} devices of {args.device_memory}"
+    )
+    for col in ("#", "allocation", "peak memory", "score (s/step)"):
+        table.add_column(col)
+    for i, sgn in enumerate(found, 1):
+        table.add_row(str(i), sgn.allocation, _human(sgn.memory.max_rank.total), f"{sgn.score:.3g}")
+    console.print(table)
+    for i, sgn in enumerate(found, 1):
+        console.print(f"{i}. {sgn.why}")
     return 0
 
 
@@ -188,7 +300,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="HF config.json, a directory holding one, a name from specs/models (e.g. Qwen2.5-7B) or 'demo'",
     )
     plan.add_argument(
-        "allocation", help="allocation string, e.g. 'megatron:d2p2t2' or 'sglang:d4t2+fsdp:d8'"
+        "allocation",
+        nargs="?",
+        help="allocation string, e.g. 'megatron:d2p2t2' or 'sglang:d4t2+fsdp:d8'",
+    )
+    plan.add_argument(
+        "--suggest", type=int, metavar="N", help="rank training strategies for N devices"
+    )
+    plan.add_argument("--device-memory", help="memory per device for --suggest, e.g. 80GB")
+    plan.add_argument("--top", type=int, default=5, help="how many suggestions to show")
+    plan.add_argument(
+        "--png", metavar="DIR", help="write pictures (rank grid, stage loads) into DIR"
     )
     plan.add_argument(
         "--max-ranks",

@@ -1,0 +1,79 @@
+"""The areal-fn command: plan (tables, pictures, suggestions) and its errors."""
+
+import struct
+import zlib
+
+import pytest
+
+from areal_fn.cli import main
+
+
+def read_png(path):
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, chunks = 8, {}
+    while pos < len(data):
+        (n,) = struct.unpack(">I", data[pos : pos + 4])
+        kind = data[pos + 4 : pos + 8]
+        body = data[pos + 8 : pos + 8 + n]
+        (crc,) = struct.unpack(">I", data[pos + 8 + n : pos + 12 + n])
+        assert crc == zlib.crc32(kind + body) & 0xFFFFFFFF
+        chunks[kind] = body
+        pos += 12 + n
+    w, h = struct.unpack(">II", chunks[b"IHDR"][:8])
+    raw = zlib.decompress(chunks[b"IDAT"])
+    assert len(raw) == h * (1 + 3 * w)
+    return w, h
+
+
+def test_plan_prints_memory_pipeline_and_pictures(tmp_path, capsys):
+    assert (
+        main(
+            [
+                "plan",
+                "Qwen2.5-7B",
+                "sglang:d2t4+megatron:d2p2t2",
+                "--tensors",
+                "3",
+                "--png",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "MemoryReport megatron, 8 ranks" in out and "pipeline: Et*14|t*14L" in out
+    assert "tp_kv:S(0)" in out or "tp_kv" in out
+    w, h = read_png(tmp_path / "megatron-d2p2t2.ranks.png")
+    assert (w, h) == (4 * 48 + 1, 2 * 48 + 1)  # pp rows x (dp*cp*tp) columns
+    read_png(tmp_path / "megatron-d2p2t2.stages.png")
+    read_png(tmp_path / "sglang-d2t4.ranks.png")
+
+
+def test_plan_suggests_expert_parallelism_for_moe(capsys):
+    assert (
+        main(["plan", "Qwen3-30B-A3B", "--suggest", "16", "--device-memory", "80GB", "--top", "3"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "1. megatron:" in out and "e" in out.split("1. megatron:")[1].split(":")[0]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["plan", "Qwen2.5-7B"], "plan needs an ALLOCATION"),
+        (["plan", "Qwen2.5-7B", "--suggest", "8"], "--suggest needs --device-memory"),
+        (
+            ["plan", "Qwen2.5-7B", "--suggest", "8", "--device-memory", "lots"],
+            "--device-memory 'lots' is not a size",
+        ),
+        (["plan", "Qwen2.5-7B", "megatron:d1t3"], "tp=3 does not divide num_attention_heads=28"),
+        (["plan", "no/such/config.json", "fsdp:d2"], "error"),
+        (["convert", "/no/such/dir", "megatron:t2", "/tmp/x"], "error"),
+    ],
+)
+def test_bad_input_is_a_short_error(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("areal-fn: error:") and message in err and "Traceback" not in err
