@@ -52,6 +52,7 @@ from .placement import Partial as Partial
 from .placement import Replicate as Replicate
 from .placement import Shard as Shard
 from .placement import StridedShard as StridedShard
+from .render import rank_grid as rank_grid
 from .shard import shard as shard
 from .shard import unshard as unshard
 from .sharding import Sharding as Sharding
