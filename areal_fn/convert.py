@@ -186,10 +186,9 @@ def iter_to_hf(
             region = out[cbox.slices()]
             seen = written[cbox.slices()]
             if check_replicas and bool(seen.any()):
-                same = torch.where(
-                    seen, region.view(-1).view(region.shape) == src.to(region.dtype), True
-                )
-                if not bool(same.all()):
+                a = region[seen].contiguous()
+                b = src.to(region.dtype)[seen].contiguous()
+                if not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):
                     raise ConversionError(
                         f"{spec.name}{cbox}: rank {r} ({name}) disagrees with an earlier replica"
                     )

@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 
 from areal_fn.allocation import ParallelDims
 from areal_fn.convert import mapping_reader, to_hf, to_megatron
+from areal_fn.errors import ConversionError
 from areal_fn.fsdp2_layout import fsdp2_layout
 from areal_fn.inference_layout import inference_layout
 from areal_fn.tensor_spec import torch_dtype
@@ -113,3 +114,33 @@ def test_streaming_reader_reads_only_pieces(model):
     assert total == sum(
         t.numel() for t in got.values()
     )  # no padding in fsdp2: exactly the local bytes
+
+
+@given(st.data())
+def test_replica_check_catches_a_diverged_copy(data):
+    model = data.draw(model_specs())
+    layout = data.draw(megatron_layouts_for(model, max_world=8))
+    canon = random_canonical(model, torch.float32, 0)
+    canon = {k: torch.nan_to_num(v) for k, v in canon.items()}
+    states = {r: to_megatron(canon, layout, r) for r in range(layout.world_size)}
+    assert all(torch.equal(to_hf(states, layout, check_replicas=True)[k], canon[k]) for k in canon)
+    # corrupt one element that an earlier rank also holds (a true replica)
+    covered = {t.name: torch.zeros(t.shape, dtype=torch.bool) for t in model.tensors}
+    for r in range(layout.world_size):
+        for lt in layout.local_tensors(r):
+            for p in lt.pieces:
+                if p.canonical is None or p.local_box.is_empty:
+                    continue
+                first = tuple(lo for lo, _ in p.canonical_box.ranges)
+                if bool(covered[p.canonical][first]):
+                    idx = tuple(lo for lo, _ in p.local_box.ranges)
+                    states[r][lt.name][idx] = (
+                        0.25 if float(states[r][lt.name][idx]) != 0.25 else 0.5
+                    )
+                    try:
+                        to_hf(states, layout, check_replicas=True)
+                    except ConversionError as e:
+                        assert "disagrees with an earlier replica" in str(e)
+                        return
+                    raise AssertionError("a diverged replica went unnoticed")
+                covered[p.canonical][p.canonical_box.slices()] = True
