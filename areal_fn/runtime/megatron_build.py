@@ -195,16 +195,22 @@ def destroy_parallel_state() -> None:
 @contextlib.contextmanager
 @beartype
 def megatron_session(
-    sizes: MegatronSizes, *, seed: int = 0, create_gloo_process_groups: bool = False
+    sizes: MegatronSizes,
+    *,
+    seed: int = 0,
+    create_gloo_process_groups: bool = False,
+    cpu: bool | None = None,
 ) -> Iterator[None]:
-    """CPU redirections on, parallel state up for ``sizes``; both undone on exit.
+    """CPU redirections on (``cpu``, default: when no GPU is present), parallel state up
+    for ``sizes``; both undone on exit.
 
-    Initialises the default gloo process group first if needed (left up on exit, so
-    that one launch can run many sessions). Build and run models inside the block:
-    on CPU they need the redirections, which are removed on exit.
+    Initialises the default process group first if needed (left up on exit, so that
+    one launch can run many sessions). Build and run models inside the block: on CPU
+    they need the redirections, which are removed on exit.
     """
-    with megatron_cpu.cpu_megatron():
-        init_distributed()
+    use_cpu = (not torch.cuda.is_available()) if cpu is None else cpu
+    with megatron_cpu.cpu_megatron() if use_cpu else contextlib.nullcontext():
+        init_distributed(backend="gloo" if use_cpu else "nccl")
         init_parallel_state(sizes, seed=seed, create_gloo_process_groups=create_gloo_process_groups)
         try:
             yield
@@ -306,6 +312,11 @@ def transformer_config(
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True,
+        # gloo matches same-peer p2p messages in posting order, and the interleaved
+        # schedule posts both directions between two pipeline ranks in one batch in
+        # opposite orders (pp=2): batched p2p would silently swap activations and
+        # gradients. Unbatched p2p sends the two directions over different groups.
+        batch_p2p_comm=not (dist.is_initialized() and dist.get_backend() == "gloo"),
         **moe,
     )
     fields.update(overrides or {})

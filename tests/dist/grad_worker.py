@@ -1,0 +1,379 @@
+"""torchrun worker: one AdamW step of every engine against one step of the plain model.
+
+Launched once by ``tests/dist/test_grad_equivalence.py`` with 4 ranks (gloo, CPU).
+For every case (model, strategy) every rank:
+
+1. builds the reference: a transformers model of the tiny config with seeded random
+   values in every parameter (norms around 1), its canonical tensors ``w0``, one step
+   on the whole global batch (mean next-token cross entropy over all ``B * (S - 1)``
+   targets, ``clip_grad_norm_``, ``torch.optim.AdamW``): loss, grad norm, the clipped
+   canonical gradients, the updated canonical weights, the log-probs after the step;
+2. builds the engine (``Fsdp2Engine`` / ``MegatronEngine``), ``load_canonical(w0)``,
+   checks ``export_canonical()`` returns ``w0`` bitwise;
+3. ``train_step`` on its data-parallel share of the same global batch (rows split
+   evenly: every share has the same token count), then gathers the engine's local
+   gradients into canonical tensors (``to_hf``), exports the weights, reads the
+   optimizer state and the log-probs, and measures the differences.
+
+Rank 0 writes ``<out>/results.json``: per case the figures and any error. Checks never
+raise inside a case (a rank that raised would leave the others in a collective).
+"""
+
+import argparse
+import datetime
+import json
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from areal_fn.allocation_parse import parse_allocation  # noqa: E402
+from areal_fn.convert import to_hf  # noqa: E402
+from areal_fn.families.hf_memory import hf_state_to_canonical  # noqa: E402
+from areal_fn.fsdp2_layout import Fsdp2Options  # noqa: E402
+from areal_fn.model import ModelSpec, model_from_hf_config  # noqa: E402
+from areal_fn.pipeline import StagePlan  # noqa: E402
+from areal_fn.runtime.engine_fsdp2 import Fsdp2Engine, build_hf_model  # noqa: E402
+from areal_fn.runtime.engine_megatron import MegatronEngine  # noqa: E402
+from areal_fn.runtime.engines import AdamWConfig, split_rows  # noqa: E402
+from areal_fn.runtime.fsdp2 import Fsdp2RunOptions  # noqa: E402
+
+WORLD = 4
+BATCH, SEQ = 8, 16
+ADAMW = AdamWConfig(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+CLIP = 0.5
+#: Gradients at least this large (100 x eps) make AdamW's first step well conditioned.
+CONDITIONED = 1e-6
+
+#: Tiny configs: heads, KV heads and MLP widths divisible by 2; vocabularies not
+#: multiples of 128 (Megatron pads them).
+CONFIGS: dict[str, dict[str, Any]] = {
+    "qwen2": {
+        "model_type": "qwen2",
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "vocab_size": 50,
+        "torch_dtype": "float32",
+    },
+    "qwen2_4l": {
+        "model_type": "qwen2",
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "vocab_size": 50,
+        "torch_dtype": "float32",
+    },
+    "qwen3": {
+        "model_type": "qwen3",
+        "hidden_size": 16,
+        "intermediate_size": 24,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 8,
+        "vocab_size": 61,
+        "torch_dtype": "float32",
+    },
+    "llama_tied": {
+        "model_type": "llama",
+        "hidden_size": 32,
+        "intermediate_size": 40,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "vocab_size": 62,
+        "tie_word_embeddings": True,
+        "torch_dtype": "float32",
+    },
+}
+
+#: label -> (allocation string, HSDP replicas, pipeline chunk lengths or None for the
+#: even split, FSDP2 run options). All fill the 4 ranks.
+STRATEGIES: dict[str, tuple[str, int, tuple[int, ...] | None, Fsdp2RunOptions]] = {
+    "fsdp:d4": ("fsdp:d4", 1, None, Fsdp2RunOptions()),
+    "fsdp:d2t2": ("fsdp:d2t2", 1, None, Fsdp2RunOptions()),
+    "fsdp:d2t2[ac,offload]": (
+        "fsdp:d2t2",
+        1,
+        None,
+        Fsdp2RunOptions(activation_checkpointing=True, cpu_offload=True),
+    ),
+    "hsdp:d4r2": ("fsdp:d4", 2, None, Fsdp2RunOptions()),
+    "megatron:d2t2": ("megatron:d2t2", 1, None, Fsdp2RunOptions()),
+    "megatron:d2p2": ("megatron:d2p2", 1, None, Fsdp2RunOptions()),
+    "megatron:t2p2": ("megatron:t2p2", 1, None, Fsdp2RunOptions()),
+    "megatron:d2p2v2": ("megatron:d2p2v2", 1, None, Fsdp2RunOptions()),
+    "megatron:d2p2[1,3]": ("megatron:d2p2", 1, (1, 3), Fsdp2RunOptions()),
+}
+
+#: A label ending in this runs with ``global_mask()``: unequal token counts per share.
+MASKED = "+mask"
+
+CASES: tuple[tuple[str, str], ...] = (
+    ("qwen2", "fsdp:d4"),
+    ("qwen2", "fsdp:d2t2"),
+    ("qwen2", "fsdp:d2t2[ac,offload]"),
+    ("qwen2", "hsdp:d4r2"),
+    ("qwen2", "fsdp:d4+mask"),
+    ("qwen2", "megatron:d2p2+mask"),
+    ("qwen2", "megatron:d2t2"),
+    ("qwen2", "megatron:d2p2"),
+    ("qwen2", "megatron:t2p2"),
+    ("qwen2_4l", "megatron:d2p2v2"),
+    ("qwen2_4l", "megatron:d2p2[1,3]"),
+    ("qwen3", "fsdp:d2t2"),
+    ("qwen3", "megatron:d2t2"),
+    ("llama_tied", "fsdp:d2t2"),
+    ("llama_tied", "megatron:d2p2"),
+    ("llama_tied", "megatron:t2p2"),
+)
+
+
+def randomized_model(spec: ModelSpec, seed: int) -> nn.Module:
+    """The transformers model of ``spec`` with seeded random values in every parameter."""
+    model = build_hf_model(spec, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            base = 1.0 if name.endswith("norm.weight") else 0.0
+            p.copy_(base + 0.1 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def global_batch(vocab: int) -> Tensor:
+    return torch.randint(0, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))
+
+
+def canonical_of(model: nn.Module, spec: ModelSpec, *, grads: bool = False) -> dict[str, Tensor]:
+    sd = model.state_dict(keep_vars=True)
+    src = {k: (v.grad if grads else v).detach().clone() for k, v in sd.items()}
+    return hf_state_to_canonical(src, spec)
+
+
+def global_mask() -> Tensor:
+    """A loss mask whose rows keep 3..15 of their 15 targets: data-parallel shares differ."""
+    keep = torch.tensor([15, 3, 9, 12, 5, 15, 7, 10])[:BATCH]
+    mask = torch.arange(SEQ).unsqueeze(0) >= SEQ - keep.unsqueeze(1)
+    mask[:, 0] = False  # column 0 is never a target
+    return mask
+
+
+def reference(config: str, *, masked: bool = False) -> dict[str, Any]:
+    """One single-process AdamW step of the plain model on the whole global batch.
+
+    The loss is the mean over every target token of the batch (the masked ones when
+    ``masked``).
+    """
+    spec = model_from_hf_config(CONFIGS[config])
+    model = randomized_model(spec, seed=11)
+    w0 = canonical_of(model, spec)
+    ids = global_batch(spec.vocab_size)
+    mask = global_mask() if masked else torch.ones(ids.shape, dtype=torch.bool)
+    logits = model(input_ids=ids).logits[:, :-1]
+    token_loss = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
+    )
+    weights = mask[:, 1:].reshape(-1).float()
+    loss = (token_loss * weights).sum() / weights.sum()
+    loss.backward()
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP))
+    grads = canonical_of(model, spec, grads=True)
+    opt = ADAMW.build(model.parameters())
+    opt.step()
+    w1 = canonical_of(model, spec)
+    model.eval()
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids).logits[:, :-1], dim=-1)
+        logp = logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return {
+        "spec": spec,
+        "ids": ids,
+        "mask": mask if masked else None,
+        "tokens": float(weights.sum()),
+        "w0": w0,
+        "loss": float(loss),
+        "norm": norm,
+        "grads": grads,
+        "w1": w1,
+        "logp": logp,
+    }
+
+
+def max_abs(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in b)
+
+
+def bitwise(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> bool:
+    return set(a) == set(b) and all(
+        a[k].dtype == b[k].dtype and torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8))
+        for k in b
+    )
+
+
+def build_engine(spec: ModelSpec, label: str) -> Any:
+    text, replicas, lengths, run_options = STRATEGIES[label.removesuffix(MASKED)]
+    component = parse_allocation(text).training
+    if label.startswith(("fsdp", "hsdp")):
+        return Fsdp2Engine(
+            spec,
+            component,
+            options=Fsdp2Options(hsdp_replicas=replicas),
+            run_options=run_options,
+            optimizer=ADAMW,
+            grad_clip=CLIP,
+        )
+    stages = (
+        None
+        if lengths is None
+        else StagePlan(costs=(1.0,) * spec.num_layers, num_stages=2, stage_lengths=lengths)
+    )
+    return MegatronEngine(
+        spec, component, stages=stages, optimizer=ADAMW, grad_clip=CLIP, micro_batch_size=1
+    )
+
+
+def run_case(config: str, label: str, ref: dict[str, Any]) -> dict[str, Any]:
+    spec = ref["spec"]
+    engine = build_engine(spec, label)
+    try:
+        out: dict[str, Any] = {"world": engine.layout.world_size}
+        engine.load_canonical(ref["w0"])
+        out["load_export_bitwise"] = bitwise(engine.export_canonical(), ref["w0"])
+        created = engine.optimizer_local_state(create=True)  # zero state the step then uses
+        out["optimizer_created_zero"] = all(
+            float(st["step"]) == 0.0 and not st["exp_avg"].any() and not st["exp_avg_sq"].any()
+            for st in created.values()
+        )
+        ids = split_rows(ref["ids"], engine.dp_size, engine.dp_rank)
+        mask = ref["mask"]
+        stats = engine.train_step(
+            ids, None if mask is None else split_rows(mask, engine.dp_size, engine.dp_rank)
+        )
+        local = {
+            k: None if g is None else g.detach().cpu().clone()
+            for k, g in engine.local_grads().items()
+        }
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local)
+        grads = to_hf(dict(enumerate(gathered)), engine.layout)
+        w1 = engine.export_canonical()
+        worst_name, _ = max(
+            ((k, float((w1[k] - ref["w1"][k]).abs().max())) for k in ref["w1"]),
+            key=lambda kv: kv[1],
+        )
+        worst_at = int((w1[worst_name] - ref["w1"][worst_name]).abs().argmax())
+        opt = engine.optimizer_local_state()
+        names = set(engine.local_state())
+        logp = engine.forward_logprobs(ids)
+        want_logp = split_rows(ref["logp"], engine.dp_size, engine.dp_rank)
+        logp_diff = torch.tensor(float((logp - want_logp).abs().max()), dtype=torch.float64)
+        dist.all_reduce(logp_diff, op=dist.ReduceOp.MAX)
+        grad_scale = max(float(g.abs().max()) for g in ref["grads"].values())
+        out.update(
+            loss=stats["loss"],
+            ref_loss=ref["loss"],
+            loss_abs_diff=abs(stats["loss"] - ref["loss"]),
+            grad_norm=stats["grad_norm"],
+            ref_grad_norm=ref["norm"],
+            grad_norm_rel_diff=abs(stats["grad_norm"] - ref["norm"]) / ref["norm"],
+            clip_coef=stats["clip_coef"],
+            lr=stats["lr"],
+            tokens=stats["tokens"],
+            ref_tokens=ref["tokens"],
+            grad_max_abs_diff=max_abs(grads, ref["grads"]),
+            grad_scale=grad_scale,
+            grad_rel_diff=max_abs(grads, ref["grads"]) / grad_scale,
+            weight_max_abs_diff=max_abs(w1, ref["w1"]),
+            weight_max_abs_diff_conditioned=max(
+                float((w1[k] - ref["w1"][k])[ref["grads"][k].abs() >= CONDITIONED].abs().max())
+                for k in ref["w1"]
+                if bool((ref["grads"][k].abs() >= CONDITIONED).any())
+            ),
+            weight_step=max_abs(ref["w1"], ref["w0"]),
+            weight_worst=worst_name,
+            weight_worst_ref_grad=abs(float(ref["grads"][worst_name].reshape(-1)[worst_at])),
+            logprob_max_abs_diff=float(logp_diff),
+            optimizer_steps=sorted({float(st["step"]) for st in opt.values()}),
+            optimizer_names_ok=set(opt) == names,
+            optimizer_shapes_ok=all(
+                tuple(opt[n][k].shape) == tuple(t.shape)
+                for n, t in engine.local_state().items()
+                for k in ("exp_avg", "exp_avg_sq")
+            ),
+        )
+        return out
+    finally:
+        if isinstance(engine, MegatronEngine):
+            engine.close()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--cases", default="", help="comma-separated config/label (default all)")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    wanted = {tuple(c.split("/", 1)) for c in args.cases.split(",") if c}
+    cases = [c for c in CASES if not wanted or c in wanted]
+    results: dict[str, Any] = {}
+    refs: dict[str, dict[str, Any]] = {}
+    start = time.monotonic()
+    try:
+        for config, label in cases:
+            t0 = time.monotonic()
+            try:
+                key = f"{config}{MASKED}" if label.endswith(MASKED) else config
+                if key not in refs:
+                    refs[key] = reference(config, masked=label.endswith(MASKED))
+                rec = run_case(config, label, refs[key])
+                rec["error"] = None
+            except Exception:
+                rec = {"error": traceback.format_exc()}
+            errors: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, rec["error"])
+            rec["rank_errors"] = errors
+            rec["seconds"] = round(time.monotonic() - t0, 2)
+            results[f"{config}/{label}"] = rec
+            if rank == 0:
+                print(f"{config}/{label}: {json.dumps(rec)}", flush=True)
+    finally:
+        if rank == 0:
+            out = Path(args.out)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "results.json").write_text(
+                json.dumps(
+                    {
+                        "world_size": dist.get_world_size(),
+                        "torch": torch.__version__,
+                        "cases": results,
+                        "seconds": round(time.monotonic() - start, 2),
+                    },
+                    indent=1,
+                    sort_keys=True,
+                )
+            )
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
