@@ -93,9 +93,31 @@ def infer_global_shape(
     return tuple(out)
 
 
-def _bits(t: Tensor) -> Tensor:
-    t = t.contiguous()
-    return t.view(torch.uint8) if t.dtype != torch.bool else t
+def as_bytes(t: Tensor) -> Tensor:
+    """The raw bytes of ``t`` as a flat uint8 tensor (a copy when ``t`` is not dense).
+
+    Bitwise comparison that NaN payloads, ``-0.0`` and zero-stride views cannot fool.
+    """
+    if t.dtype == torch.bool:
+        return t.reshape(-1).to(torch.uint8)
+    dense = torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t) if not _is_dense(t) else t
+    return dense.reshape(-1).view(torch.uint8)
+
+
+def _is_dense(t: Tensor) -> bool:
+    expected = 1
+    for size, stride in zip(reversed(t.shape), reversed(t.stride()), strict=True):
+        if size != 1 and stride != expected:
+            return False
+        if size == 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def bitwise_equal(a: Tensor, b: Tensor) -> bool:
+    """Same shape, same dtype and the same bytes."""
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(as_bytes(a), as_bytes(b))
 
 
 def _reduce(values: list[Tensor], op: str, ranks: list[int]) -> Tensor:
@@ -184,11 +206,11 @@ def unshard(
         first_ranks = ranks_for(shard_c, rep_space[0])
         value = _reduce([locs[r] for r in first_ranks], op, first_ranks)
         if check_replicas and len(rep_space) > 1:
-            ref = _bits(value)
+            ref = as_bytes(value)
             for rep_c in rep_space[1:]:
                 rs = ranks_for(shard_c, rep_c)
                 other = _reduce([locs[r] for r in rs], op, rs)
-                if not torch.equal(ref, _bits(other)):
+                if not torch.equal(ref, as_bytes(other)):
                     raise SpecError(
                         f"replicas disagree: ranks {first_ranks} and {rs} should hold the same data under "
                         f"{sharding} but differ; pass check_replicas=False to take the first replica"

@@ -9,6 +9,7 @@ from areal_fn.convert import mapping_reader, to_hf, to_megatron
 from areal_fn.errors import ConversionError
 from areal_fn.fsdp2_layout import fsdp2_layout
 from areal_fn.inference_layout import inference_layout
+from areal_fn.shard import as_bytes
 from areal_fn.tensor_spec import torch_dtype
 from areal_fn.testing.layouts import megatron_layouts_for
 from areal_fn.testing.models import model_specs
@@ -30,17 +31,13 @@ def random_canonical(model, dtype, seed):
     return out
 
 
-def bits(t):
-    return t.contiguous().view(torch.uint8)
-
-
 def round_trip(layout, canon):
     states = {r: to_megatron(canon, layout, r) for r in range(layout.world_size)}
     back = to_hf(states, layout)
     assert list(back) == [t.name for t in layout.canonical]
     for name, t in canon.items():
         assert back[name].dtype == t.dtype
-        assert torch.equal(bits(back[name]), bits(t)), name
+        assert torch.equal(as_bytes(back[name]), as_bytes(t)), name
     return states
 
 
@@ -109,7 +106,9 @@ def test_streaming_reader_reads_only_pieces(model):
 
     got = to_megatron(read, layout, 1)
     want = to_megatron(canon, layout, 1)
-    assert got.keys() == want.keys() and all(torch.equal(bits(got[k]), bits(want[k])) for k in got)
+    assert got.keys() == want.keys() and all(
+        torch.equal(as_bytes(got[k]), as_bytes(want[k])) for k in got
+    )
     total = sum(b.numel for _, b in asked)
     assert total == sum(
         t.numel() for t in got.values()

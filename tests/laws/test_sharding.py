@@ -25,6 +25,7 @@ from areal_fn import (
     to_partition_spec,
     unshard,
 )
+from areal_fn.shard import as_bytes
 from areal_fn.testing import meshes, shapes, sharded_shapes, shardings, tensors
 
 NS = {
@@ -38,11 +39,6 @@ NS = {
     "StridedShard": StridedShard,
     "TensorSpec": TensorSpec,
 }
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.contiguous()
-    return t if t.dtype == torch.bool else t.view(torch.uint8)
 
 
 @given(sharded_shapes())
@@ -73,7 +69,7 @@ def test_unshard_inverts_shard_bitwise(data):
     for r, loc in enumerate(locs):
         assert tuple(loc.shape) == local_shape(shape, s, r)
         assert loc.is_contiguous()
-    assert torch.equal(bits(unshard(locs, s)), bits(t))
+    assert torch.equal(as_bytes(unshard(locs, s)), as_bytes(t))
 
 
 @given(st.data())
@@ -82,7 +78,7 @@ def test_unshard_inverts_shard_with_partial(data):
     s = data.draw(shardings(len(shape), partial_ops=("sum", "max", "min")))
     t = data.draw(tensors(shape, dtypes=(torch.float32, torch.bfloat16, torch.int64), finite=True))
     locs = [shard(t, s, r) for r in range(s.mesh.size)]
-    assert torch.equal(bits(unshard(locs, s)), bits(t))
+    assert torch.equal(as_bytes(unshard(locs, s)), as_bytes(t))
 
 
 @given(st.data())

@@ -1,0 +1,581 @@
+"""torchrun worker: weight sync from a real FSDP2 trainer to a DTensor-TP inference model.
+
+Launched once by ``tests/dist/test_weight_sync.py`` with 4 ranks (gloo, CPU). Checks
+never raise (a rank that raised would leave the others waiting): they record, and
+``<out>/rank<r>.json`` gets counts, failures, sync reports, errors and measurements.
+
+Sections, in order (each needs the ranks alive that the previous ones left):
+
+``split``
+    trainer ``fsdp:d2`` on ranks 0-1 (a tiny Qwen2 under :func:`apply_fsdp2`), inference
+    ``t2`` on ranks 2-3 (:mod:`areal_fn.runtime.tp_engine`, different initial weights).
+    The inference model's local tensors are checked against
+    ``inference_layout(..., vocab_multiple=1)`` (names, shapes, contents). One AdamW
+    step, then sync v1 over :meth:`SyncGroup.from_world`: bytes, bitwise weights, logits
+    against an unsharded model holding the trained canonical weights.
+``stall``
+    a second step; sync v2 while rank 1 sleeps past the timeout at the start of bucket
+    ``k > 0``: every rank raises ``SyncError`` (receivers naming bucket ``k``, peer 1
+    and the tensors), the inference weights stay v1 bitwise; then ``renew()`` and v2
+    succeeds.
+``colocated``
+    trainer ``fsdp:d2t2`` on ranks 0-3, inference ``t2`` on ranks 0-1 (local copies).
+``death``
+    a standalone group over a ``TCPStore``; sources are full replicas on ranks 0 and 1;
+    rank 1 ``os._exit``\\ s at the start of bucket ``k > 0``: ranks 0, 2, 3 raise
+    ``SyncError``, the weights stay v2 bitwise; the survivors renew the group without
+    rank 1, re-plan from rank 0 alone, and v3 succeeds.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from areal_fn.allocation import ParallelDims  # noqa: E402
+from areal_fn.fsdp2_layout import fsdp2_layout  # noqa: E402
+from areal_fn.inference_layout import inference_layout  # noqa: E402
+from areal_fn.layout import Layout  # noqa: E402
+from areal_fn.model import ModelSpec, model_from_hf_config  # noqa: E402
+from areal_fn.runtime import tp_engine  # noqa: E402
+from areal_fn.runtime.fsdp2 import (  # noqa: E402
+    apply_fsdp2,
+    export_canonical,
+    init_mesh,
+    materialize_local,
+)
+from areal_fn.runtime.sync import (  # noqa: E402
+    SyncError,
+    SyncGroup,
+    SyncReport,
+    open_store,
+    send_and_receive,
+)
+from areal_fn.tensor_spec import DTYPE_BYTES  # noqa: E402
+from areal_fn.transfer import BucketPlan, bucket, plan_transfers  # noqa: E402
+
+WORLD = 4
+#: untied, with q/k/v biases; heads, KV heads, MLP width and vocabulary divisible by 2.
+CONFIG: dict[str, Any] = {
+    "model_type": "qwen2",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 64,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+}
+BUCKET_BYTES = 2048
+TIMEOUT_S = 3.0
+STALL_S = 4.5
+LR = 1e-2
+BATCH, SEQ = 4, 8
+TRAINER, INFER = (0, 1), (2, 3)
+
+
+def spec() -> ModelSpec:
+    return model_from_hf_config(CONFIG)
+
+
+def build_model(s: ModelSpec, seed: int) -> nn.Module:
+    """A transformers model of ``s`` with seeded random values in every parameter."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf = dict(s.hf_config())
+    config = AutoConfig.for_model(str(hf.pop("model_type")), **hf)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            base = 1.0 if name.endswith("norm.weight") else 0.0
+            p.copy_(base + 0.1 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def reference_logits(s: ModelSpec, canonical: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Logits of an unsharded model holding ``canonical`` (names = HF names, untied)."""
+    model = build_model(s, seed=0)
+    model.load_state_dict(dict(canonical), strict=True)
+    with torch.no_grad():
+        return model(input_ids=eval_ids()).logits
+
+
+def eval_ids() -> torch.Tensor:
+    return torch.randint(
+        0, CONFIG["vocab_size"], (2, SEQ), generator=torch.Generator().manual_seed(7)
+    )
+
+
+def train_ids() -> torch.Tensor:
+    return torch.randint(
+        0, CONFIG["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(3)
+    )
+
+
+def shard_bytes(layout: Layout, rank: int) -> int:
+    """Bytes of ``rank``'s local tensors that hold canonical data (padding excluded)."""
+    return sum(
+        p.local_box.numel * DTYPE_BYTES[lt.dtype]
+        for lt in layout.local_tensors(rank)
+        for p in lt.pieces
+        if p.canonical is not None
+    )
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+class Recorder:
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.counts: dict[str, int] = {}
+        self.failures: list[dict[str, Any]] = []
+        self.reports: dict[str, dict[str, Any]] = {}
+        self.errors: dict[str, dict[str, Any]] = {}
+        self.measured: dict[str, Any] = {}
+        self.timings: dict[str, float] = {}
+
+    def count(self, key: str, n: int = 1) -> None:
+        self.counts[key] = self.counts.get(key, 0) + n
+
+    def check(self, ok: bool, key: str, **details: Any) -> None:
+        self.count(key + ".checked")
+        if not ok:
+            self.fail(key, **details)
+
+    def fail(self, key: str, **details: Any) -> None:
+        self.count(key + ".failed")
+        if len(self.failures) < 200:
+            self.failures.append({"check": key, **{k: str(v) for k, v in details.items()}})
+
+    def report(self, key: str, r: SyncReport) -> None:
+        self.reports[key] = {
+            "version": r.version,
+            "bytes_sent": r.bytes_sent,
+            "bytes_received": r.bytes_received,
+            "bytes_copied": r.bytes_copied,
+            "overhead_bytes": r.overhead_bytes,
+            "buckets": r.buckets,
+            "messages": r.messages,
+            "seconds": round(r.seconds, 4),
+        }
+
+    def error(self, key: str, e: SyncError, seconds: float) -> None:
+        self.errors[key] = {
+            "message": str(e),
+            "version": e.version,
+            "bucket": e.bucket,
+            "peer": e.peer,
+            "tensors": list(e.tensors),
+            "seconds": round(seconds, 3),
+        }
+
+    def dump(self, out: Path, world: int, **extra: Any) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        data = {
+            "rank": self.rank,
+            "world_size": world,
+            "counts": self.counts,
+            "failures": self.failures,
+            "reports": self.reports,
+            "errors": self.errors,
+            "measured": self.measured,
+            "timings": self.timings,
+            **extra,
+        }
+        (out / f"rank{self.rank}.json").write_text(json.dumps(data, indent=1, sort_keys=True))
+
+
+def guarded(rec: Recorder, section: str, fn: Callable[[], None]) -> None:
+    start = time.monotonic()
+    try:
+        fn()
+    except Exception:
+        rec.fail(section, error=traceback.format_exc(limit=12))
+    rec.timings[section] = round(time.monotonic() - start, 3)
+
+
+def lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def broadcast_canonical(canonical: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """Rank 0's canonical tensors on every rank of the world (tiny models only)."""
+    box: list[Any] = [canonical]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def first_bucket_from(plan: BucketPlan, src: int) -> int:
+    """The first bucket after bucket 0 in which ``src`` sends to another rank."""
+    for b in plan.buckets[1:]:
+        if any(t.src == src and t.dst != src for t in b.transfers):
+            return b.index
+    raise RuntimeError(f"no bucket > 0 in which rank {src} sends")
+
+
+def expected_failure(plan: BucketPlan, k: int, src: int) -> dict[str, list[str]]:
+    """Per destination rank: the canonical tensors ``src`` sends it in bucket ``k``."""
+    return {
+        str(d): sorted(
+            {t.canonical for t in plan.buckets[k].transfers if t.src == src and t.dst == d}
+        )
+        for d in INFER
+    }
+
+
+def check_live(
+    rec: Recorder,
+    key: str,
+    live: Mapping[str, torch.Tensor],
+    layout: Layout,
+    rank: int,
+    canonical: Mapping[str, torch.Tensor],
+) -> None:
+    for lt in layout.local_tensors(rank):
+        rec.check(same(live[lt.name], materialize_local(lt, canonical)), key, tensor=lt.name)
+
+
+def check_logits(rec: Recorder, key: str, model: nn.Module, want: torch.Tensor) -> None:
+    with torch.no_grad():
+        got = model(input_ids=eval_ids()).logits
+    diff = float((got - want).abs().max())
+    rec.measured[f"{key}.logits_max_abs_diff"] = diff
+    rec.measured[f"{key}.logits_max_abs"] = float(want.abs().max())
+    rec.check(tuple(got.shape) == tuple(want.shape) and diff <= 2e-6, key + ".logits", diff=diff)
+
+
+# ---------------------------------------------------------------- sections
+class State:
+    """What later sections reuse from earlier ones."""
+
+    def __init__(self, meshes: dict[str, DeviceMesh]) -> None:
+        self.meshes = meshes
+        self.trainer: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.infer: nn.Module | None = None
+        self.fsdp: Layout | None = None
+        self.infer_layout: Layout | None = None
+        self.canonical: dict[str, torch.Tensor] = {}  # the newest synced version, every rank
+        self.group: SyncGroup | None = None
+
+
+def trainer_step(st: State, rank: int) -> dict[str, torch.Tensor] | None:
+    """One AdamW step of the d2 trainer; the trained canonical weights on rank 0."""
+    assert st.trainer is not None and st.optimizer is not None and st.fsdp is not None
+    ids = train_ids()
+    half = ids[rank * BATCH // 2 : (rank + 1) * BATCH // 2]
+    st.optimizer.zero_grad()
+    lm_loss(st.trainer(input_ids=half).logits, half).backward()
+    st.optimizer.step()
+    group = st.meshes["d2"].get_group()
+    canonical = export_canonical(st.trainer, st.fsdp, group=group)
+    return canonical if rank == 0 else None
+
+
+def section_split(rec: Recorder, st: State) -> None:
+    rank, meshes = rec.rank, st.meshes
+    s = spec()
+    st.fsdp = fsdp2_layout(s, ParallelDims(dp=2))
+    st.infer_layout = inference_layout(s, ParallelDims(tp=2), vocab_multiple=1)
+    if rank in TRAINER:
+        st.trainer = apply_fsdp2(build_model(s, seed=1), st.fsdp, meshes["d2"])
+        st.optimizer = torch.optim.AdamW(st.trainer.parameters(), lr=LR)
+    else:
+        model = build_model(s, seed=2)
+        before = {n: p.detach().clone() for n, p in model.state_dict().items()}
+        st.infer = tp_engine.apply_tp(model, st.infer_layout, meshes["tp23"])
+        lrank = tp_engine.layout_rank(meshes["tp23"])
+        rec.check(lrank == rank - 2, "engine.layout_rank", got=lrank)
+        problems = tp_engine.check_applied(st.infer, st.infer_layout, lrank)
+        rec.check(problems == [], "engine.layout_shapes", problems=problems[:10])
+        local = tp_engine.local_tensors(st.infer)
+        want = st.infer_layout.local_tensors(lrank)
+        rec.check(list(local) == [lt.name for lt in want], "engine.layout_names")
+        for lt in want:
+            rec.check(
+                same(local[lt.name], materialize_local(lt, before)),
+                "engine.layout_data",
+                tensor=lt.name,
+            )
+            rec.count("engine.tensors")
+    canonical = trainer_step(st, rank) if rank in TRAINER else None
+    if rank in TRAINER:  # the gather by pieces agrees with DTensor's own full_tensor()
+        assert st.trainer is not None
+        full = {
+            n: p.full_tensor() for n, p in st.trainer.named_parameters() if isinstance(p, DTensor)
+        }
+        if rank == 0 and canonical is not None:
+            for n, t in full.items():
+                rec.check(same(t, canonical[n]), "split.full_tensor", tensor=n)
+    st.canonical = broadcast_canonical(canonical)
+
+    plan = plan_transfers(st.fsdp, st.infer_layout, src_ranks=TRAINER, dst_ranks=INFER)
+    bp = bucket(plan, BUCKET_BYTES, version=1)
+    rec.measured["split.plan"] = {
+        "lower_bound": plan.lower_bound,
+        "bytes_total": plan.bytes_total,
+        "recv_bytes": {str(k): v for k, v in plan.recv_bytes().items()},
+        "send_bytes": {str(k): v for k, v in plan.send_bytes().items()},
+        "buckets": len(bp.buckets),
+        "shard_bytes": {str(g): shard_bytes(st.infer_layout, i) for i, g in enumerate(INFER)},
+    }
+    st.group = SyncGroup.from_world(range(WORLD), timeout_s=TIMEOUT_S, connect_timeout_s=60)
+    report = send_and_receive(
+        bp, src_tensors=sources(st, rank), dst_tensors=destinations(st, rank), group=st.group
+    )
+    rec.report("split", report)
+    if rank in INFER:
+        assert st.infer is not None
+        check_live(
+            rec,
+            "split.weights",
+            tp_engine.local_tensors(st.infer),
+            st.infer_layout,
+            rank - 2,
+            st.canonical,
+        )
+        check_logits(rec, "split", st.infer, reference_logits(s, st.canonical))
+
+
+def sources(st: State, rank: int) -> dict[str, torch.Tensor]:
+    if rank not in TRAINER or st.trainer is None:
+        return {}
+    return tp_engine.local_tensors(st.trainer)
+
+
+def destinations(st: State, rank: int) -> dict[str, torch.Tensor]:
+    if rank not in INFER or st.infer is None:
+        return {}
+    return tp_engine.local_tensors(st.infer)
+
+
+def section_stall(rec: Recorder, st: State) -> None:
+    rank = rec.rank
+    s = spec()
+    assert st.fsdp is not None and st.infer_layout is not None and st.group is not None
+    previous = st.canonical
+    canonical = trainer_step(st, rank) if rank in TRAINER else None
+    new = broadcast_canonical(canonical)
+    plan = plan_transfers(st.fsdp, st.infer_layout, src_ranks=TRAINER, dst_ranks=INFER)
+    bp = bucket(plan, BUCKET_BYTES, version=2)
+    k = first_bucket_from(bp, 1)
+    rec.measured["stall.bucket"] = k
+    rec.measured["stall.tensors"] = expected_failure(bp, k, 1)
+
+    def stall(b: int) -> None:
+        if rank == 1 and b == k:
+            time.sleep(STALL_S)
+
+    dist.barrier()
+    start = time.monotonic()
+    try:
+        send_and_receive(
+            bp,
+            src_tensors=sources(st, rank),
+            dst_tensors=destinations(st, rank),
+            group=st.group,
+            on_bucket=stall,
+        )
+        rec.fail("stall.raised", what="the stalled sync returned")
+    except SyncError as e:
+        rec.error("stall", e, time.monotonic() - start)
+    if rank in INFER:
+        assert st.infer is not None
+        check_live(
+            rec,
+            "stall.unchanged",
+            tp_engine.local_tensors(st.infer),
+            st.infer_layout,
+            rank - 2,
+            previous,
+        )
+    start = time.monotonic()
+    st.group = st.group.renew()
+    rec.measured["stall.renew_s"] = round(time.monotonic() - start, 3)
+    report = send_and_receive(
+        bp, src_tensors=sources(st, rank), dst_tensors=destinations(st, rank), group=st.group
+    )
+    rec.report("stall.retry", report)
+    st.canonical = new
+    if rank in INFER:
+        assert st.infer is not None
+        check_live(
+            rec,
+            "stall.retry_weights",
+            tp_engine.local_tensors(st.infer),
+            st.infer_layout,
+            rank - 2,
+            new,
+        )
+        check_logits(rec, "stall.retry", st.infer, reference_logits(s, new))
+
+
+def section_colocated(rec: Recorder, st: State) -> None:
+    rank, meshes = rec.rank, st.meshes
+    s = spec()
+    fsdp = fsdp2_layout(s, ParallelDims(dp=2, tp=2))
+    infer = inference_layout(s, ParallelDims(tp=2), vocab_multiple=1)
+    dm = meshes["d2t2"]
+    trainer = apply_fsdp2(build_model(s, seed=3), fsdp, dm)
+    model = None
+    if rank in (0, 1):
+        model = tp_engine.apply_tp(build_model(s, seed=4), infer, meshes["tp01"])
+    opt = torch.optim.AdamW(trainer.parameters(), lr=LR)
+    ids = train_ids()
+    d = dm.get_local_rank("dp_shard")
+    half = ids[d * BATCH // 2 : (d + 1) * BATCH // 2]
+    lm_loss(trainer(input_ids=half).logits, half).backward()
+    opt.step()
+    canonical = export_canonical(trainer, fsdp)
+    plan = plan_transfers(fsdp, infer, src_ranks=range(WORLD), dst_ranks=(0, 1))
+    bp = bucket(plan, BUCKET_BYTES, version=1)
+    rec.measured["colocated.plan"] = {
+        "lower_bound": plan.lower_bound,
+        "bytes_total": plan.bytes_total,
+        "recv_bytes": {str(k): v for k, v in plan.recv_bytes().items()},
+        "local_bytes": {
+            str(g): sum(t.nbytes for t in plan.transfers if t.is_local and t.dst == g)
+            for g in (0, 1)
+        },
+        "shard_bytes": {str(g): shard_bytes(infer, g) for g in (0, 1)},
+    }
+    group = SyncGroup.from_world(range(WORLD), timeout_s=TIMEOUT_S, connect_timeout_s=60)
+    live = tp_engine.local_tensors(model) if model is not None else {}
+    report = send_and_receive(
+        bp, src_tensors=tp_engine.local_tensors(trainer), dst_tensors=live, group=group
+    )
+    rec.report("colocated", report)
+    if model is not None:
+        check_live(rec, "colocated.weights", live, infer, rank, canonical)
+        check_logits(rec, "colocated", model, reference_logits(s, canonical))
+    group.abort()
+
+
+def section_death(rec: Recorder, st: State, out: Path) -> None:
+    rank = rec.rank
+    s = spec()
+    assert st.infer_layout is not None
+    box: list[Any] = [None]
+    store = None
+    if rank == 0:
+        store = open_store("127.0.0.1", 0, is_master=True)
+        box = [store.port]
+    dist.broadcast_object_list(box, src=0)
+    if store is None:
+        store = open_store("127.0.0.1", int(box[0]), is_master=False)
+    group = SyncGroup.from_store(
+        store, members=range(WORLD), rank=rank, timeout_s=TIMEOUT_S, name="death"
+    )
+    previous = st.canonical
+    v3 = {n: t + 0.01 for n, t in previous.items()}  # the next version, whole on 0 and 1
+    replicas = inference_layout(s, ParallelDims(dp=2), vocab_multiple=1)
+    bp = bucket(
+        plan_transfers(replicas, st.infer_layout, src_ranks=TRAINER, dst_ranks=INFER),
+        BUCKET_BYTES,
+        version=3,
+    )
+    k = first_bucket_from(bp, 1)
+    rec.measured["death.bucket"] = k
+    rec.measured["death.tensors"] = expected_failure(bp, k, 1)
+    src = v3 if rank in TRAINER else {}
+    dst = destinations(st, rank)
+    if rank == 1:
+        rec.measured["death.exited"] = True
+        rec.dump(out, WORLD)
+
+    def die(b: int) -> None:
+        if rank == 1 and b == k:
+            sys.stdout.flush()
+            os._exit(0)
+
+    dist.barrier()
+    start = time.monotonic()
+    try:
+        send_and_receive(bp, src_tensors=src, dst_tensors=dst, group=group, on_bucket=die)
+        rec.fail("death.raised", what="the sync whose sender died returned")
+    except SyncError as e:
+        rec.error("death", e, time.monotonic() - start)
+    if rank in INFER:
+        assert st.infer is not None
+        check_live(rec, "death.unchanged", dst, st.infer_layout, rank - 2, previous)
+    # the survivors: a new generation without rank 1, re-planned from rank 0 alone
+    survivors = (0, *INFER)
+    group = group.renew(members=survivors)
+    whole = inference_layout(s, ParallelDims(), vocab_multiple=1)
+    bp = bucket(
+        plan_transfers(whole, st.infer_layout, src_ranks=(0,), dst_ranks=INFER),
+        BUCKET_BYTES,
+        version=3,
+    )
+    report = send_and_receive(bp, src_tensors=src, dst_tensors=dst, group=group)
+    rec.report("death.retry", report)
+    if rank in INFER:
+        assert st.infer is not None
+        check_live(rec, "death.retry_weights", dst, st.infer_layout, rank - 2, v3)
+        check_logits(rec, "death.retry", st.infer, reference_logits(s, v3))
+    rec.measured["death.generation"] = group.generation
+
+
+# ---------------------------------------------------------------- main
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    out = Path(args.out)
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rec = Recorder(rank)
+    try:
+        if world != WORLD:
+            rec.fail("setup", what=f"expected {WORLD} ranks, got {world}")
+            return 1
+        start = time.monotonic()
+        # every rank creates every mesh (new_group is collective over the world)
+        meshes = {
+            "d2": DeviceMesh("cpu", list(TRAINER), mesh_dim_names=("dp_shard",)),
+            "tp23": DeviceMesh("cpu", list(INFER), mesh_dim_names=("tp",)),
+            "tp01": DeviceMesh("cpu", [0, 1], mesh_dim_names=("tp",)),
+            "d2t2": init_mesh(fsdp2_layout(spec(), ParallelDims(dp=2, tp=2)).meshes[0]),
+        }
+        rec.timings["meshes"] = round(time.monotonic() - start, 3)
+        st = State(meshes)
+        guarded(rec, "split", lambda: section_split(rec, st))
+        guarded(rec, "stall", lambda: section_stall(rec, st))
+        guarded(rec, "colocated", lambda: section_colocated(rec, st))
+        guarded(rec, "death", lambda: section_death(rec, st, out))
+        rec.timings["total"] = round(time.monotonic() - start, 3)
+    finally:
+        rec.dump(out, world, torch=torch.__version__)
+        dist.destroy_process_group()
+    return 1 if rec.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,591 @@
+"""Weight sync (:mod:`areal_fn.runtime.sync`): the executor against the plan's semantics.
+
+Two kinds of tests:
+
+- **in-process** (fast): the members of a sync are threads of this process, each with
+  its own gloo process group over one ``HashStore``. The executor's result must equal
+  :func:`~areal_fn.transfer_apply.apply_transfers` (the plan's reference semantics)
+  bitwise; faults (a stalled sender, another version, other dtypes, a missing
+  tensor) must raise ``SyncError``/``PlanError`` on every member and leave every live
+  tensor as it was; a renewed group must then sync.
+- **torchrun** (one launch of ``sync_worker.py``, 4 processes): a real FSDP2 trainer
+  to a DTensor-TP inference model, colocated and not, a stalled and a dead sender
+  (see the worker's docstring); the tests below read its records.
+"""
+
+import importlib.util
+import json
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from areal_fn.allocation import ParallelDims
+from areal_fn.convert import to_megatron
+from areal_fn.errors import PlanError
+from areal_fn.fsdp2_layout import fsdp2_layout
+from areal_fn.inference_layout import inference_layout
+from areal_fn.layout import Layout
+from areal_fn.megatron_layout import megatron_layout
+from areal_fn.model import model_from_hf_config
+from areal_fn.runtime.fsdp2 import materialize_local
+from areal_fn.runtime.sync import SyncError, SyncGroup, SyncReport, send_and_receive
+from areal_fn.transfer import BucketPlan, bucket, plan_transfers
+from areal_fn.transfer_apply import apply_transfers
+from tests.dist import sync_worker as worker
+
+SPEC = model_from_hf_config(
+    {
+        "model_type": "qwen2",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 72,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
+)
+
+
+# ---------------------------------------------------------------- in-process harness
+def run_ranks(n: int, fn: Callable[[int, dist.Store], Any], *, timeout_s: float = 30) -> list[Any]:
+    """Run ``fn(rank, store)`` on ``n`` threads; each result, or the exception it raised."""
+    store = dist.HashStore()
+    out: list[Any] = [None] * n
+
+    def body(rank: int) -> None:
+        try:
+            out[rank] = fn(rank, store)
+        except Exception as e:  # collected for the test to inspect
+            out[rank] = e
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    return out
+
+
+def canonical(seed: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {c.name: torch.randn(c.shape, generator=gen).to(dtype) for c in SPEC.tensors}
+
+
+def locals_of(
+    layout: Layout, rank: int, values: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    return {lt.name: materialize_local(lt, values) for lt in layout.local_tensors(rank)}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and torch.equal(bits(a[k]), bits(b[k])) for k in a
+    )
+
+
+class Case:
+    """Source and destination layouts on global ranks, their tensors, and the reference."""
+
+    def __init__(
+        self,
+        src: Layout,
+        dst: Layout,
+        src_ranks: tuple[int, ...],
+        dst_ranks: tuple[int, ...],
+        *,
+        max_bytes: int = 1500,
+        version: int = 1,
+    ) -> None:
+        self.src, self.dst = src, dst
+        self.src_ranks, self.dst_ranks = src_ranks, dst_ranks
+        self.world = max(src_ranks + dst_ranks) + 1
+        self.plan = plan_transfers(src, dst, src_ranks=src_ranks, dst_ranks=dst_ranks)
+        self.buckets = bucket(self.plan, max_bytes, version=version)
+
+    def sources(self, rank: int, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if rank not in self.src_ranks:
+            return {}
+        return locals_of(self.src, self.src_ranks.index(rank), values)
+
+    def live(self, rank: int, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if rank not in self.dst_ranks:
+            return {}
+        return locals_of(self.dst, self.dst_ranks.index(rank), values)
+
+    def reference(
+        self, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]
+    ) -> list[dict[str, torch.Tensor]]:
+        """Every rank's destination tensors after ``apply_transfers`` (in one process)."""
+        srcs = {r: self.sources(r, new) for r in range(self.world)}
+        dsts = {r: self.live(r, old) for r in range(self.world)}
+        apply_transfers(self.plan.transfers, srcs, dsts)  # type: ignore[arg-type]
+        return [dsts[r] for r in range(self.world)]
+
+
+def split_case(**kw: Any) -> Case:
+    """Trainer fsdp:d2 on ranks 0-1, inference t2 on ranks 2-3."""
+    return Case(
+        fsdp2_layout(SPEC, ParallelDims(dp=2)),
+        inference_layout(SPEC, ParallelDims(tp=2)),  # vocab padded 72 -> 128: padding rows
+        (0, 1),
+        (2, 3),
+        **kw,
+    )
+
+
+def sync_all(
+    case: Case,
+    old: dict[str, torch.Tensor],
+    new: dict[str, torch.Tensor],
+    *,
+    timeout_s: float = 10,
+    plan_for: Callable[[int], BucketPlan] | None = None,
+    prepare: Callable[[int, dict[str, torch.Tensor], dict[str, torch.Tensor]], None] | None = None,
+    on_bucket: Callable[[int, int], None] | None = None,
+    wire_dtype: torch.dtype | None = None,
+    retry: bool = False,
+) -> tuple[list[Any], list[dict[str, torch.Tensor]], list[Any]]:
+    """Run one sync on ``case.world`` threads: (results, live tensors, retry results)."""
+    lives = [case.live(r, old) for r in range(case.world)]
+    retried: list[Any] = [None] * case.world
+
+    def body(rank: int, store: dist.Store) -> Any:
+        group = SyncGroup.from_store(
+            store, members=range(case.world), rank=rank, timeout_s=timeout_s
+        )
+        src = case.sources(rank, new)
+        if prepare is not None:
+            prepare(rank, src, lives[rank])
+        plan = plan_for(rank) if plan_for is not None else case.buckets
+        try:
+            result: Any = send_and_receive(
+                plan,
+                src_tensors=src,
+                dst_tensors=lives[rank],
+                group=group,
+                wire_dtype=wire_dtype,
+                on_bucket=None if on_bucket is None else (lambda b: on_bucket(rank, b)),
+            )
+        except Exception as e:
+            result = e
+        if retry:
+            group = group.renew()
+            retried[rank] = send_and_receive(
+                case.buckets,
+                src_tensors=case.sources(rank, new),
+                dst_tensors=lives[rank],
+                group=group,
+            )
+        return result
+
+    return run_ranks(case.world, body), lives, retried
+
+
+# ---------------------------------------------------------------- in-process tests
+def test_sync_equals_the_reference_semantics_and_counts_bytes() -> None:
+    case = split_case()
+    old, new = canonical(0), canonical(1)
+    results, lives, _ = sync_all(case, old, new)
+    want = case.reference(old, new)
+    for rank, r in enumerate(results):
+        assert isinstance(r, SyncReport), r
+        assert r.version == 1 and r.buckets == len(case.buckets.buckets)
+        assert r.bytes_sent == case.plan.send_bytes().get(rank, 0)
+        assert r.bytes_received == case.plan.recv_bytes().get(rank, 0)
+        assert r.bytes_copied == 0
+        assert same(lives[rank], want[rank])
+    assert sum(r.bytes_received for r in results) == case.plan.lower_bound == case.plan.bytes_total
+    # padding rows of the vocabulary-padded embeddings keep what they held
+    emb = case.dst.local_tensors(1)[0]
+    assert emb.name == "model.embed_tokens.weight" and any(p.canonical is None for p in emb.pieces)
+
+
+def test_colocated_ranks_copy_locally() -> None:
+    case = Case(
+        fsdp2_layout(SPEC, ParallelDims(dp=2, tp=2)),
+        inference_layout(SPEC, ParallelDims(tp=2), vocab_multiple=1),
+        (0, 1, 2, 3),
+        (0, 1),
+    )
+    old, new = canonical(2), canonical(3)
+    results, lives, _ = sync_all(case, old, new)
+    want = case.reference(old, new)
+    for rank in (0, 1):
+        r = results[rank]
+        assert isinstance(r, SyncReport), r
+        local = sum(t.nbytes for t in case.plan.transfers if t.is_local and t.dst == rank)
+        assert r.bytes_copied == local > 0
+        assert r.bytes_received + r.bytes_copied == sum(
+            p.local_box.numel * 4 for lt in case.dst.local_tensors(rank) for p in lt.pieces
+        )
+        assert same(lives[rank], want[rank]) and same(lives[rank], case.live(rank, new))
+    assert sum(r.bytes_received for r in results) == case.plan.lower_bound
+
+
+def test_one_group_carries_successive_versions() -> None:
+    case = split_case()
+    values = [canonical(40 + v) for v in range(4)]
+    lives = [case.live(r, values[0]) for r in range(case.world)]
+
+    def body(rank: int, store: dist.Store) -> list[int]:
+        group = SyncGroup.from_store(store, members=range(4), rank=rank, timeout_s=10)
+        versions = []
+        for v in (1, 2, 3):
+            plan = bucket(case.plan, 1500, version=v)
+            report = send_and_receive(
+                plan,
+                src_tensors=case.sources(rank, values[v]),
+                dst_tensors=lives[rank],
+                group=group,
+            )
+            versions.append(report.version)
+        # the keys of all but the last two syncs are gone from the store
+        assert not store.check([group._key(0, f"at/{rank}")]) and store.check(
+            [group._key(2, f"at/{rank}")]
+        )
+        return versions
+
+    assert run_ranks(4, body) == [[1, 2, 3]] * 4
+    for rank in case.dst_ranks:
+        assert same(lives[rank], case.reference(values[0], values[3])[rank])
+
+
+def test_megatron_pipeline_to_inference_through_fused_pieces() -> None:
+    """Megatron t2p2 (fused ``linear_qkv``/``linear_fc1``, padded vocabulary) -> SGLang t2.
+
+    The sources are what :func:`~areal_fn.convert.to_megatron` gives each rank; no
+    conversion runs on the way: the plan's pieces do it.
+    """
+    case = Case(
+        megatron_layout(SPEC, ParallelDims(tp=2, pp=2)),
+        inference_layout(SPEC, ParallelDims(tp=2)),
+        (0, 1, 2, 3),
+        (4, 5),
+        max_bytes=4096,
+    )
+    old, new = canonical(30), canonical(31)
+    lives = [case.live(r, old) for r in range(case.world)]
+
+    def body(rank: int, store: dist.Store) -> Any:
+        group = SyncGroup.from_store(store, members=range(case.world), rank=rank, timeout_s=10)
+        src = to_megatron(new, case.src, rank) if rank in case.src_ranks else {}
+        return send_and_receive(case.buckets, src_tensors=src, dst_tensors=lives[rank], group=group)
+
+    results = run_ranks(case.world, body)
+    assert all(isinstance(r, SyncReport) for r in results), results
+    assert any("linear_qkv" in t.src_tensor for t in case.plan.transfers)
+    for rank in case.dst_ranks:
+        want = case.live(rank, new)  # the new weights; padding rows keep the old (zero) rows
+        assert same(lives[rank], want)
+        assert results[rank].bytes_received == case.plan.recv_bytes()[rank]
+
+
+def test_wire_dtype_casts_on_the_way() -> None:
+    case = split_case()
+    old, new = canonical(4), canonical(5)
+
+    def as_bf16(rank: int, src: dict[str, torch.Tensor], live: dict[str, torch.Tensor]) -> None:
+        for k in live:
+            live[k] = live[k].to(torch.bfloat16)
+
+    results, lives, _ = sync_all(case, old, new, prepare=as_bf16, wire_dtype=torch.bfloat16)
+    want = case.reference(old, new)
+    for rank in (2, 3):
+        r = results[rank]
+        assert isinstance(r, SyncReport), r
+        assert r.bytes_received == case.plan.recv_bytes()[rank] // 2  # 2-byte elements travel
+        assert same(lives[rank], {k: v.to(torch.bfloat16) for k, v in want[rank].items()})
+
+
+def _assert_unchanged(
+    case: Case, lives: list[dict[str, torch.Tensor]], old: dict[str, torch.Tensor]
+) -> None:
+    for rank in case.dst_ranks:
+        assert same(lives[rank], case.live(rank, old)), f"rank {rank}'s live tensors changed"
+
+
+def test_a_stalled_sender_fails_every_member_and_changes_nothing_then_renew_syncs() -> None:
+    case = split_case()
+    old, new = canonical(6), canonical(7)
+    k = next(
+        b.index
+        for b in case.buckets.buckets[1:]
+        if any(t.src == 1 and t.dst == 2 for t in b.transfers)
+    )
+
+    def stall(rank: int, b: int) -> None:
+        if rank == 1 and b == k:
+            time.sleep(1.5)
+
+    results, lives, retried = sync_all(case, old, new, timeout_s=0.8, on_bucket=stall, retry=True)
+    assert all(isinstance(r, SyncError) for r in results), results
+    direct = results[2]
+    assert direct.bucket == k and direct.peer == 1 and direct.version == 1
+    assert set(direct.tensors) == {
+        t.canonical for t in case.buckets.buckets[k].transfers if t.src == 1 and t.dst == 2
+    }
+    assert f"bucket {k}" in str(direct) and "rank 1" in str(direct)
+    assert all(isinstance(r, SyncReport) for r in retried), retried
+    want = case.reference(old, new)
+    for rank in case.dst_ranks:  # the retry wrote the new version
+        assert same(lives[rank], want[rank])
+
+
+def test_a_stall_leaves_live_tensors_bitwise_unchanged() -> None:
+    case = split_case()
+    old, new = canonical(8), canonical(9)
+
+    last = max(b.index for b in case.buckets.buckets if any(t.src == 0 for t in b.transfers))
+
+    def stall(rank: int, b: int) -> None:  # in the last bucket: most of v1 already arrived
+        if rank == 0 and b == last:
+            time.sleep(1.2)
+
+    results, lives, _ = sync_all(case, old, new, timeout_s=0.6, on_bucket=stall)
+    assert all(isinstance(r, SyncError) for r in results), results
+    _assert_unchanged(case, lives, old)
+
+
+def test_another_version_is_refused_by_the_receivers() -> None:
+    case = split_case(version=4)
+    other = bucket(case.plan, 1500, version=5)
+    old, new = canonical(10), canonical(11)
+    results, lives, _ = sync_all(
+        case, old, new, plan_for=lambda r: other if r == 0 else case.buckets
+    )
+    assert all(isinstance(r, SyncError) for r in results), results
+    messages = " ".join(str(r) for r in results)
+    assert "the sender syncs version 5, this rank expects version 4" in messages
+    _assert_unchanged(case, lives, old)
+
+
+def test_another_bucketing_is_refused() -> None:
+    case = split_case()
+    other = bucket(case.plan, 1000, version=1)
+    old, new = canonical(12), canonical(13)
+    results, lives, _ = sync_all(
+        case, old, new, timeout_s=2, plan_for=lambda r: other if r in (0, 1) else case.buckets
+    )
+    assert all(isinstance(r, SyncError) for r in results), results
+    assert all("the sender's transfers differ from this rank's plan" in str(r) for r in results)
+    _assert_unchanged(case, lives, old)
+
+
+def test_other_dtypes_are_refused() -> None:
+    case = split_case()
+    old, new = canonical(14), canonical(15)
+
+    def half(rank: int, src: dict[str, torch.Tensor], live: dict[str, torch.Tensor]) -> None:
+        for k in src:  # same element size as bfloat16: only the header tells them apart
+            src[k] = src[k].to(torch.float16)
+        for k in live:
+            live[k] = live[k].to(torch.bfloat16)
+
+    results, lives, _ = sync_all(case, old, new, prepare=half)
+    assert all(isinstance(r, SyncError) for r in results), results
+    assert "the sender's dtypes differ" in " ".join(str(r) for r in results)
+    for rank in case.dst_ranks:
+        assert same(lives[rank], {k: v.to(torch.bfloat16) for k, v in case.live(rank, old).items()})
+
+
+def test_a_missing_tensor_is_a_plan_error_and_the_others_fail_fast() -> None:
+    case = split_case()
+    old, new = canonical(16), canonical(17)
+
+    def drop(rank: int, src: dict[str, torch.Tensor], live: dict[str, torch.Tensor]) -> None:
+        if rank == 3:
+            del live["model.norm.weight"]
+
+    start = time.monotonic()
+    results, _, _ = sync_all(case, old, new, timeout_s=20, prepare=drop)
+    assert time.monotonic() - start < 10  # not the timeout: the failure was published
+    assert isinstance(results[3], PlanError)
+    assert "needs destination tensor 'model.norm.weight'" in str(results[3])
+    assert all(isinstance(r, SyncError) for r in results[:3]), results
+    assert "needs destination tensor 'model.norm.weight'" in str(results[2])
+
+
+def test_a_failing_progress_hook_aborts_every_member() -> None:
+    case = split_case()
+    old, new = canonical(18), canonical(19)
+
+    def hook(rank: int, b: int) -> None:
+        if rank == 2 and b > 0:
+            raise ValueError("progress sink is full")
+
+    start = time.monotonic()
+    results, lives, _ = sync_all(case, old, new, timeout_s=20, on_bucket=hook)
+    assert time.monotonic() - start < 10
+    assert isinstance(results[2], ValueError)
+    assert all(isinstance(results[r], SyncError) for r in (0, 1, 3)), results
+    assert "progress sink is full" in str(results[0])
+    _assert_unchanged(case, lives, old)
+
+
+def test_a_spent_group_must_be_renewed() -> None:
+    case = split_case()
+
+    def body(rank: int, store: dist.Store) -> Any:
+        group = SyncGroup.from_store(store, members=range(4), rank=rank, timeout_s=5)
+        group.abort()
+        assert group.broken and "broken" in repr(group)
+        with pytest.raises(SyncError, match=r"spent by an earlier failure; call group\.renew"):
+            send_and_receive(case.buckets, src_tensors={}, dst_tensors={}, group=group)
+        return group.renew().generation
+
+    assert run_ranks(4, body) == [1, 1, 1, 1]
+
+
+def test_a_plan_over_ranks_outside_the_group_is_refused() -> None:
+    case = split_case()
+
+    def body(rank: int, store: dist.Store) -> Any:
+        group = SyncGroup.from_store(store, members=range(3), rank=rank, timeout_s=5)
+        with pytest.raises(
+            PlanError, match=r"names ranks \[3\] outside the sync group \[0, 1, 2\]"
+        ):
+            send_and_receive(case.buckets, src_tensors={}, dst_tensors={}, group=group)
+
+    assert run_ranks(3, body) == [None] * 3
+
+
+def test_a_member_that_never_arrives_is_named() -> None:
+    def body(rank: int, store: dist.Store) -> Any:
+        if rank == 0:
+            with pytest.raises(SyncError, match=r"members \[1\] did not arrive within 0.5s"):
+                SyncGroup.from_store(store, members=(0, 1), rank=0, connect_timeout_s=0.5)
+
+    run_ranks(1, body)
+
+
+# ---------------------------------------------------------------- torchrun
+WORKER = Path(__file__).with_name("sync_worker.py")
+REPO = Path(__file__).resolve().parents[2]
+WORLD = 4
+#: the worker's model: every rank checks each of its canonical tensors
+N_TENSORS = len(model_from_hf_config(worker.CONFIG).tensors)
+needs_transformers = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None, reason="needs transformers"
+)
+
+
+@pytest.fixture(scope="module")
+def records(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    from areal_fn.runtime.launch import run_torchrun
+
+    out = Path(request.config.cache.mkdir("weight_sync"))
+    shutil.rmtree(out)
+    out.mkdir(parents=True)
+    result = run_torchrun(
+        WORKER, ["--out", str(out)], nproc=WORLD, timeout_s=85, cwd=REPO, check=False
+    )
+    recs = []
+    for r in range(WORLD):
+        path = out / f"rank{r}.json"
+        assert path.exists(), result.report()
+        recs.append(json.loads(path.read_text()))
+    assert result.ok or any(rec["failures"] for rec in recs), result.report()
+    return recs
+
+
+@needs_transformers
+class TestLaunch:
+    """Read the records of one ``sync_worker.py`` launch."""
+
+    pytestmark: ClassVar = [
+        pytest.mark.dist,
+        pytest.mark.slow,
+        pytest.mark.xdist_group("weight_sync"),
+    ]
+
+    def test_no_check_failed(self, records: list[dict[str, Any]]) -> None:
+        for rec in records:
+            assert rec["world_size"] == WORLD
+            assert rec["failures"] == [], json.dumps(rec["failures"][:5], indent=1)
+
+    def test_tp_engine_holds_the_inference_layout(self, records: list[dict[str, Any]]) -> None:
+        for rank in (2, 3):
+            c = records[rank]["counts"]
+            n = c["engine.tensors"]
+            assert n == N_TENSORS
+            assert c["engine.layout_data.checked"] == n
+            assert c["engine.layout_names.checked"] == c["engine.layout_shapes.checked"] == 1
+
+    def test_split_sync_bytes_and_logits(self, records: list[dict[str, Any]]) -> None:
+        plan = records[0]["measured"]["split.plan"]
+        assert plan["bytes_total"] == plan["lower_bound"]
+        for rank in (2, 3):
+            rep = records[rank]["reports"]["split"]
+            assert rep["version"] == 1
+            assert (
+                rep["bytes_received"]
+                == plan["shard_bytes"][str(rank)]
+                == plan["recv_bytes"][str(rank)]
+            )
+            assert records[rank]["counts"]["split.weights.checked"] == N_TENSORS
+            assert records[rank]["measured"]["split.logits_max_abs_diff"] <= 2e-6
+        for rank in (0, 1):
+            assert records[rank]["reports"]["split"]["bytes_sent"] == plan["send_bytes"][str(rank)]
+        assert (
+            sum(rec["reports"]["split"]["bytes_received"] for rec in records) == plan["lower_bound"]
+        )
+        assert records[0]["counts"]["split.full_tensor.checked"] == N_TENSORS
+
+    def test_stalled_sender(self, records: list[dict[str, Any]]) -> None:
+        k = records[0]["measured"]["stall.bucket"]
+        assert k > 0
+        for rec in records:
+            err = rec["errors"]["stall"]
+            assert err["version"] == 2
+            assert rec["reports"]["stall.retry"]["version"] == 2
+        direct = records[2]["errors"]["stall"]
+        assert (direct["bucket"], direct["peer"]) == (k, 1)
+        assert direct["tensors"] == records[0]["measured"]["stall.tensors"]["2"]
+        assert "Timed out" in direct["message"]
+        for rank in (2, 3):
+            c = records[rank]["counts"]
+            assert c["stall.unchanged.checked"] == c["stall.retry_weights.checked"] == N_TENSORS
+            assert records[rank]["measured"]["stall.retry.logits_max_abs_diff"] <= 2e-6
+
+    def test_colocated_sync_copies_locally(self, records: list[dict[str, Any]]) -> None:
+        plan = records[0]["measured"]["colocated.plan"]
+        assert plan["bytes_total"] == plan["lower_bound"]
+        for rank in (0, 1):
+            rep = records[rank]["reports"]["colocated"]
+            assert rep["bytes_copied"] == plan["local_bytes"][str(rank)] > 0
+            assert rep["bytes_received"] + rep["bytes_copied"] == plan["shard_bytes"][str(rank)]
+            assert records[rank]["measured"]["colocated.logits_max_abs_diff"] <= 2e-6
+        assert (
+            sum(rec["reports"]["colocated"]["bytes_received"] for rec in records)
+            == plan["lower_bound"]
+        )
+
+    def test_dead_sender(self, records: list[dict[str, Any]]) -> None:
+        assert records[1]["measured"]["death.exited"] is True
+        k = records[0]["measured"]["death.bucket"]
+        assert k > 0
+        for rank in (0, 2, 3):
+            assert records[rank]["errors"]["death"]["version"] == 3
+            assert records[rank]["reports"]["death.retry"]["version"] == 3
+            assert records[rank]["measured"]["death.generation"] == 1
+        direct = records[2]["errors"]["death"]
+        assert (direct["bucket"], direct["peer"]) == (k, 1)
+        assert direct["tensors"] == records[0]["measured"]["death.tensors"]["2"]
+        for rank in (2, 3):
+            c = records[rank]["counts"]
+            assert c["death.unchanged.checked"] == c["death.retry_weights.checked"] == N_TENSORS
+            assert records[rank]["measured"]["death.retry.logits_max_abs_diff"] <= 2e-6
