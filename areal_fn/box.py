@@ -41,6 +41,13 @@ class Box:
     ranges: tuple[tuple[int, int], ...] = attrs.field(converter=_ranges)
 
     @classmethod
+    def _trusted(cls, ranges: tuple[tuple[int, int], ...]) -> "Box":
+        """A box from ranges already known valid (internal hot paths; no checks)."""
+        box = object.__new__(cls)
+        object.__setattr__(box, "ranges", ranges)
+        return box
+
+    @classmethod
     def full(cls, shape: Sequence[int]) -> "Box":
         """The box covering a whole tensor of ``shape``."""
         return (
@@ -91,7 +98,7 @@ class Box:
             if lo >= hi:
                 return None
             out.append((lo, hi))
-        return Box(ranges=tuple(out))
+        return Box._trusted(tuple(out))
 
     def contains(self, other: "Box") -> bool:
         self._check_ndim(other)
@@ -104,9 +111,12 @@ class Box:
         """Translate by ``offset`` (may be negative, the result must stay >= 0)."""
         if len(offset) != self.ndim:
             raise SpecError(f"offset {tuple(offset)} has {len(offset)} dims, box has {self.ndim}")
-        return Box(
-            ranges=tuple((lo + o, hi + o) for (lo, hi), o in zip(self.ranges, offset, strict=True))
-        )
+        out = tuple((lo + o, hi + o) for (lo, hi), o in zip(self.ranges, offset, strict=True))
+        if any(lo < 0 for lo, _ in out):
+            raise SpecError(
+                f"{self} shifted by {tuple(offset)} leaves the index space (negative start)"
+            )
+        return Box._trusted(out)
 
     def relative_to(self, outer: "Box") -> "Box":
         """This box in the coordinates of ``outer`` (which must contain it)."""

@@ -96,7 +96,7 @@ class Piece:
                 for lo, c in zip(self.local_box.start[k:], self.canonical_box.start, strict=True)
             )
         )
-        return Box(ranges=self.local_box.ranges[:k] + shifted.ranges)
+        return Box._trusted(self.local_box.ranges[:k] + shifted.ranges)
 
 
 @attrs.frozen(kw_only=True)
@@ -212,7 +212,7 @@ def _local(t: LogicalTensor, coords: tuple[int, ...]) -> LocalTensor:
                 continue
             covered += inter.numel
             k = f.stacked_dims
-            inner = Box(ranges=inter.ranges[k:]) if k else inter
+            inner = Box._trusted(inter.ranges[k:]) if k else inter
             cbox = inner.shift(
                 tuple(
                     c - lo
@@ -258,7 +258,7 @@ def _subtract(box: Box, holes: Sequence[Box]) -> list[Box]:
 def _with_range(box: Box, d: int, r: tuple[int, int]) -> Box:
     ranges = list(box.ranges)
     ranges[d] = r
-    return Box(ranges=tuple(ranges))
+    return Box._trusted(tuple(ranges))
 
 
 def _check_tensors(_inst: object, _attr: object, tensors: tuple[LogicalTensor, ...]) -> None:

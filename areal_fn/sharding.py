@@ -193,7 +193,7 @@ def local_pieces(
     out = []
     for combo in itertools.product(*with_local):
         out.append(
-            (Box(ranges=tuple(g for g, _ in combo)), Box(ranges=tuple(loc for _, loc in combo)))
+            (Box._trusted(tuple(g for g, _ in combo)), Box._trusted(tuple(loc for _, loc in combo)))
         )
     return tuple(out)
 

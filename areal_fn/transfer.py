@@ -137,7 +137,7 @@ def _merge_runs(cells: list[tuple[Box, int]]) -> list[tuple[Box, int]]:
                 if cur[0].ranges[d][1] == nxt[0].ranges[d][0]:
                     ranges = list(cur[0].ranges)
                     ranges[d] = (cur[0].ranges[d][0], nxt[0].ranges[d][1])
-                    cur = (Box(ranges=tuple(ranges)), cur[1])
+                    cur = (Box._trusted(tuple(ranges)), cur[1])
                 else:
                     merged.append(cur)
                     cur = nxt
@@ -202,6 +202,15 @@ def plan_transfers(
         for lt in dst.local_tensors(j):
             need += _plan_tensor(lt, g, holders, sent, transfers)
         required.append((g, need))
+    # Plan order: canonical tensor (checkpoint order), then destination, so that
+    # consecutive buckets feed every receiver at once instead of one after another.
+    position = {c.name: i for i, c in enumerate(dst.canonical)}
+    dst_pos = {g: i for i, g in enumerate(dst_g)}
+    order = sorted(
+        range(len(transfers)),
+        key=lambda i: (position[transfers[i].canonical], dst_pos[transfers[i].dst], i),
+    )
+    transfers = [transfers[i] for i in order]
     return TransferPlan(
         transfers=tuple(transfers), src_ranks=src_g, dst_ranks=dst_g, required_bytes=tuple(required)
     )
@@ -228,7 +237,7 @@ def _plan_tensor(
         cuts = _cuts(covered_by, want)
         cells: list[tuple[Box, int]] = []
         for idx in itertools.product(*(range(len(c) - 1) for c in cuts)):
-            cell = Box(ranges=tuple((c[k], c[k + 1]) for c, k in zip(cuts, idx, strict=True)))
+            cell = Box._trusted(tuple((c[k], c[k + 1]) for c, k in zip(cuts, idx, strict=True)))
             options = [n for n, (_, inter) in enumerate(cands) if inter.contains(cell)]
             if not options:
                 raise PlanError(
@@ -317,7 +326,7 @@ def _split_transfer(t: Transfer, max_bytes: int) -> list[Transfer]:
         def cut(b: Box, d: int = d, start: int = start, stop: int = stop) -> Box:
             r = list(b.ranges)
             r[d] = (b.ranges[d][0] + start, b.ranges[d][0] + stop)
-            return Box(ranges=tuple(r))
+            return Box._trusted(tuple(r))
 
         part = attrs.evolve(
             t,
