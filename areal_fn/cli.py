@@ -335,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
         "demo", help="the main job: train, checkpoint, reshard and sync a tiny model on CPU"
     )
     demo.add_argument("--nproc", type=int, default=4)
-    demo.add_argument("--steps", type=int, default=8)
+    demo.add_argument("--steps", type=int, default=30)
     demo.set_defaults(func=cmd_demo)
     return p
 

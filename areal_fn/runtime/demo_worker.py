@@ -22,15 +22,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import attrs
 import torch
 import torch.distributed as dist
 
 from areal_fn.allocation_parse import parse_allocation
 from areal_fn.cli import DEMO_CONFIG, layout_for
-from areal_fn.convert import to_hf, to_megatron
 from areal_fn.model import model_from_hf_config
-from areal_fn.tensor_spec import DTYPE_BYTES
+from areal_fn.shard import bitwise_equal
 from areal_fn.transfer import bucket, plan_transfers
 
 RESULTS: list[tuple[str, bool, str]] = []
@@ -94,170 +92,150 @@ def stage_plan(spec: Any) -> dict[str, Any]:
     return layouts
 
 
-def stage_train(spec: Any, layout: Any, steps: int) -> tuple[dict[str, torch.Tensor], list[float]]:
-    from areal_fn.runtime.fsdp2 import apply_fsdp2, export_canonical, init_mesh
+def stage_train(spec: Any, steps: int) -> tuple[Any, dict[str, torch.Tensor]]:
+    from areal_fn.runtime.engine_fsdp2 import Fsdp2Engine
+    from areal_fn.runtime.engines import AdamWConfig
 
-    model = hf_model(DEMO_CONFIG)
-    mesh = init_mesh(layout.meshes[0])
-    model = apply_fsdp2(model, layout, mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    comp = parse_allocation("fsdp:d2t2").components[0]
+    engine = Fsdp2Engine(spec, comp, optimizer=AdamWConfig(lr=3e-3), grad_clip=1.0, seed=0)
     losses = []
     for ids in batches(spec.vocab_size, steps):
-        out = model(input_ids=ids, labels=ids)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        loss = (
-            out.loss.detach().full_tensor()
-            if hasattr(out.loss, "full_tensor")
-            else out.loss.detach()
+        metrics = engine.train_step(ids)
+        losses.append(float(metrics["loss"]))
+        log(
+            f"train step {len(losses)}: loss {losses[-1]:.4f} grad-norm {float(metrics['grad_norm']):.3f}"
         )
-        losses.append(float(loss))
-        log(f"train step {len(losses)}: loss {losses[-1]:.4f}")
-    canonical = export_canonical(model, layout)
+    canonical = engine.export_canonical()
     record(
         "train fsdp:d2t2",
-        losses[-1] < losses[0],
+        losses[-1] < 0.8 * losses[0],
         f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {steps} steps",
     )
-    return canonical, losses
+    return engine, canonical
 
 
-def stage_checkpoint(spec: Any, canonical: dict[str, torch.Tensor], workdir: Path) -> Path:
-    from areal_fn.runtime.hf_io import write_hf_checkpoint
-
-    path = workdir / "checkpoint-hf"
-    if dist.get_rank() == 0:
-        write_hf_checkpoint(path, canonical, model=spec, config=spec.hf_config(), overwrite=True)
-    dist.barrier()
-    size = sum(t.numel() * t.element_size() for t in canonical.values())
-    record(
-        "checkpoint",
-        path.exists(),
-        f"{len(canonical)} canonical tensors, {size / 2**20:.2f} MiB -> {path.name}",
-    )
-    return path
-
-
-def stage_megatron(spec: Any, layout: Any, path: Path, canonical: dict[str, torch.Tensor]) -> None:
-    from areal_fn.runtime import megatron_build as mb
-    from areal_fn.runtime.hf_io import HfCheckpoint
+def stage_checkpoint(spec: Any, trainer: Any, steps: int, workdir: Path) -> Path:
+    from areal_fn.runtime.checkpoint import RankState, save_checkpoint
 
     rank = dist.get_rank()
-    dims = layout.tensors[0].sharding.mesh.shape
-    sizes = mb.MegatronSizes(tp=dims["tp"], pp=dims["pp"])
-    arch = attrs.asdict(spec)
-    with mb.megatron_session(sizes, seed=0):
-        config = mb.transformer_config(arch, sizes)
-        vocab = layout.tensor("embedding.word_embeddings.weight").shape[0]
-        chunks = mb.build_model_chunks(arch, config, vocab_size=vocab)
-        with HfCheckpoint(path) as ckpt:
-            state = to_megatron(ckpt.read, layout, rank)
-        params = dict(chunks[0].named_parameters())
-        missing = sorted(set(state) ^ set(params))
-        with torch.no_grad():
-            for name, t in state.items():
-                params[name].copy_(t)
-        # canonical weights back from every rank's live parameters
-        mine = {n: p.detach().clone() for n, p in params.items()}
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
-        back = to_hf(dict(enumerate(gathered)), layout)
-        same = not missing and all(
-            torch.equal(back[k].view(torch.uint8), canonical[k].view(torch.uint8))
-            for k in canonical
-        )
-        record(
-            "resume megatron:t2p2",
-            same,
-            f"{len(back)} canonical tensors bitwise equal to the trainer's"
-            if same
-            else f"mismatch; name diff {missing[:4]}",
-        )
-        ids = batches(spec.vocab_size, 1)[0][:4]
-        logits = mb.pipeline_forward_logits(chunks, ids)
-        result = None
-        if logits is not None:
-            full = mb.gather_tp_logits(logits)[..., : spec.vocab_size]
-            ref = hf_model(DEMO_CONFIG)
-            ref.load_state_dict(_hf_state(spec, canonical))
-            with torch.no_grad():
-                want = ref(input_ids=ids).logits
-            result = float((full - want).abs().max())
-        results: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(results, result)
-        diff = max(r for r in results if r is not None)
-        record(
-            "megatron logits vs HF", diff < 1e-4, f"max |diff| {diff:.2e} (fp32, pipeline forward)"
-        )
+    root = workdir / "checkpoints"
+    state = RankState(params=trainer.local_state(), optim=trainer.optimizer_local_state())
+    path = save_checkpoint(
+        root,
+        layout=trainer.layout,
+        states={rank: state},
+        model=spec,
+        allocation="fsdp:d2t2",
+        step=steps,
+        optimizer="adamw",
+        data_position={"batches_seen": steps},
+    )
+    files = sorted(p.name for p in Path(str(path)).iterdir())
+    record(
+        "checkpoint (canonical, DCP)",
+        (root / "latest").exists(),
+        f"step {steps}: params + Adam moments, {len(files)} files, atomic commit -> {Path(str(path)).name}",
+    )
+    return root
 
 
-def _hf_state(spec: Any, canonical: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    from areal_fn.families.hf_memory import canonical_to_hf_state
+def stage_sync(spec: Any, trainer: Any, steps: int) -> None:
+    """Planned shard-to-shard sync: trainer fsdp:d2t2 (ranks 0-3) -> inference TP2 (ranks 2-3)."""
+    from torch.distributed.device_mesh import DeviceMesh
 
-    return canonical_to_hf_state(canonical, spec)
-
-
-def stage_sync(spec: Any, trainer: Any, canonical: dict[str, torch.Tensor]) -> None:
-    """Planned shard-to-shard sync trainer (ranks 0-3) -> inference TP2 (ranks 2-3)."""
-    from areal_fn.convert import to_megatron as local_state
     from areal_fn.inference_layout import inference_layout
+    from areal_fn.runtime import tp_engine
+    from areal_fn.runtime.engine_fsdp2 import build_hf_model
+    from areal_fn.runtime.sync import SyncGroup, send_and_receive
 
     rank = dist.get_rank()
     comp = parse_allocation("sglang:d1t2").components[0]
-    infer = inference_layout(spec, comp.dims)
-    plan = plan_transfers(trainer, infer, src_ranks=range(4), dst_ranks=(2, 3))
-    buckets = bucket(plan, 1 << 20, version=1)
-    src = local_state(canonical, trainer, rank)  # the trainer's live shards, as exported
-    dst = (
-        {lt.name: torch.zeros(lt.shape) for lt in infer.local_tensors(rank - 2)}
-        if rank >= 2
-        else {}
-    )
-    received = 0
-    for b in buckets.buckets:
-        ops = []
-        recv_bufs = []
-        for t in b.transfers:
-            if t.src == rank and t.dst == rank:
-                region = dst[t.dst_tensor][t.dst_box.slices()]
-                region.copy_(src[t.src_tensor][t.src_box.slices()].reshape(region.shape))
-            elif t.src == rank:
-                ops.append(
-                    dist.P2POp(
-                        dist.isend, src[t.src_tensor][t.src_box.slices()].contiguous(), t.dst
-                    )
-                )
-            elif t.dst == rank:
-                buf = torch.empty(t.box.shape, dtype=torch.float32)
-                recv_bufs.append((t, buf))
-                ops.append(dist.P2POp(dist.irecv, buf, t.src))
-        if ops:
-            for req in dist.batch_isend_irecv(ops):
-                req.wait()
-        for t, buf in recv_bufs:
-            region = dst[t.dst_tensor][t.dst_box.slices()]
-            region.copy_(buf.reshape(region.shape))
-            received += buf.numel() * buf.element_size()
-    ok = True
+    infer = inference_layout(
+        spec, comp.dims, vocab_multiple=1
+    )  # a DTensor-TP engine: no vocab padding
+    tp_mesh = DeviceMesh("cpu", [2, 3], mesh_dim_names=("tp",))
+    model = None
     if rank >= 2:
-        want = local_state(canonical, infer, rank - 2)
-        ok = all(torch.equal(dst[k], want[k]) for k in want)
-    need = plan.recv_bytes().get(rank, 0)
-    oks: list[Any] = [None] * 4
-    dist.all_gather_object(oks, (ok, received, need))
-    good = all(o[0] for o in oks) and all(o[1] == o[2] for o in oks)
-    inf_bytes = [o[1] for o in oks[2:]]
-    shard = [
-        sum(lt.numel for lt in infer.local_tensors(j)) * DTYPE_BYTES[spec.dtype] for j in range(2)
-    ]
+        model = tp_engine.apply_tp(build_hf_model(spec, seed=99), infer, tp_mesh)  # stale weights
+    plan = plan_transfers(trainer.layout, infer, src_ranks=range(4), dst_ranks=(2, 3))
+    buckets = bucket(plan, 64 << 10, version=steps)
+    group = SyncGroup.from_world([0, 1, 2, 3], timeout_s=60)
+    live = tp_engine.local_tensors(model) if model is not None else {}
+    report = send_and_receive(
+        buckets, src_tensors=trainer.local_state(), dst_tensors=live, group=group
+    )
+    ids = batches(spec.vocab_size, 1, batch=2)[0]
+    want = trainer.forward_logprobs(ids)  # collective over the trainer's ranks
+    diff = 0.0
+    if model is not None:
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits
+            logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+        got = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
+        diff = float((got - want).abs().max())
+    stats: list[Any] = [None] * 4
+    dist.all_gather_object(stats, (diff, report.bytes_received))
+    worst = max(d for d, _ in stats)
+    recv = [b for _, b in stats[2:]]
+    need = [plan.recv_bytes()[g] for g in (2, 3)]
     record(
         "weight sync -> sglang:d1t2",
-        good,
-        f"{len(buckets.buckets)} buckets, {plan.bytes_total} B over the wire (= lower bound {plan.lower_bound}); "
-        f"inference ranks received {inf_bytes} B of shards {shard} B (rest local)",
+        worst < 1e-5 and recv == need and plan.bytes_total == plan.lower_bound,
+        f"v{buckets.version}, {len(buckets.buckets)} buckets, {plan.bytes_total} B over the wire (= lower bound); "
+        f"inference logprobs = trainer's within {worst:.1e}",
     )
+
+
+def _canonical_moments(engine: Any, moment: str) -> dict[str, torch.Tensor]:
+    mine = {name: st[moment] for name, st in engine.optimizer_local_state().items()}
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    from areal_fn.convert import to_hf
+
+    return to_hf(dict(enumerate(gathered)), engine.layout)
+
+
+def stage_megatron(spec: Any, root: Path, canonical: dict[str, torch.Tensor], trainer: Any) -> None:
+    from areal_fn.runtime.checkpoint import RankState, load_checkpoint
+    from areal_fn.runtime.engine_megatron import MegatronEngine
+
+    rank = dist.get_rank()
+    ids = batches(spec.vocab_size, 1, batch=4)[0]
+    want = trainer.forward_logprobs(ids)
+    trainer_moments = _canonical_moments(trainer, "exp_avg_sq")
+    comp = parse_allocation("megatron:t2p2").components[0]
+    with MegatronEngine(spec, comp, seed=1) as engine:
+        state = RankState(
+            params=engine.local_state(), optim=engine.optimizer_local_state(create=True)
+        )
+        result = load_checkpoint(
+            root, layout=engine.layout, states={rank: state}, optimizer="adamw"
+        )
+        back = engine.export_canonical()
+        same = back.keys() == canonical.keys() and all(
+            bitwise_equal(back[k], canonical[k]) for k in canonical
+        )
+        moments = _canonical_moments(engine, "exp_avg_sq")
+        same_opt = all(bitwise_equal(moments[k], trainer_moments[k]) for k in trainer_moments)
+        record(
+            "resume megatron:t2p2",
+            same and same_opt and result.step is not None,
+            f"step {result.step}, data {result.data_position}: {len(back)} weights and their Adam moments bitwise equal",
+        )
+        got = engine.forward_logprobs(ids)
+        diff = float((got - want).abs().max())
+        record(
+            "megatron logprobs vs trainer",
+            diff < 1e-5,
+            f"max |diff| {diff:.1e} (fp32, pipeline forward)",
+        )
+        before = float(engine.train_step(ids)["loss"])
+        after = float(engine.train_step(ids)["loss"])
+        record(
+            "train megatron:t2p2",
+            after < before,
+            f"loss {before:.3f} -> {after:.3f} continuing from the checkpoint",
+        )
 
 
 def main() -> None:
@@ -269,13 +247,13 @@ def main() -> None:
     workdir = Path(args.workdir)
     backend = os.environ.get("AREAL_FN_BACKEND", "gloo")
     start = time.perf_counter()
-    layouts = stage_plan(spec)  # pure: before any process group
+    stage_plan(spec)  # pure: before any process group
     dist.init_process_group(backend=backend)
     try:
-        canonical, _ = stage_train(spec, layouts["fsdp:d2t2"], args.steps)
-        path = stage_checkpoint(spec, canonical, workdir)
-        stage_megatron(spec, layouts["megatron:t2p2"], path, canonical)
-        stage_sync(spec, layouts["fsdp:d2t2"], canonical)
+        trainer, canonical = stage_train(spec, args.steps)
+        root = stage_checkpoint(spec, trainer, args.steps, workdir)
+        stage_sync(spec, trainer, args.steps)
+        stage_megatron(spec, root, canonical, trainer)
     finally:
         if dist.get_rank() == 0:
             _summary(time.perf_counter() - start)
