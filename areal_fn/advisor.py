@@ -80,7 +80,6 @@ import math
 from collections.abc import Iterator, Sequence
 
 import attrs
-from beartype import beartype
 
 from .allocation import Backend, Component, ParallelDims, divisors
 from .census import Census, CensusIndex, fsdp2_census, megatron_census
@@ -99,6 +98,7 @@ from .memory import (
 from .model import ModelSpec
 from .pipeline import split_evenly
 from .tensor_spec import DTYPE_BYTES
+from .typecheck import beartype
 
 __all__ = ["CommEstimate", "CommTerm", "Hardware", "Suggestion", "suggest_strategy"]
 

@@ -18,9 +18,9 @@ import enum
 import re
 
 import attrs
-from beartype import beartype
 
 from .errors import SpecError
+from .typecheck import beartype
 
 __all__ = [
     "MAX_DEGREE",

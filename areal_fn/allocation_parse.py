@@ -10,8 +10,6 @@ import string
 import unicodedata
 from typing import NoReturn
 
-from beartype import beartype
-
 from .allocation import (
     MAX_DEGREE,
     MAX_WORLD_SIZE,
@@ -22,6 +20,7 @@ from .allocation import (
     choices,
 )
 from .errors import ParseError, SpecError
+from .typecheck import beartype
 
 __all__ = ["parse_allocation"]
 

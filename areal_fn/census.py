@@ -24,7 +24,6 @@ import math
 from collections.abc import Iterable, Mapping
 
 import attrs
-from beartype import beartype
 
 from .allocation import ParallelDims
 from .errors import LayoutError, SpecError
@@ -36,6 +35,7 @@ from .model import ModelSpec, layer_of
 from .pipeline import StagePlan
 from .placement import Placement, Replicate, Shard, StridedShard
 from .sharding import Sharding, check_sharding, local_shape
+from .typecheck import beartype
 from .vocab import padded_vocab_size
 
 Presence = tuple[tuple[str, int], ...]

@@ -26,12 +26,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import attrs
-from beartype import beartype
 
 from .box import Box
 from .errors import CheckpointError
 from .layout import Layout
 from .tensor_spec import DTYPE_BYTES, TensorSpec, dtype_name
+from .typecheck import beartype
 
 FORMAT = "areal_fn.checkpoint"
 FORMAT_VERSION = 1

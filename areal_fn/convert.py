@@ -10,13 +10,13 @@ so that only the slices a rank needs are ever loaded, and yield one tensor at a 
 from collections.abc import Callable, Iterator, Mapping
 
 import torch
-from beartype import beartype
 from torch import Tensor
 
 from .box import Box
 from .errors import ConversionError
 from .layout import Layout, LocalTensor, Piece
 from .tensor_spec import TensorSpec, torch_dtype
+from .typecheck import beartype
 
 #: ``read(canonical_name, box) -> tensor of box.shape``.
 Reader = Callable[[str, Box], Tensor]

@@ -15,7 +15,6 @@ every parameter over ``dp_shard``; on a dim that TP already shards it produces
 """
 
 import attrs
-from beartype import beartype
 
 from .allocation import ParallelDims
 from .errors import LayoutError
@@ -25,6 +24,7 @@ from .mesh import Mesh
 from .model import ModelSpec
 from .placement import Placement, Replicate, Shard, StridedShard
 from .sharding import Sharding
+from .typecheck import beartype
 
 _COLWISE = (
     "q_proj.weight",

@@ -23,7 +23,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
-from beartype import beartype
 
 from .allocation import Backend, Component
 from .allocation_parse import parse_allocation
@@ -35,6 +34,7 @@ from .layout import Layout
 from .megatron_layout import megatron_layout
 from .model import ModelSpec, model_from_hf_config
 from .tensor_spec import DTYPE_BYTES
+from .typecheck import beartype
 
 __all__ = ["CASES", "GoldenCase", "golden_ranks", "layout_for", "main", "render_layout"]
 

@@ -21,8 +21,6 @@ names. Rules (both engines):
 Mesh: ``(dp, pp, tp)``, replicas outermost; ``tp`` varies fastest.
 """
 
-from beartype import beartype
-
 from .allocation import ParallelDims
 from .box import Box
 from .errors import LayoutError
@@ -31,6 +29,7 @@ from .mesh import Mesh
 from .model import ModelSpec, layer_of
 from .placement import Placement, Replicate, Shard
 from .sharding import Sharding
+from .typecheck import beartype
 
 VOCAB_PADDING = 64
 

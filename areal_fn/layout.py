@@ -18,7 +18,6 @@ import functools
 from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
-from beartype import beartype
 
 from .box import Box
 from .errors import LayoutError
@@ -26,6 +25,7 @@ from .mesh import Mesh
 from .placement import Replicate
 from .sharding import Sharding, check_sharding, local_pieces, local_shape
 from .tensor_spec import TensorSpec, dtype_name
+from .typecheck import beartype
 
 
 @functools.lru_cache(maxsize=4096)

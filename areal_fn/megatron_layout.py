@@ -22,7 +22,6 @@ embeddings: with one stage the output layer reuses the embedding (no
 from typing import Literal
 
 import attrs
-from beartype import beartype
 
 from .allocation import ParallelDims
 from .box import Box
@@ -33,6 +32,7 @@ from .model import ModelSpec
 from .pipeline import StagePlan
 from .placement import Placement, Replicate, Shard, StridedShard
 from .sharding import Sharding
+from .typecheck import beartype
 from .vocab import padded_vocab_size
 
 Naming = Literal["local", "te"]

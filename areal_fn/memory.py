@@ -62,7 +62,6 @@ import math
 from collections.abc import Iterable, Sequence
 
 import attrs
-from beartype import beartype
 
 from .allocation import ParallelDims
 from .census import Census, CensusIndex, RankShare, census_of
@@ -71,6 +70,7 @@ from .layout import Layout
 from .model import ModelSpec, layer_of
 from .sharding import local_shape
 from .tensor_spec import DTYPE_BYTES, dtype_name
+from .typecheck import beartype
 
 __all__ = [
     "ActivationModel",

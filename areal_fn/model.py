@@ -23,11 +23,11 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import attrs
-from beartype import beartype
 
 from .errors import SpecError
 from .families import FAMILIES, Family, family
 from .tensor_spec import TensorSpec, dtype_name
+from .typecheck import beartype
 
 # -- field converters and validators --------------------------------------------------
 

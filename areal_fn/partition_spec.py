@@ -13,12 +13,12 @@ import itertools
 from collections.abc import Sequence
 
 import attrs
-from beartype import beartype
 
 from .errors import SpecError
 from .mesh import Mesh
 from .placement import Partial, Placement, Replicate, Shard, StridedShard
 from .sharding import Sharding
+from .typecheck import beartype
 
 
 def _entries(value: object) -> tuple[tuple[str, ...], ...]:

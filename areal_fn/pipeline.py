@@ -64,9 +64,9 @@ from collections.abc import Sequence
 
 import attrs
 import numpy as np
-from beartype import beartype
 
 from .errors import PlanError
+from .typecheck import beartype
 
 __all__ = [
     "Objective",

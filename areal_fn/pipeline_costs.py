@@ -32,11 +32,11 @@ from typing import TypeAlias
 
 import attrs
 import numpy as np
-from beartype import beartype
 
 from .errors import PlanError
 from .model import ModelSpec
 from .pipeline import StagePlan, partition_pipeline
+from .typecheck import beartype
 
 __all__ = [
     "CostModel",

@@ -15,10 +15,9 @@ consecutive indices held by the same ranks collapse into one labelled ``start:st
 
 import itertools
 
-from beartype import beartype
-
 from .errors import SpecError
 from .sharding import Sharding, check_sharding, local_boxes
+from .typecheck import beartype
 
 Interval = tuple[int, int]
 

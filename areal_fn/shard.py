@@ -8,13 +8,13 @@ import itertools
 from collections.abc import Mapping, Sequence
 
 import torch
-from beartype import beartype
 from jaxtyping import Shaped, jaxtyped
 from torch import Tensor
 
 from .errors import SpecError
 from .placement import Partial, Replicate, Shard, StridedShard
 from .sharding import Sharding, check_sharding, local_pieces, local_shape
+from .typecheck import beartype
 
 
 def _is_partial_root(sharding: Sharding, rank: int) -> bool:

@@ -14,12 +14,12 @@ import math
 from collections.abc import Sequence
 
 import attrs
-from beartype import beartype
 
 from .box import Box
 from .errors import SpecError
 from .mesh import Mesh
 from .placement import PLACEMENT_TYPES, Partial, Placement, Replicate, Shard, StridedShard
+from .typecheck import beartype
 
 Segments = tuple[tuple[int, int], ...]
 

@@ -1,13 +1,12 @@
 """`check_strategy`: refuse, before any process starts, what cannot run."""
 
-from beartype import beartype
-
 from .allocation import Allocation, Backend, Component
 from .errors import LayoutError
 from .fsdp2_layout import check_fsdp2
 from .inference_layout import check_inference
 from .megatron_layout import check_megatron
 from .model import ModelSpec
+from .typecheck import beartype
 
 
 def check_component(model: ModelSpec, component: Component) -> None:

@@ -13,12 +13,12 @@ import itertools
 from collections.abc import Sequence
 
 import attrs
-from beartype import beartype
 
 from .box import Box
 from .errors import PlanError
 from .layout import Layout, LocalTensor
 from .tensor_spec import DTYPE_BYTES
+from .typecheck import beartype
 
 
 @attrs.frozen(kw_only=True)

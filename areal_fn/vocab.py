@@ -7,9 +7,8 @@ already on a multiple is not padded). The padded rows have no canonical source: 
 are pieces of padding in a layout, never checkpoint data.
 """
 
-from beartype import beartype
-
 from .errors import SpecError
+from .typecheck import beartype
 
 
 @beartype

@@ -13,9 +13,9 @@ Supported ``model_type``: see :data:`FAMILIES`.
 from collections.abc import Iterable
 
 import attrs
-from beartype import beartype
 
 from ..errors import SpecError
+from ..typecheck import beartype
 
 
 def _strs(value: Iterable[str]) -> tuple[str, ...]:

@@ -22,12 +22,12 @@ from collections.abc import Iterable, Mapping
 
 import attrs
 import torch
-from beartype import beartype
 
 from ..box import Box
 from ..errors import ConversionError, SpecError
 from ..model import ModelSpec, layer_of
 from ..tensor_spec import dtype_name
+from ..typecheck import beartype
 
 
 @attrs.frozen(kw_only=True)

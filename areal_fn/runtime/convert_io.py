@@ -26,7 +26,6 @@ from pathlib import Path
 
 import attrs
 import torch
-from beartype import beartype
 from safetensors.torch import save_file
 
 from ..allocation import Allocation
@@ -35,6 +34,7 @@ from ..convert import iter_to_hf, iter_to_megatron
 from ..errors import ConversionError
 from ..layout import Layout
 from ..model import ModelSpec, load_hf_config, model_from_hf_config
+from ..typecheck import beartype
 from .hf_io import HfCheckpoint, write_hf_checkpoint
 
 __all__ = [

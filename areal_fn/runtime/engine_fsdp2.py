@@ -27,7 +27,6 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from beartype import beartype
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
@@ -37,6 +36,7 @@ from ..errors import LayoutError
 from ..fsdp2_layout import Fsdp2Options, fsdp2_layout
 from ..layout import Layout
 from ..model import ModelSpec
+from ..typecheck import beartype
 from . import fsdp2
 from .engines import (
     AdamWConfig,

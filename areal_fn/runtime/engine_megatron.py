@@ -48,7 +48,6 @@ from typing import Any
 import attrs
 import torch
 import torch.distributed as dist
-from beartype import beartype
 from torch import Tensor
 
 from ..allocation import Component, ParallelDims
@@ -58,6 +57,7 @@ from ..layout import Layout
 from ..megatron_layout import MegatronMeshes, default_stages, megatron_layout
 from ..model import ModelSpec
 from ..pipeline import StagePlan, split_evenly
+from ..typecheck import beartype
 from . import megatron_build as mb
 from .engines import (
     AdamWConfig,

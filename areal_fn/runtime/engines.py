@@ -45,7 +45,6 @@ from typing import Any
 import attrs
 import torch
 import torch.distributed as dist
-from beartype import beartype
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
@@ -53,6 +52,7 @@ from ..box import Box
 from ..errors import LayoutError, SpecError
 from ..layout import Layout
 from ..placement import Partial, Replicate
+from ..typecheck import beartype
 
 __all__ = [  # noqa: F822 (the engines load lazily, see __getattr__)
     "AdamWConfig",

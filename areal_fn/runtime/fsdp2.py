@@ -43,7 +43,6 @@ from typing import Any
 import attrs
 import torch
 import torch.distributed as dist
-from beartype import beartype
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
@@ -70,6 +69,7 @@ from ..layout import Layout, LocalTensor, LogicalTensor
 from ..mesh import Mesh
 from ..model import layer_of
 from ..placement import Partial, Placement, Replicate, Shard, StridedShard
+from ..typecheck import beartype
 
 __all__ = [
     "FSDP2MismatchError",

@@ -22,7 +22,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import attrs
-from beartype import beartype
+
+from ..typecheck import beartype
 
 __all__ = ["LaunchError", "LaunchResult", "free_port", "run_torchrun"]
 

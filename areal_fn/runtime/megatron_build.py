@@ -29,9 +29,9 @@ from typing import Any
 import attrs
 import torch
 import torch.distributed as dist
-from beartype import beartype
 
 from ..errors import LayoutError
+from ..typecheck import beartype
 from . import megatron_cpu
 
 __all__ = [

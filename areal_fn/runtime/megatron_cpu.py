@@ -81,7 +81,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from beartype import beartype
+
+from ..typecheck import beartype
 
 __all__ = ["REDIRECTIONS", "cpu_megatron", "disable", "enable", "is_enabled"]
 

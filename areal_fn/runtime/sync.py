@@ -51,11 +51,11 @@ from typing import Protocol, cast
 import attrs
 import torch
 import torch.distributed as dist
-from beartype import beartype
 
 from ..box import Box
 from ..errors import PlanError
 from ..transfer import BucketPlan, Transfer
+from ..typecheck import beartype
 
 __all__ = ["SyncError", "SyncGroup", "SyncReport", "Transport", "open_store", "send_and_receive"]
 

@@ -22,7 +22,6 @@ identical on every rank). One replica, no pipeline stages, no replicated KV head
 from collections.abc import Mapping
 
 import torch
-from beartype import beartype
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -38,6 +37,7 @@ from ..errors import LayoutError
 from ..layout import Layout, LogicalTensor
 from ..model import layer_of
 from ..placement import Placement, Replicate, Shard
+from ..typecheck import beartype
 
 __all__ = ["apply_tp", "check_applied", "layout_rank", "local_tensors", "tp_plan"]
 

@@ -17,7 +17,7 @@ IMPURE = {"cli.py", "__main__.py", "golden.py"}
 #: (module, function) pairs allowed to read a file: foreign inputs enter through these.
 FILE_READERS = {("model.py", "load_hf_config")}
 #: modules that host such a reader may import what it needs (paths; no environment).
-READER_IMPORTS = {"model.py": {"os", "pathlib", "json"}}
+READER_IMPORTS = {"model.py": {"os", "pathlib", "json"}, "typecheck.py": {"random"}}
 
 FORBIDDEN_IMPORTS = (
     "torch.distributed",
@@ -119,3 +119,31 @@ print('ok', len({mods!r}))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.startswith("ok"), out.stdout + out.stderr
+
+
+def test_calling_the_core_leaves_pythons_random_stream_alone():
+    """Type checks draw from ``random``; areal_fn restores it, so seeded data orders hold."""
+    import random
+
+    from areal_fn import (
+        ParallelDims,
+        fsdp2_layout,
+        megatron_layout,
+        model_from_hf_config,
+        parse_allocation,
+        plan_transfers,
+    )
+    from areal_fn.cli import DEMO_CONFIG
+
+    random.seed(1234)
+    expected = [random.random() for _ in range(3)]
+    random.seed(1234)
+    got = [random.random()]
+    model = model_from_hf_config(DEMO_CONFIG)
+    a = fsdp2_layout(model, ParallelDims(dp=2, tp=2))
+    b = megatron_layout(model, parse_allocation("megatron:t2p2").training.dims)
+    a.local_tensors(1)
+    got.append(random.random())
+    plan_transfers(a, b)
+    got.append(random.random())
+    assert got == expected
