@@ -12,6 +12,7 @@ from typing import Any
 
 from .allocation import Backend, Component
 from .allocation_parse import parse_allocation
+from .component_layout import layout_for
 from .errors import SpecError
 from .layout import Layout
 from .model import ModelSpec, model_from_hf_config
@@ -39,25 +40,6 @@ def _model(arg: str) -> ModelSpec:
         return model_from_hf_config(DEMO_CONFIG)
     builtin = Path(__file__).resolve().parent.parent / "specs" / "models" / f"{arg}.json"
     return model_from_hf_config(builtin if not Path(arg).exists() and builtin.exists() else arg)
-
-
-def layout_for(model: ModelSpec, component: Component) -> Layout:
-    """The layout of one allocation component (default options)."""
-    from .fsdp2_layout import fsdp2_layout
-    from .inference_layout import inference_layout
-    from .megatron_layout import default_stages, megatron_layout
-    from .pipeline import split_evenly
-
-    if component.backend is Backend.MEGATRON:
-        dims = component.dims
-        try:
-            stages = default_stages(model, dims)
-        except SpecError:
-            stages = split_evenly([1.0] * model.num_layers, dims.pp, vpp=dims.vpp)
-        return megatron_layout(model, dims, stages=stages)
-    if component.backend is Backend.FSDP:
-        return fsdp2_layout(model, component.dims)
-    return inference_layout(model, component.dims)
 
 
 def _human(n: float) -> str:
@@ -235,49 +217,40 @@ def _suggest(console: "Any", model: ModelSpec, args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    import torch
     from rich.console import Console
     from rich.progress import Progress
-    from safetensors.torch import save_file
 
-    from .convert import iter_to_megatron
-    from .runtime.hf_io import HfCheckpoint
+    from .runtime.convert_io import convert_back, convert_to_local
 
     console = Console()
-    alloc = parse_allocation(args.allocation)
-    comp = alloc.training if len(alloc.components) > 1 else alloc.components[0]
-    src = Path(args.src)
-    dst = Path(args.dst)
-    model = model_from_hf_config(src)
-    layout = layout_for(model, comp)
-    ranks = range(layout.world_size) if args.rank is None else [args.rank]
     start = time.perf_counter()
-    total_bytes = 0
-    total_tensors = 0
-    with HfCheckpoint(src) as ckpt:
-        ckpt.check(model)
-        dst.mkdir(parents=True, exist_ok=args.overwrite)
+    if args.to_hf:
+        summary = convert_back(args.src, args.allocation, args.dst, overwrite=args.overwrite)
+    else:
         with Progress(console=console, transient=True) as progress:
-            task = progress.add_task(
-                "converting", total=sum(len(layout.local_tensors(r)) for r in ranks)
+            task = progress.add_task("converting", total=None)
+            summary = convert_to_local(
+                args.src,
+                args.allocation,
+                args.dst,
+                ranks=None if args.rank is None else [args.rank],
+                overwrite=args.overwrite,
+                progress=lambda _name: progress.advance(task),
             )
-            for r in ranks:
-                state: dict[str, torch.Tensor] = {}
-                for name, t in iter_to_megatron(ckpt.read, layout, r):
-                    state[name] = t
-                    total_bytes += t.numel() * t.element_size()
-                    total_tensors += 1
-                    progress.advance(task)
-                save_file(
-                    state,
-                    str(dst / f"rank{r:05d}.safetensors"),
-                    metadata={"allocation": str(alloc), "rank": str(r)},
-                )
-    seconds = time.perf_counter() - start
-    console.print(
-        f"converted {total_tensors} tensors, {_human(total_bytes)} for {len(ranks)} rank(s) of {comp} in {seconds:.2f} s -> {dst}"
-    )
+    console.print(f"converted {summary} in {time.perf_counter() - start:.2f} s")
     return 0
+
+
+def cmd_checkpoint_inspect(args: argparse.Namespace) -> int:
+    from .runtime.checkpoint import cmd_checkpoint_inspect as run
+
+    return run(args)
+
+
+def cmd_checkpoint_export_hf(args: argparse.Namespace) -> int:
+    from .runtime.checkpoint import cmd_checkpoint_export_hf as run
+
+    return run(args)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -330,7 +303,26 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("dst", help="output directory")
     conv.add_argument("--rank", type=int, default=None, help="convert only this rank")
     conv.add_argument("--overwrite", action="store_true")
+    conv.add_argument(
+        "--to-hf",
+        action="store_true",
+        help="reverse: per-rank files in SRC (written for ALLOCATION) -> HF checkpoint DST",
+    )
     conv.set_defaults(func=cmd_convert)
+    ckpt = sub.add_parser("checkpoint", help="inspect or export canonical checkpoints")
+    csub = ckpt.add_subparsers(dest="checkpoint_command", required=True)
+    insp = csub.add_parser(
+        "inspect", help="manifest, tensors, sizes and the strategy a checkpoint was saved with"
+    )
+    insp.add_argument("dir", help="a checkpoint directory, or a root holding 'latest'")
+    insp.add_argument("--verify", action="store_true", help="also check every file's sha256")
+    insp.add_argument("--tensors", type=int, default=24, help="how many tensors to list")
+    insp.set_defaults(func=cmd_checkpoint_inspect)
+    exp = csub.add_parser("export-hf", help="write a checkpoint's parameters as an HF checkpoint")
+    exp.add_argument("dir")
+    exp.add_argument("dest")
+    exp.add_argument("--overwrite", action="store_true")
+    exp.set_defaults(func=cmd_checkpoint_export_hf)
     demo = sub.add_parser(
         "demo", help="the main job: train, checkpoint, reshard and sync a tiny model on CPU"
     )
@@ -345,7 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))
-    except (SpecError, FileNotFoundError, NotADirectoryError, FileExistsError) as e:
+    except (SpecError, OSError) as e:
         print(f"areal-fn: error: {e}", file=sys.stderr)
         return 2
 

@@ -94,7 +94,7 @@ def layout_of(model: ModelSpec, target: Target) -> tuple[Layout, str | None]:
     if isinstance(target, Layout):
         layout, alloc = target, None
     else:
-        from ..cli import layout_for
+        from ..component_layout import layout_for
 
         parsed = parse_allocation(target) if isinstance(target, str) else target
         comp = parsed.training if len(parsed.components) > 1 else parsed.components[0]

@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from areal_fn.allocation_parse import parse_allocation
-from areal_fn.cli import DEMO_CONFIG, layout_for
+from areal_fn.cli import DEMO_CONFIG
+from areal_fn.component_layout import layout_for
 from areal_fn.model import model_from_hf_config
 from areal_fn.shard import bitwise_equal
 from areal_fn.transfer import bucket, plan_transfers

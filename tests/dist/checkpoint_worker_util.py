@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 
 from areal_fn.allocation_parse import parse_allocation
-from areal_fn.cli import DEMO_CONFIG, layout_for
+from areal_fn.cli import DEMO_CONFIG
+from areal_fn.component_layout import layout_for
 from areal_fn.convert import to_megatron
 from areal_fn.layout import Layout
 from areal_fn.model import ModelSpec, model_from_hf_config

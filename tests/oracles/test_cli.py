@@ -77,3 +77,30 @@ def test_bad_input_is_a_short_error(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("areal-fn: error:") and message in err and "Traceback" not in err
+
+
+def test_checkpoint_inspect_and_export(tmp_path, capsys):
+    import torch
+    import transformers
+
+    from areal_fn import ParallelDims, fsdp2_layout, model_from_hf_config, to_megatron
+    from areal_fn.cli import DEMO_CONFIG
+    from areal_fn.runtime.checkpoint import RankState, save_checkpoint
+
+    model = model_from_hf_config(DEMO_CONFIG)
+    layout = fsdp2_layout(model, ParallelDims(dp=2, tp=2))
+    g = torch.Generator().manual_seed(0)
+    canon = {t.name: torch.randn(t.shape, generator=g) for t in model.tensors}
+    states = {r: RankState(params=to_megatron(canon, layout, r)) for r in range(4)}
+    save_checkpoint(
+        tmp_path / "ck", layout=layout, states=states, model=model, allocation="fsdp:d2t2", step=3
+    )
+    assert main(["checkpoint", "inspect", str(tmp_path / "ck"), "--verify", "--tensors", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "fsdp:d2t2" in out and "model.embed_tokens.weight" in out
+    assert main(["checkpoint", "export-hf", str(tmp_path / "ck"), str(tmp_path / "hf")]) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "hf", torch_dtype=torch.float32
+    )
+    sd = hf.state_dict()
+    assert all(torch.equal(sd[k], v) for k, v in canon.items())

@@ -1,0 +1,162 @@
+"""Checkpoints in one process (no process group): every rank of a layout saved or loaded here.
+
+The offline form of the same code path: conversion tools and these tests use it. Covers
+both ways of reading a stored chunk (its raw bytes located in the ``torch.save``
+record, and the plain ``torch.load`` fallback), box reads through
+:class:`CheckpointReader`, HF export, ``inspect_checkpoint`` and the CLI entry point.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import areal_fn.runtime.checkpoint as ckpt  # noqa: E402
+from areal_fn.box import Box  # noqa: E402
+from areal_fn.runtime.checkpoint import (  # noqa: E402
+    CheckpointReader,
+    RankState,
+    cmd_checkpoint_inspect,
+    export_hf,
+    inspect_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from areal_fn.runtime.hf_io import HfCheckpoint  # noqa: E402
+from tests.dist.checkpoint_worker_util import (  # noqa: E402
+    bits,
+    blank_state,
+    layout,
+    model,
+    rank_state,
+    state_diff,
+    truth,
+)
+
+SPEC = model()
+SRC = "fsdp:d2t2"
+SALT = 11
+TRUTH = truth(SPEC, SALT)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("offline") / "root"
+    lay = layout(SPEC, SRC)
+    save_checkpoint(
+        root,
+        layout=lay,
+        states={r: rank_state(lay, r, TRUTH, SALT) for r in range(lay.world_size)},
+        model=SPEC,
+        allocation=SRC,
+        step=SALT,
+        optimizer="adam",
+        data_position=[3, 4],
+        lr_scheduler={"last_epoch": 11},
+    )
+    return root
+
+
+@pytest.mark.parametrize("raw", [True, False], ids=["raw bytes", "torch.load fallback"])
+@pytest.mark.parametrize(
+    "dst", ["fsdp:d1", "megatron:t2p2", "megatron:d2t2", "fsdp:d4", "megatron:p2v2"]
+)
+def test_offline_load_is_bitwise(saved, monkeypatch, dst, raw):
+    if not raw:
+        monkeypatch.setattr(ckpt, "_raw_offset", lambda *a: None)
+    lay = layout(SPEC, dst)
+    states = {r: blank_state(lay, r) for r in range(lay.world_size)}
+    res = load_checkpoint(saved, layout=lay, states=states, optimizer="adam")
+    assert res.step == SALT and res.data_position == [3, 4]
+    assert res.lr_scheduler == {"last_epoch": 11} and not res.rng_restored
+    for r in range(lay.world_size):
+        assert state_diff(states[r], rank_state(lay, r, TRUTH, SALT)) == [], (dst, r)
+
+
+def test_parameters_only_and_explicit_cast(saved):
+    lay = layout(SPEC, "fsdp:d2")
+    states = {
+        r: RankState(params={n: t.float() for n, t in blank_state(lay, r).params.items()})
+        for r in range(2)
+    }
+    load_checkpoint(saved, layout=lay, states=states, allow_cast=True)
+    for r in range(2):
+        want = rank_state(lay, r, TRUTH, SALT)
+        for n, t in states[r].params.items():
+            assert torch.equal(t, want.params[n].float()), n
+
+
+def test_reader_reads_any_box(saved):
+    reader = CheckpointReader(saved)
+    name = "model.layers.1.self_attn.q_proj.weight"
+    box = Box(ranges=((5, 37), (3, 60)))
+    assert torch.equal(bits(reader.read(name, box)), bits(TRUTH["param"][name][box.slices()]))
+    assert torch.equal(
+        bits(reader.read_state(name, "exp_avg_sq", box)),
+        bits(TRUTH["exp_avg_sq"][name][box.slices()]),
+    )
+    assert reader.read_state(name, "step").item() == 100 + SALT
+    assert torch.equal(
+        bits(reader.read("model.embed_tokens.weight")),
+        bits(TRUTH["param"]["model.embed_tokens.weight"]),
+    )
+
+
+def test_hf_export_holds_the_canonical_tensors(saved, tmp_path):
+    out = export_hf(saved, tmp_path / "hf", max_shard_bytes=100_000)
+    with HfCheckpoint(out) as hf:
+        hf.check(SPEC)
+        for n, t in TRUTH["param"].items():
+            assert torch.equal(bits(hf.read_full(n)), bits(t)), n
+    assert (out / "config.json").exists() and (out / "model.safetensors.index.json").exists()
+
+
+def test_inspect_names_strategy_tensors_and_sizes(saved, capsys):
+    text = inspect_checkpoint(saved, verify=True, max_tensors=3)
+    for part in (
+        "step 11, data position [3,4]",
+        "saved with allocation fsdp:d2t2 (fsdp2 layout, 4 ranks)",
+        "model qwen2: 4 layers, hidden 64, vocab 250",
+        "optimizer adam(exp_avg, exp_avg_sq, step)",
+        "every sha256 verified",
+        "model.embed_tokens.weight",
+        "250x64",
+        "... 47 more tensors",
+        "step-00000011 (latest)",
+    ):
+        assert part in text, (part, text)
+    assert cmd_checkpoint_inspect(argparse.Namespace(dir=str(saved), verify=False, tensors=2)) == 0
+    assert "checksums not verified" in capsys.readouterr().out
+
+
+def test_torch_dcp_tools_read_it_as_a_plain_dcp_checkpoint(saved, tmp_path):
+    """The storage is standard DCP: torch's own converter yields the canonical tensors."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from areal_fn.runtime.checkpoint import resolve_checkpoint
+
+    dcp_to_torch_save(resolve_checkpoint(saved), tmp_path / "full.pt")
+    full = torch.load(tmp_path / "full.pt", weights_only=False)
+    for n, t in TRUTH["param"].items():
+        assert torch.equal(bits(full[n]), bits(t)), n
+        assert torch.equal(bits(full[f"optim/{n}/exp_avg"]), bits(TRUTH["exp_avg"][n])), n
+
+
+def test_megatron_export_then_import_is_bitwise(saved, tmp_path):
+    from areal_fn.runtime.checkpoint import export_megatron_checkpoint, import_megatron_checkpoint
+
+    out = export_megatron_checkpoint(
+        CheckpointReader(saved), SPEC, tmp_path / "mcore", vocab_size_padded=256
+    )
+    assert json.loads((out / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
+    back = import_megatron_checkpoint(out, SPEC)
+    assert back.keys() == TRUTH["param"].keys()
+    for n, t in TRUTH["param"].items():
+        assert torch.equal(bits(back[n]), bits(t)), n
