@@ -10,8 +10,8 @@
    ``dist_checkpointing.load``: every parameter bitwise equal to what ``to_megatron``
    makes of the weights for that rank.
 
-Megatron's ``torch_dist`` writer logs the process memory through ``psutil``, which this
-environment lacks: the worker replaces that logging probe with a stub (it only feeds a
+Megatron's ``torch_dist`` writer logs the process memory through ``psutil`` (in the dev
+extra); where psutil is missing the worker stubs that logging probe (it only feeds a
 debug message). Results: ``<out>/rank<r>.json`` ``{"checks": {name: problem or ""}}``.
 """
 
@@ -73,6 +73,12 @@ def canonical() -> dict[str, torch.Tensor]:
 
 
 def stub_psutil_probe() -> None:
+    """Only where psutil is missing (the dev extra installs it): Megatron's writer then
+    cannot log its memory; stub that one log call."""
+    import importlib.util
+
+    if importlib.util.find_spec("psutil") is not None:
+        return
     import megatron.core.dist_checkpointing.strategies.filesystem_async as fa
 
     fa._process_memory = lambda: 0
