@@ -18,9 +18,18 @@ WORKER = Path(__file__).with_name("demo_worker.py")
 
 
 def run_demo(
-    *, nproc: int = 4, steps: int = 8, timeout_s: float = 600.0, out: str | None = None
+    *,
+    nproc: int = 4,
+    steps: int = 30,
+    timeout_s: float = 600.0,
+    out: str | None = None,
+    fault: str = "",
 ) -> int:
-    """Run the demo; returns 0 when every verification passed."""
+    """Run the demo; returns 0 when every verification passed.
+
+    ``fault="RANK:STAGE"`` (``train`` or ``sync``) kills that rank there: the job must
+    then fail fast with a message naming the rank (the reliability test uses it).
+    """
     if nproc != 4:
         print(
             f"areal-fn demo: error: the demo runs on exactly 4 processes (got --nproc {nproc})",
@@ -31,7 +40,7 @@ def run_demo(
     try:
         result = run_torchrun(
             WORKER,
-            ["--steps", str(steps), "--workdir", workdir],
+            ["--steps", str(steps), "--workdir", workdir, "--fault", fault],
             nproc=nproc,
             timeout_s=timeout_s,
             check=False,
@@ -41,6 +50,15 @@ def run_demo(
         return 1
     sys.stdout.write(result.rank_stdout[0] if result.rank_stdout else result.output)
     if not result.ok:
+        failed = [
+            r
+            for r, err in enumerate(result.rank_stderr)
+            if "injected death" in err or "Traceback" in err
+        ]
+        print(
+            f"areal-fn demo: error: the job failed (ranks {failed or 'unknown'}); details:",
+            file=sys.stderr,
+        )
         print(result.report(), file=sys.stderr)
         return 1
     return 0

@@ -17,7 +17,9 @@ Stages (each recorded in the final verification table printed by rank 0):
 """
 
 import argparse
+import datetime
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,21 @@ from areal_fn.shard import bitwise_equal
 from areal_fn.transfer import bucket, plan_transfers
 
 RESULTS: list[tuple[str, bool, str]] = []
+FAULT: dict[str, Any] = {}
+
+
+def _parse_fault(text: str) -> dict[str, Any]:
+    if not text:
+        return {}
+    rank, _, stage = text.partition(":")
+    return {"rank": int(rank), "stage": stage}
+
+
+def fault(stage: str) -> None:
+    """Fault injection for the reliability test: the chosen rank dies at ``stage``."""
+    if FAULT and FAULT["stage"] == stage and dist.get_rank() == FAULT["rank"]:
+        print(f"rank {FAULT['rank']}: injected death at {stage}", file=sys.stderr, flush=True)
+        os._exit(17)
 
 
 def _rank() -> int:
@@ -100,7 +117,9 @@ def stage_train(spec: Any, steps: int) -> tuple[Any, dict[str, torch.Tensor]]:
     comp = parse_allocation("fsdp:d2t2").components[0]
     engine = Fsdp2Engine(spec, comp, optimizer=AdamWConfig(lr=3e-3), grad_clip=1.0, seed=0)
     losses = []
-    for ids in batches(spec.vocab_size, steps):
+    for i, ids in enumerate(batches(spec.vocab_size, steps)):
+        if i == steps // 2:
+            fault("train")
         metrics = engine.train_step(ids)
         losses.append(float(metrics["loss"]))
         log(
@@ -140,33 +159,40 @@ def stage_checkpoint(spec: Any, trainer: Any, steps: int, workdir: Path) -> Path
     return root
 
 
-def stage_sync(spec: Any, trainer: Any, steps: int) -> None:
-    """Planned shard-to-shard sync: trainer fsdp:d2t2 (ranks 0-3) -> inference TP2 (ranks 2-3)."""
+def inference_engine(spec: Any) -> tuple[Any, Any, Any]:
+    """The inference side: a DTensor-TP2 transformers model on ranks 2-3 (stale weights)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     from areal_fn.inference_layout import inference_layout
     from areal_fn.runtime import tp_engine
     from areal_fn.runtime.engine_fsdp2 import build_hf_model
-    from areal_fn.runtime.sync import SyncGroup, send_and_receive
+    from areal_fn.runtime.sync import SyncGroup
 
-    rank = dist.get_rank()
     comp = parse_allocation("sglang:d1t2").components[0]
-    infer = inference_layout(
-        spec, comp.dims, vocab_multiple=1
-    )  # a DTensor-TP engine: no vocab padding
+    infer = inference_layout(spec, comp.dims, vocab_multiple=1)  # DTensor TP: no vocab padding
     tp_mesh = DeviceMesh("cpu", [2, 3], mesh_dim_names=("tp",))
     model = None
-    if rank >= 2:
-        model = tp_engine.apply_tp(build_hf_model(spec, seed=99), infer, tp_mesh)  # stale weights
-    plan = plan_transfers(trainer.layout, infer, src_ranks=range(4), dst_ranks=(2, 3))
-    buckets = bucket(plan, 64 << 10, version=steps)
+    if dist.get_rank() >= 2:
+        model = tp_engine.apply_tp(build_hf_model(spec, seed=99), infer, tp_mesh)
     group = SyncGroup.from_world([0, 1, 2, 3], timeout_s=60)
+    return infer, model, group
+
+
+def stage_sync(spec: Any, source: Any, target: Any, version: int, what: str) -> None:
+    """Planned shard-to-shard sync from a training engine (ranks 0-3) to the TP2 model."""
+    from areal_fn.runtime import tp_engine
+    from areal_fn.runtime.sync import send_and_receive
+
+    infer, model, group = target
+    plan = plan_transfers(source.layout, infer, src_ranks=range(4), dst_ranks=(2, 3))
+    buckets = bucket(plan, 64 << 10, version=version)
     live = tp_engine.local_tensors(model) if model is not None else {}
+    fault("sync")
     report = send_and_receive(
-        buckets, src_tensors=trainer.local_state(), dst_tensors=live, group=group
+        buckets, src_tensors=source.local_state(), dst_tensors=live, group=group
     )
     ids = batches(spec.vocab_size, 1, batch=2)[0]
-    want = trainer.forward_logprobs(ids)  # collective over the trainer's ranks
+    want = source.forward_logprobs(ids)  # collective over the engine's ranks
     diff = 0.0
     if model is not None:
         with torch.no_grad():
@@ -180,10 +206,10 @@ def stage_sync(spec: Any, trainer: Any, steps: int) -> None:
     recv = [b for _, b in stats[2:]]
     need = [plan.recv_bytes()[g] for g in (2, 3)]
     record(
-        "weight sync -> sglang:d1t2",
+        f"weight sync {what} -> sglang:d1t2",
         worst < 1e-5 and recv == need and plan.bytes_total == plan.lower_bound,
         f"v{buckets.version}, {len(buckets.buckets)} buckets, {plan.bytes_total} B over the wire (= lower bound); "
-        f"inference logprobs = trainer's within {worst:.1e}",
+        f"inference logprobs = the engine's within {worst:.1e}",
     )
 
 
@@ -196,7 +222,14 @@ def _canonical_moments(engine: Any, moment: str) -> dict[str, torch.Tensor]:
     return to_hf(dict(enumerate(gathered)), engine.layout)
 
 
-def stage_megatron(spec: Any, root: Path, canonical: dict[str, torch.Tensor], trainer: Any) -> None:
+def stage_megatron(
+    spec: Any,
+    root: Path,
+    canonical: dict[str, torch.Tensor],
+    trainer: Any,
+    target: Any,
+    version: int,
+) -> None:
     from areal_fn.runtime.checkpoint import RankState, load_checkpoint
     from areal_fn.runtime.engine_megatron import MegatronEngine
 
@@ -237,24 +270,33 @@ def stage_megatron(spec: Any, root: Path, canonical: dict[str, torch.Tensor], tr
             after < before,
             f"loss {before:.3f} -> {after:.3f} continuing from the checkpoint",
         )
+        stage_sync(spec, engine, target, version + 2, "megatron:t2p2")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--workdir", required=True)
+    parser.add_argument(
+        "--fault", default="", help="RANK:STAGE: that rank dies there (train, sync)"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=120.0, help="collective timeout in seconds"
+    )
     args = parser.parse_args()
+    FAULT.update(_parse_fault(args.fault))
     spec = model_from_hf_config(DEMO_CONFIG)
     workdir = Path(args.workdir)
     backend = os.environ.get("AREAL_FN_BACKEND", "gloo")
     start = time.perf_counter()
     stage_plan(spec)  # pure: before any process group
-    dist.init_process_group(backend=backend)
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=args.timeout))
     try:
         trainer, canonical = stage_train(spec, args.steps)
         root = stage_checkpoint(spec, trainer, args.steps, workdir)
-        stage_sync(spec, trainer, args.steps)
-        stage_megatron(spec, root, canonical, trainer)
+        target = inference_engine(spec)
+        stage_sync(spec, trainer, target, args.steps, "fsdp:d2t2")
+        stage_megatron(spec, root, canonical, trainer, target, args.steps)
     finally:
         if dist.get_rank() == 0:
             _summary(time.perf_counter() - start)

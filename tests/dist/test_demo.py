@@ -31,3 +31,19 @@ def test_cli_bad_input_is_one_line(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 3 and err[0].startswith("areal-fn: error:"), err  # message, input, caret
     assert main(["demo", "--nproc", "3"]) == 2
+
+
+@pytest.mark.parametrize("where", ["2:train", "1:sync"])
+def test_a_dying_rank_fails_the_job_fast_and_is_named(where, capsys, tmp_path):
+    import time
+
+    from areal_fn.runtime.demo import run_demo
+
+    rank = where.split(":")[0]
+    start = time.perf_counter()
+    rc = run_demo(nproc=4, steps=6, out=str(tmp_path), fault=where, timeout_s=240)
+    took = time.perf_counter() - start
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert f"rank {rank}: injected death" in err, err[-3000:]
+    assert took < 180, f"the job took {took:.0f} s to fail"
