@@ -129,3 +129,44 @@ def test_every_rank_holds_what_megatron_layout_predicts(megatron_ground_truth: P
                     assert held == sorted(experts), (case, r, module)
             checked += 1
     assert checked >= 4 * 20, checked
+
+
+def test_our_meshes_give_megatron_parallel_state_groups(megatron_ground_truth: Path) -> None:  # noqa: F811
+    """MegatronMeshes(dims).dense/.expert groups equal the groups parallel_state built."""
+    from areal_fn.megatron_layout import MegatronMeshes
+
+    root = megatron_ground_truth
+    axes = {
+        "tp": ("dense", "tp"),
+        "pp": ("dense", "pp"),
+        "cp": ("dense", "cp"),
+        "dp": ("dense", "dp"),
+        "ep": ("expert", "ep"),
+        "etp": ("expert", "etp"),
+        "expert_dp": ("expert", "edp"),
+    }
+    checked = 0
+    for case in _cases(root):
+        recs = _records(root, case, 4)
+        if recs[0]["error"]:
+            continue
+        sz = recs[0]["sizes"]
+        dims = ParallelDims(
+            dp=sz["dp"],
+            tp=sz["tp"],
+            pp=sz["pp"],
+            cp=sz["cp"],
+            ep=sz["ep"],
+            etp=sz["etp"],
+            vpp=sz["vpp"] or 1,
+        )
+        meshes = MegatronMeshes.of(dims)
+        for r, rec in enumerate(recs):
+            for key, (which, axis) in axes.items():
+                if key not in rec["groups"]:
+                    continue
+                mesh = meshes.dense if which == "dense" else meshes.expert
+                ours = list(mesh.group_of(r, axis))
+                assert ours == rec["groups"][key], (case, r, key, ours, rec["groups"][key])
+                checked += 1
+    assert checked >= 100, checked
