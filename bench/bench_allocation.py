@@ -92,9 +92,28 @@ def bench_parse_allocation(n: int = N_STRINGS, repeats: int = 3) -> float:
     return best / n * 1e6
 
 
+def bench_model_specs() -> list[tuple[str, float, int, int]]:
+    """Build a ModelSpec (and its canonical tensor list) for every file in specs/models."""
+    import time
+    from pathlib import Path
+
+    from areal_fn.model import model_from_hf_config
+
+    out = []
+    for path in sorted((Path(__file__).resolve().parents[1] / "specs" / "models").glob("*.json")):
+        start = time.perf_counter()
+        spec = model_from_hf_config(path)
+        n = len(spec.tensors)
+        out.append((path.stem, (time.perf_counter() - start) * 1e3, n, spec.num_params))
+    return out
+
+
 def run() -> None:
     us = bench_parse_allocation()
     print(f"parse_allocation: {N_STRINGS} strings, {us:.1f} us per string (best of 3)")
+    print("model_from_hf_config (spec + canonical tensor list):")
+    for name, ms, n, params in bench_model_specs():
+        print(f"  {name:18s} {ms:8.1f} ms  {n:6d} tensors  {params / 1e9:7.2f}B parameters")
 
 
 if __name__ == "__main__":
