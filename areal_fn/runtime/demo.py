@@ -3,9 +3,10 @@
 The worker (:mod:`areal_fn.runtime.demo_worker`) plans, trains a tiny Qwen2-architecture
 model under ``fsdp:d2t2``, checkpoints it, resumes it under ``megatron:t2p2`` and checks
 the canonical weights bitwise, syncs the weights to a TP2 inference group and checks the
-logits, then prints a verification table. Gloo on CPU; NCCL when every rank has a GPU
-(set ``AREAL_FN_BACKEND=nccl``). Multi-node: run the same worker with
-``torchrun --nnodes N --node-rank R --master-addr HOST --nproc-per-node G -m areal_fn.runtime.demo_worker``.
+logits, then prints a verification table. CPU with gloo (``AREAL_FN_BACKEND`` selects another
+process-group backend; the engines are verified on CPU only). Multi-node: run the same
+worker with ``torchrun --nnodes N --node-rank R --master-addr HOST --nproc-per-node P
+areal_fn/runtime/demo_worker.py --workdir DIR`` (world size 4).
 """
 
 import sys
