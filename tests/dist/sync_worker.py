@@ -231,12 +231,13 @@ def broadcast_canonical(canonical: dict[str, torch.Tensor] | None) -> dict[str, 
     return box[0]
 
 
-def first_bucket_from(plan: BucketPlan, src: int) -> int:
-    """The first bucket after bucket 0 in which ``src`` sends to another rank."""
+def first_bucket_from(plan: BucketPlan, src: int, dst: int = 2) -> int:
+    """The first bucket after bucket 0 in which ``src`` sends to ``dst`` (the rank whose
+    error the stall test reads: it must be waiting on ``src`` in that bucket)."""
     for b in plan.buckets[1:]:
-        if any(t.src == src and t.dst != src for t in b.transfers):
+        if any(t.src == src and t.dst == dst for t in b.transfers):
             return b.index
-    raise RuntimeError(f"no bucket > 0 in which rank {src} sends")
+    raise RuntimeError(f"no bucket > 0 in which rank {src} sends to rank {dst}")
 
 
 def expected_failure(plan: BucketPlan, k: int, src: int) -> dict[str, list[str]]:
