@@ -16,7 +16,7 @@ import attrs
 
 from .box import Box
 from .errors import PlanError
-from .layout import Layout, LocalTensor
+from .layout import Layout, LocalTensor, Piece
 from .tensor_spec import DTYPE_BYTES
 from .typecheck import beartype
 
@@ -100,9 +100,13 @@ class TransferPlan:
 class _Holder:
     rank: int  # global
     tensor: str
-    cbox: Box
-    lbox: Box
+    piece: Piece
     itemsize: int
+
+    @property
+    def cbox(self) -> Box:
+        assert self.piece.canonical_box is not None
+        return self.piece.canonical_box
 
 
 def _cuts(boxes: Sequence[Box], outer: Box) -> list[list[int]]:
@@ -191,9 +195,7 @@ def plan_transfers(
             size = DTYPE_BYTES[lt.dtype]
             for p in lt.pieces:
                 if p.canonical is not None and p.canonical_box is not None:
-                    holders.setdefault(p.canonical, []).append(
-                        _Holder(g, lt.name, p.canonical_box, p.local_box, size)
-                    )
+                    holders.setdefault(p.canonical, []).append(_Holder(g, lt.name, p, size))
     sent: dict[int, int] = dict.fromkeys(src_g, 0)
     transfers: list[Transfer] = []
     required: list[tuple[int, int]] = []
@@ -255,12 +257,8 @@ def _plan_tensor(
                 need += cell.numel * cands[choice][0].itemsize
         for box, n in _merge_runs(cells):
             h = cands[n][0]
-            src_box = box.shift(
-                tuple(lo - c for lo, c in zip(h.lbox.start, h.cbox.start, strict=True))
-            )
-            dst_box = box.shift(
-                tuple(lo - c for lo, c in zip(piece.local_box.start, want.start, strict=True))
-            )
+            src_box = h.piece.local_of(box)  # local coordinates (stacked dims included)
+            dst_box = piece.local_of(box)
             out.append(
                 Transfer(
                     src=h.rank,
