@@ -11,24 +11,17 @@ from torch.distributed.tensor import Shard as TShard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from areal_fn.placement import Partial, Placement, Replicate, Shard, StridedShard
+from areal_fn.runtime.fsdp2 import torch_placement, torch_placements
 from areal_fn.sharding import Sharding, dim_segments
 
 
 def to_torch(p: Placement) -> TPlacement:
-    """The DTensor placement equal to ``p``."""
-    if isinstance(p, Replicate):
-        return TReplicate()
-    if isinstance(p, Shard):
-        return TShard(p.dim)
-    if isinstance(p, StridedShard):
-        return _StridedShard(p.dim, split_factor=p.split_factor)
-    if isinstance(p, Partial):
-        return TPartial(p.op)
-    raise TypeError(f"not a placement: {p!r}")
+    """The DTensor placement equal to ``p`` (the runtime's own conversion)."""
+    return torch_placement(p)
 
 
 def to_torch_all(placements: Sequence[Placement]) -> tuple[TPlacement, ...]:
-    return tuple(to_torch(p) for p in placements)
+    return torch_placements(placements)
 
 
 def from_torch(p: object) -> Placement:
