@@ -244,7 +244,7 @@ class ReplicateParallel(ParallelStyle):
         return f"ReplicateParallel(partial_grads={self.partial_grads})"
 
 
-def _param_names(model: nn.Module) -> dict[tuple[str, str], str]:
+def param_names(model: nn.Module) -> dict[tuple[str, str], str]:
     """(module name, local parameter name) -> the parameter's name in ``named_parameters()``.
 
     A tied parameter (``lm_head.weight`` of a tied model) maps to its first name.
@@ -263,11 +263,15 @@ def _tp_placements(layout: Layout, mesh: Mesh) -> dict[str, Placement]:
     return {t.name: t.sharding.placements[i] for t in layout.tensors}
 
 
-def _style(mname: str, module: nn.Module, placements: Mapping[str, Placement]) -> ParallelStyle:
+def tensor_parallel_style(
+    mname: str, module: nn.Module, placements: Mapping[str, Placement]
+) -> ParallelStyle:
+    """The DTensor style of a Linear or Embedding whose parameters have these ``tp``
+    placements: Linear ``S(0)`` column-wise (gathering its output outside decoder
+    layers), ``S(1)`` row-wise (bias replicated), Embedding ``S(0)`` row-wise over the
+    vocabulary with replicated input ids, ``S(1)`` column-wise."""
     weight = placements.get("weight")
     others = {n: p for n, p in placements.items() if n != "weight"}
-    if all(isinstance(p, Replicate) for p in placements.values()):
-        return ReplicateParallel(partial_grads=mname.endswith(_HEAD_SHARDED_INPUT))
     inside_layer = layer_of(mname + ".") is not None
     if isinstance(module, nn.Linear) and set(placements) <= {"weight", "bias"}:
         if weight == Shard(dim=0) and all(p == Shard(dim=0) for p in others.values()):
@@ -289,6 +293,30 @@ def _style(mname: str, module: nn.Module, placements: Mapping[str, Placement]) -
     )
 
 
+def module_placements(
+    model: nn.Module, by_name: Mapping[str, Placement], *, remedy: str, kind: str
+) -> dict[str, dict[str, Placement]]:
+    """``tp`` placements grouped by module: module name -> {parameter attribute: placement}.
+
+    Every model parameter must be in ``by_name`` (a tied one under its first name);
+    otherwise ``LayoutError`` lists the missing ones and says ``remedy``.
+    """
+    names = param_names(model)
+    missing = sorted({n for n in names.values() if n not in by_name})
+    if missing:
+        raise LayoutError(f"model parameters {missing[:5]} are not in the {kind} layout; {remedy}")
+    grouped: dict[str, dict[str, Placement]] = {}
+    for (mname, pname), name in names.items():
+        grouped.setdefault(mname, {})[pname] = by_name[name]
+    return grouped
+
+
+def _style(mname: str, module: nn.Module, placements: Mapping[str, Placement]) -> ParallelStyle:
+    if all(isinstance(p, Replicate) for p in placements.values()):
+        return ReplicateParallel(partial_grads=mname.endswith(_HEAD_SHARDED_INPUT))
+    return tensor_parallel_style(mname, module, placements)
+
+
 @beartype
 def tp_plan(model: nn.Module, layout: Layout) -> dict[str, ParallelStyle]:
     """The ``parallelize_module`` plan (module name -> style) the layout's ``tp`` axis implies.
@@ -298,17 +326,12 @@ def tp_plan(model: nn.Module, layout: Layout) -> dict[str, ParallelStyle]:
     mesh = _layout_mesh(layout)
     if TP not in mesh.names:
         return {}
-    by_name = _tp_placements(layout, mesh)
-    names = _param_names(model)
-    missing = sorted({n for n in names.values() if n not in by_name})
-    if missing:
-        raise LayoutError(
-            f"model parameters {missing[:5]} are not in the {layout.kind} layout; build the "
-            "layout from this model's config (model_from_hf_config(model.config.to_dict()))"
-        )
-    grouped: dict[str, dict[str, Placement]] = {}
-    for (mname, pname), name in names.items():
-        grouped.setdefault(mname, {})[pname] = by_name[name]
+    grouped = module_placements(
+        model,
+        _tp_placements(layout, mesh),
+        kind=layout.kind,
+        remedy="build the layout from this model's config (model_from_hf_config(model.config.to_dict()))",
+    )
     plan: dict[str, ParallelStyle] = {}
     for mname, module in model.named_modules():
         if mname in grouped:
@@ -316,7 +339,7 @@ def tp_plan(model: nn.Module, layout: Layout) -> dict[str, ParallelStyle]:
     return plan
 
 
-def _retie(model: nn.Module, names: Mapping[tuple[str, str], str]) -> None:
+def retie(model: nn.Module, names: Mapping[tuple[str, str], str]) -> None:
     """Point every alias (tied weight) at the parameter its first name now holds."""
     for (mname, pname), name in names.items():
         full = f"{mname}.{pname}" if mname else pname
@@ -388,11 +411,11 @@ def apply_fsdp2(
     """
     mesh = _layout_mesh(layout)
     _check_device_mesh(mesh, device_mesh)
-    names = _param_names(model)
+    names = param_names(model)
     plan = tp_plan(model, layout)
     if plan:
         parallelize_module(model, device_mesh[TP], plan)
-        _retie(model, names)
+        retie(model, names)
     if options.activation_checkpointing:
         _enable_activation_checkpointing(model)
     dp_names = tuple(n for n in (DP_REPLICATE, DP_SHARD) if n in mesh.names)

@@ -25,34 +25,20 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor import Replicate as TReplicate
 from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
     ParallelStyle,
-    RowwiseParallel,
     parallelize_module,
 )
 
 from ..errors import LayoutError
 from ..layout import Layout, LogicalTensor
-from ..model import layer_of
-from ..placement import Placement, Replicate, Shard
+from ..placement import Placement, Replicate
 from ..typecheck import beartype
+from .fsdp2 import module_placements, param_names, retie, tensor_parallel_style
 
 __all__ = ["apply_tp", "check_applied", "layout_rank", "local_tensors", "tp_plan"]
 
 TP = "tp"
-
-
-def _param_names(model: nn.Module) -> dict[tuple[str, str], str]:
-    """(module name, parameter attribute) -> the name ``named_parameters()`` gives it (ties: the first)."""
-    first: dict[int, str] = {}
-    out: dict[tuple[str, str], str] = {}
-    for mname, module in model.named_modules(remove_duplicate=False):
-        for pname, param in module.named_parameters(recurse=False):
-            full = f"{mname}.{pname}" if mname else pname
-            out[(mname, pname)] = first.setdefault(id(param), full)
-    return out
 
 
 def _tp_placement(t: LogicalTensor) -> Placement:
@@ -81,28 +67,9 @@ def _tp_placement(t: LogicalTensor) -> Placement:
 def _style(
     mname: str, module: nn.Module, placements: Mapping[str, Placement]
 ) -> ParallelStyle | None:
-    weight = placements.get("weight")
-    others = {n: p for n, p in placements.items() if n != "weight"}
     if all(isinstance(p, Replicate) for p in placements.values()):
-        return None
-    if isinstance(module, nn.Linear) and set(placements) <= {"weight", "bias"}:
-        if weight == Shard(dim=0) and all(p == Shard(dim=0) for p in others.values()):
-            inside = layer_of(mname + ".") is not None
-            return ColwiseParallel() if inside else ColwiseParallel(output_layouts=TReplicate())
-        if weight == Shard(dim=1) and all(isinstance(p, Replicate) for p in others.values()):
-            return RowwiseParallel()
-    if (
-        isinstance(module, nn.Embedding)
-        and set(placements) == {"weight"}
-        and weight == Shard(dim=0)
-    ):
-        return RowwiseParallel(input_layouts=TReplicate())
-    described = ", ".join(f"{n}: {p}" for n, p in placements.items())
-    raise LayoutError(
-        f"no tensor-parallel style fits module {mname!r} ({type(module).__name__}) with tp "
-        f"placements {{{described}}}; the stand-in engine supports Linear S(0) / S(1) (bias R) "
-        "and Embedding S(0)"
-    )
+        return None  # plain tensors, identical on every rank
+    return tensor_parallel_style(mname, module, placements)
 
 
 @beartype
@@ -113,17 +80,12 @@ def tp_plan(model: nn.Module, layout: Layout) -> dict[str, ParallelStyle]:
     is tied to. Raises :class:`~areal_fn.errors.LayoutError` when a model parameter is
     not in the layout (e.g. a MoE model, whose stacked experts are not canonical names).
     """
-    by_name = {t.name: _tp_placement(t) for t in layout.tensors}
-    names = _param_names(model)
-    missing = sorted({n for n in names.values() if n not in by_name})
-    if missing:
-        raise LayoutError(
-            f"model parameters {missing[:5]} are not in the {layout.kind} layout; the stand-in "
-            "engine needs parameter names equal to canonical names (dense models)"
-        )
-    grouped: dict[str, dict[str, Placement]] = {}
-    for (mname, pname), name in names.items():
-        grouped.setdefault(mname, {})[pname] = by_name[name]
+    grouped = module_placements(
+        model,
+        {t.name: _tp_placement(t) for t in layout.tensors},
+        kind=layout.kind,
+        remedy="the stand-in engine needs parameter names equal to canonical names (dense models)",
+    )
     plan: dict[str, ParallelStyle] = {}
     for mname, module in model.named_modules():
         if mname in grouped:
@@ -145,12 +107,9 @@ def apply_tp(model: nn.Module, layout: Layout, tp_mesh: DeviceMesh) -> nn.Module
             f"the TP mesh has shape {tuple(tp_mesh.shape)}, the {layout.kind} layout spans "
             f"{layout.world_size} ranks; pass a 1-D mesh of exactly its ranks"
         )
-    names = _param_names(model)
+    names = param_names(model)
     parallelize_module(model, tp_mesh, tp_plan(model, layout))
-    for (mname, pname), name in names.items():
-        full = f"{mname}.{pname}" if mname else pname
-        if full != name:
-            model.get_submodule(mname).register_parameter(pname, model.get_parameter(name))
+    retie(model, names)
     return model
 
 
