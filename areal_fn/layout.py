@@ -202,34 +202,48 @@ def _local_geometry(
 
 def _local(t: LogicalTensor, coords: tuple[int, ...]) -> LocalTensor:
     rank = t.sharding.mesh.rank(coords)
-    lshape, geometry = _local_geometry(t.shape, t.sharding, rank)
-    pieces: list[Piece] = []
+    fusion_geometry = tuple((f.canonical_box, f.logical_box) for f in t.fusion)
+    lshape, template = _local_template(t.shape, t.sharding, rank, fusion_geometry)
+    names = [f.canonical for f in t.fusion]
+    pieces = tuple(
+        Piece(canonical=None if i < 0 else names[i], canonical_box=cbox, local_box=lbox)
+        for i, cbox, lbox in template
+    )
+    return LocalTensor(name=t.name, shape=lshape, dtype=t.dtype, pieces=pieces)
+
+
+@functools.lru_cache(maxsize=65536)
+def _local_template(
+    shape: tuple[int, ...],
+    sharding: Sharding,
+    rank: int,
+    fusion: tuple[tuple[Box, Box], ...],
+) -> tuple[tuple[int, ...], tuple[tuple[int, Box | None, Box], ...]]:
+    """One rank's pieces of a logical tensor, by fusion index (-1: padding).
+
+    Keyed by geometry only, so tensors that differ in names alone (a layer's experts,
+    a model's layers) share the work.
+    """
+    lshape, geometry = _local_geometry(shape, sharding, rank)
+    out: list[tuple[int, Box | None, Box]] = []
     for gbox, lbox in geometry:
+        to_local = tuple(lo - g for lo, g in zip(lbox.start, gbox.start, strict=True))
         covered = 0
-        for f in t.fusion:
-            inter = gbox.intersect(f.logical_box)
+        for index, (fcbox, flbox) in enumerate(fusion):
+            inter = gbox.intersect(flbox)
             if inter is None:
                 continue
             covered += inter.numel
-            k = f.stacked_dims
+            k = flbox.ndim - fcbox.ndim
             inner = Box._trusted(inter.ranges[k:]) if k else inter
             cbox = inner.shift(
-                tuple(
-                    c - lo
-                    for c, lo in zip(f.canonical_box.start, f.logical_box.start[k:], strict=True)
-                )
+                tuple(c - lo for c, lo in zip(fcbox.start, flbox.start[k:], strict=True))
             )
-            local_box = inter.shift(
-                tuple(lo - g for lo, g in zip(lbox.start, gbox.start, strict=True))
-            )
-            pieces.append(Piece(canonical=f.canonical, canonical_box=cbox, local_box=local_box))
+            out.append((index, cbox, inter.shift(to_local)))
         if covered < gbox.numel:
-            for pad in _subtract(gbox, [f.logical_box for f in t.fusion]):
-                local_box = pad.shift(
-                    tuple(lo - g for lo, g in zip(lbox.start, gbox.start, strict=True))
-                )
-                pieces.append(Piece(canonical=None, canonical_box=None, local_box=local_box))
-    return LocalTensor(name=t.name, shape=lshape, dtype=t.dtype, pieces=tuple(pieces))
+            for pad in _subtract(gbox, [flbox for _, flbox in fusion]):
+                out.append((-1, None, pad.shift(to_local)))
+    return lshape, tuple(out)
 
 
 def _subtract(box: Box, holes: Sequence[Box]) -> list[Box]:

@@ -235,6 +235,32 @@ def _plan_tensor(
             inter = h.cbox.intersect(want)
             if inter is not None:
                 cands.append((h, inter))
+        whole = [n for n, (_, inter) in enumerate(cands) if inter == want]
+        if whole:
+            # fast path (the common case): holders of the whole piece; one transfer
+            local = [n for n in whole if cands[n][0].rank == dst_rank]
+            if local:
+                choice = local[0]
+            else:
+                choice = min(whole, key=lambda n: (sent[cands[n][0].rank], cands[n][0].rank, n))
+                nbytes = want.numel * cands[choice][0].itemsize
+                sent[cands[choice][0].rank] += nbytes
+                need += nbytes
+            h = cands[choice][0]
+            out.append(
+                Transfer(
+                    src=h.rank,
+                    dst=dst_rank,
+                    canonical=piece.canonical,
+                    box=want,
+                    src_tensor=h.tensor,
+                    src_box=h.piece.local_of(want),
+                    dst_tensor=lt.name,
+                    dst_box=piece.local_box,
+                    nbytes=want.numel * h.itemsize,
+                )
+            )
+            continue
         covered_by = [i for _, i in cands]
         cuts = _cuts(covered_by, want)
         cells: list[tuple[Box, int]] = []
