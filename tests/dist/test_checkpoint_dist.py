@@ -39,7 +39,7 @@ OTHER = [
 @pytest.fixture(scope="module")
 def records(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("checkpoint_dist")
-    run_torchrun(WORKER, ["--out", str(out)], nproc=WORLD, timeout_s=240, cwd=REPO)
+    run_torchrun(WORKER, ["--out", str(out)], nproc=WORLD, timeout_s=600, cwd=REPO)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 

@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def checks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
     out = tmp_path_factory.mktemp("checkpoint_mcore")
-    run_torchrun(WORKER, ["--out", str(out)], nproc=2, timeout_s=240, cwd=REPO)
+    run_torchrun(WORKER, ["--out", str(out)], nproc=2, timeout_s=600, cwd=REPO)
     return [json.loads((out / f"rank{r}.json").read_text())["checks"] for r in range(2)]
 
 

@@ -51,7 +51,7 @@ def _launch(out: Path) -> DistRun:
     shutil.rmtree(out)
     out.mkdir(parents=True)
     result = run_torchrun(
-        WORKER, ["--out", str(out)], nproc=WORLD, timeout_s=240, cwd=REPO, check=False
+        WORKER, ["--out", str(out)], nproc=WORLD, timeout_s=600, cwd=REPO, check=False
     )
     summaries = tuple(
         json.loads(p.read_text()) for r in range(WORLD) if (p := out / f"rank{r}.json").exists()

@@ -51,7 +51,7 @@ def megatron_ground_truth(
     (a symlink swapped atomically to the newest copy).
     """
     out = tmp_path_factory.mktemp("megatron_cpu_ground_truth")
-    run_torchrun(WORKER, ["--out", str(out)], nproc=WORLD, timeout_s=180, cwd=REPO)
+    run_torchrun(WORKER, ["--out", str(out)], nproc=WORLD, timeout_s=600, cwd=REPO)
     if request.config.cache is not None:
         with contextlib.suppress(OSError):  # best effort: never fails the session
             _publish(out, Path(request.config.cache.mkdir("megatron_cpu")))

@@ -491,7 +491,7 @@ def records(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
     shutil.rmtree(out)
     out.mkdir(parents=True)
     result = run_torchrun(
-        WORKER, ["--out", str(out)], nproc=WORLD, timeout_s=85, cwd=REPO, check=False
+        WORKER, ["--out", str(out)], nproc=WORLD, timeout_s=600, cwd=REPO, check=False
     )
     recs = []
     for r in range(WORLD):
