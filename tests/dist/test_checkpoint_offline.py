@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-import areal_fn.runtime.checkpoint as ckpt  # noqa: E402
+import areal_fn.runtime.checkpoint_dcp as ckpt_dcp  # noqa: E402
 from areal_fn.box import Box  # noqa: E402
 from areal_fn.runtime.checkpoint import (  # noqa: E402
     CheckpointReader,
@@ -70,7 +70,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
 )
 def test_offline_load_is_bitwise(saved, monkeypatch, dst, raw):
     if not raw:
-        monkeypatch.setattr(ckpt, "_raw_offset", lambda *a: None)
+        monkeypatch.setattr(ckpt_dcp, "_raw_offset", lambda *a: None)
     lay = layout(SPEC, dst)
     states = {r: blank_state(lay, r) for r in range(lay.world_size)}
     res = load_checkpoint(saved, layout=lay, states=states, optimizer="adam")
