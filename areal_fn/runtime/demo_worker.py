@@ -156,7 +156,35 @@ def stage_checkpoint(spec: Any, trainer: Any, steps: int, workdir: Path) -> Path
         (root / "latest").exists(),
         f"step {steps}: params + Adam moments, {len(files)} files, atomic commit -> {Path(str(path)).name}",
     )
+    stage_export_hf(spec, trainer, root, workdir)
     return root
+
+
+def stage_export_hf(spec: Any, trainer: Any, root: Path, workdir: Path) -> None:
+    """The checkpoint as an HF checkpoint that transformers loads, with the trainer's outputs."""
+    import transformers
+
+    from areal_fn.runtime.checkpoint import export_hf
+
+    ids = batches(spec.vocab_size, 1, batch=2)[0]
+    want = trainer.forward_logprobs(ids)  # collective
+    diff = 0.0
+    if dist.get_rank() == 0:
+        out = export_hf(root, workdir / "hf", overwrite=True)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            out, torch_dtype=torch.float32, attn_implementation="eager"
+        )
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits
+        got = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
+        diff = float((got - want).abs().max())
+    box: list[Any] = [diff]
+    dist.broadcast_object_list(box, src=0)
+    record(
+        "export HF checkpoint",
+        box[0] < 1e-5,
+        f"transformers from_pretrained: log-probs = trainer's within {box[0]:.1e}",
+    )
 
 
 def inference_engine(spec: Any) -> tuple[Any, Any, Any]:

@@ -17,6 +17,7 @@ def test_demo_runs_green(capsys, tmp_path):
         "plan",
         "train fsdp:d2t2",
         "checkpoint",
+        "export HF checkpoint",
         "weight sync",
         "resume megatron:t2p2",
         "megatron logprobs vs trainer",
