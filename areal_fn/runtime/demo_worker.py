@@ -31,10 +31,14 @@ from areal_fn.allocation_parse import parse_allocation
 from areal_fn.cli import DEMO_CONFIG
 from areal_fn.component_layout import layout_for
 from areal_fn.model import model_from_hf_config
+from areal_fn.runtime.engines import AdamWConfig, LRSchedule
 from areal_fn.shard import bitwise_equal
 from areal_fn.transfer import bucket, plan_transfers
 
 RESULTS: list[tuple[str, bool, str]] = []
+
+#: AdamW with a short warm-up; the schedule's position travels with the checkpoint.
+OPTIMIZER = AdamWConfig(lr=3e-3, schedule=LRSchedule(warmup_steps=3))
 FAULT: dict[str, Any] = {}
 
 
@@ -112,10 +116,9 @@ def stage_plan(spec: Any) -> dict[str, Any]:
 
 def stage_train(spec: Any, steps: int) -> tuple[Any, dict[str, torch.Tensor]]:
     from areal_fn.runtime.engine_fsdp2 import Fsdp2Engine
-    from areal_fn.runtime.engines import AdamWConfig
 
     comp = parse_allocation("fsdp:d2t2").components[0]
-    engine = Fsdp2Engine(spec, comp, optimizer=AdamWConfig(lr=3e-3), grad_clip=1.0, seed=0)
+    engine = Fsdp2Engine(spec, comp, optimizer=OPTIMIZER, grad_clip=1.0, seed=0)
     losses = []
     for i, ids in enumerate(batches(spec.vocab_size, steps)):
         if i == steps // 2:
@@ -149,6 +152,7 @@ def stage_checkpoint(spec: Any, trainer: Any, steps: int, workdir: Path) -> Path
         step=steps,
         optimizer="adamw",
         data_position={"batches_seen": steps},
+        lr_scheduler=trainer.scheduler_state(),
     )
     files = sorted(p.name for p in Path(str(path)).iterdir())
     record(
@@ -266,13 +270,14 @@ def stage_megatron(
     want = trainer.forward_logprobs(ids)
     trainer_moments = _canonical_moments(trainer, "exp_avg_sq")
     comp = parse_allocation("megatron:t2p2").components[0]
-    with MegatronEngine(spec, comp, seed=1) as engine:
+    with MegatronEngine(spec, comp, optimizer=OPTIMIZER, seed=1) as engine:
         state = RankState(
             params=engine.local_state(), optim=engine.optimizer_local_state(create=True)
         )
         result = load_checkpoint(
             root, layout=engine.layout, states={rank: state}, optimizer="adamw"
         )
+        engine.load_scheduler_state(result.lr_scheduler or {})
         back = engine.export_canonical()
         same = back.keys() == canonical.keys() and all(
             bitwise_equal(back[k], canonical[k]) for k in canonical
@@ -281,8 +286,9 @@ def stage_megatron(
         same_opt = all(bitwise_equal(moments[k], trainer_moments[k]) for k in trainer_moments)
         record(
             "resume megatron:t2p2",
-            same and same_opt and result.step is not None,
-            f"step {result.step}, data {result.data_position}: {len(back)} weights and their Adam moments bitwise equal",
+            same and same_opt and result.step is not None and engine.steps_done == result.step,
+            f"step {result.step}, data {result.data_position}, LR schedule at step {engine.steps_done}: "
+            f"{len(back)} weights and their Adam moments bitwise equal",
         )
         got = engine.forward_logprobs(ids)
         diff = float((got - want).abs().max())

@@ -23,6 +23,7 @@ norm, clipping, the optimizer step.
 """
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from ..allocation import Component, ParallelDims
 from ..convert import Reader, iter_to_megatron
-from ..errors import LayoutError
+from ..errors import LayoutError, SpecError
 from ..fsdp2_layout import Fsdp2Options, fsdp2_layout
 from ..layout import Layout
 from ..model import ModelSpec
@@ -107,6 +108,7 @@ class Fsdp2Engine:
         self.mesh = self.layout.meshes[0]
         self.grad_clip = grad_clip
         self.optimizer_config = optimizer
+        self.steps_done = 0  # optimizer steps taken (the LR schedule's position)
         if not dist.is_initialized():
             raise LayoutError(
                 "Fsdp2Engine needs an initialised default process group "
@@ -176,12 +178,14 @@ class Fsdp2Engine:
         grads = self.local_grads()
         norm = grad_norm(grads, self._weights)
         coef = clip_grads_([g for g in grads.values() if g is not None], norm, self.grad_clip)
+        lr = self.optimizer_config.set_lr(self.optimizer, self.steps_done)
         self.optimizer.step()
+        self.steps_done += 1
         return {
             "loss": total / count,
             "grad_norm": norm,
             "clip_coef": coef,
-            "lr": float(self.optimizer.param_groups[0]["lr"]),
+            "lr": lr,
             "tokens": count,
         }
 
@@ -230,6 +234,19 @@ class Fsdp2Engine:
                 g = g.to_local()
             out[lt.name] = g
         return out
+
+    def scheduler_state(self) -> dict[str, int]:
+        """The LR schedule's state (for checkpoints' ``lr_scheduler``)."""
+        return {"steps_done": self.steps_done}
+
+    def load_scheduler_state(self, state: Mapping[str, Any]) -> None:
+        """Resume the LR schedule from :meth:`scheduler_state`."""
+        steps = state.get("steps_done")
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise SpecError(
+                f"scheduler state {dict(state)!r} has no valid 'steps_done' (an int >= 0)"
+            )
+        self.steps_done = steps
 
     def optimizer_local_state(self, *, create: bool = False) -> dict[str, dict[str, Tensor]]:
         """AdamW state per local tensor: ``{name: {"exp_avg", "exp_avg_sq", "step"}}``.

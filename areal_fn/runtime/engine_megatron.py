@@ -52,7 +52,7 @@ from torch import Tensor
 
 from ..allocation import Component, ParallelDims
 from ..convert import Reader, iter_to_megatron, to_hf
-from ..errors import LayoutError
+from ..errors import LayoutError, SpecError
 from ..layout import Layout
 from ..megatron_layout import MegatronMeshes, default_stages, megatron_layout
 from ..model import ModelSpec
@@ -140,6 +140,7 @@ class MegatronEngine:
         self.mesh = MegatronMeshes.of(pdims).dense
         self.grad_clip = grad_clip
         self.optimizer_config = optimizer
+        self.steps_done = 0  # optimizer steps taken (the LR schedule's position)
         if micro_batch_size < 1:
             raise LayoutError(f"micro_batch_size={micro_batch_size} must be >= 1")
         self.micro_batch_size = micro_batch_size
@@ -374,12 +375,14 @@ class MegatronEngine:
         coef = clip_grads_([g for g in grads.values() if g is not None], norm, self.grad_clip)
         for p in self._params.values():
             p.grad = p.main_grad  # type: ignore[attr-defined]
+        lr = self.optimizer_config.set_lr(self.optimizer, self.steps_done)
         self.optimizer.step()
+        self.steps_done += 1
         return {
             "loss": total / count,
             "grad_norm": norm,
             "clip_coef": coef,
-            "lr": float(self.optimizer.param_groups[0]["lr"]),
+            "lr": lr,
             "tokens": count,
         }
 
@@ -426,6 +429,19 @@ class MegatronEngine:
         count, clipped: what the optimizer used.
         """
         return {name: getattr(p, "main_grad", None) for name, p in self._params.items()}
+
+    def scheduler_state(self) -> dict[str, int]:
+        """The LR schedule's state (for checkpoints' ``lr_scheduler``)."""
+        return {"steps_done": self.steps_done}
+
+    def load_scheduler_state(self, state: Mapping[str, Any]) -> None:
+        """Resume the LR schedule from :meth:`scheduler_state`."""
+        steps = state.get("steps_done")
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise SpecError(
+                f"scheduler state {dict(state)!r} has no valid 'steps_done' (an int >= 0)"
+            )
+        self.steps_done = steps
 
     def optimizer_local_state(self, *, create: bool = False) -> dict[str, dict[str, Tensor]]:
         """AdamW state per local tensor: ``{name: {"exp_avg", "exp_avg_sq", "step"}}``.
