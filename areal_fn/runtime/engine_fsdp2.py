@@ -23,7 +23,6 @@ norm, clipping, the optimizer step.
 """
 
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,7 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from ..allocation import Component, ParallelDims
 from ..convert import Reader, iter_to_megatron
-from ..errors import LayoutError, SpecError
+from ..errors import LayoutError
 from ..fsdp2_layout import Fsdp2Options, fsdp2_layout
 from ..layout import Layout
 from ..model import ModelSpec
@@ -41,10 +40,10 @@ from ..typecheck import beartype
 from . import fsdp2
 from .engines import (
     AdamWConfig,
+    OptimizerSteps,
     TokenIds,
     TokenLogprobs,
     TokenMask,
-    adamw_local_state,
     clip_grads_,
     grad_norm,
     next_token_targets,
@@ -79,7 +78,7 @@ def _local(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-class Fsdp2Engine:
+class Fsdp2Engine(OptimizerSteps):
     """A transformers model trained under FSDP2 (+TP, +HSDP) as ``fsdp2_layout`` lays it out.
 
     ``dims`` is an allocation ``Component`` (its ``dims``) or ``ParallelDims``;
@@ -178,9 +177,7 @@ class Fsdp2Engine:
         grads = self.local_grads()
         norm = grad_norm(grads, self._weights)
         coef = clip_grads_([g for g in grads.values() if g is not None], norm, self.grad_clip)
-        lr = self.optimizer_config.set_lr(self.optimizer, self.steps_done)
-        self.optimizer.step()
-        self.steps_done += 1
+        lr = self._optimizer_step()
         return {
             "loss": total / count,
             "grad_norm": norm,
@@ -234,28 +231,6 @@ class Fsdp2Engine:
                 g = g.to_local()
             out[lt.name] = g
         return out
-
-    def scheduler_state(self) -> dict[str, int]:
-        """The LR schedule's state (for checkpoints' ``lr_scheduler``)."""
-        return {"steps_done": self.steps_done}
-
-    def load_scheduler_state(self, state: Mapping[str, Any]) -> None:
-        """Resume the LR schedule from :meth:`scheduler_state`."""
-        steps = state.get("steps_done")
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-            raise SpecError(
-                f"scheduler state {dict(state)!r} has no valid 'steps_done' (an int >= 0)"
-            )
-        self.steps_done = steps
-
-    def optimizer_local_state(self, *, create: bool = False) -> dict[str, dict[str, Tensor]]:
-        """AdamW state per local tensor: ``{name: {"exp_avg", "exp_avg_sq", "step"}}``.
-
-        Live tensors with the local shards' shapes (the layout's pieces describe them
-        too): write into them in place to restore a checkpoint. Empty before the first
-        step unless ``create`` (zero moments, step 0, which the next step then uses).
-        """
-        return adamw_local_state(self.optimizer, self._params, create=create)
 
     @beartype
     def load_canonical(self, canonical: "Mapping[str, Tensor] | Reader") -> None:

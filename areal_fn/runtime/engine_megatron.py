@@ -52,7 +52,7 @@ from torch import Tensor
 
 from ..allocation import Component, ParallelDims
 from ..convert import Reader, iter_to_megatron, to_hf
-from ..errors import LayoutError, SpecError
+from ..errors import LayoutError
 from ..layout import Layout
 from ..megatron_layout import MegatronMeshes, default_stages, megatron_layout
 from ..model import ModelSpec
@@ -61,10 +61,10 @@ from ..typecheck import beartype
 from . import megatron_build as mb
 from .engines import (
     AdamWConfig,
+    OptimizerSteps,
     TokenIds,
     TokenLogprobs,
     TokenMask,
-    adamw_local_state,
     clip_grads_,
     grad_norm,
     next_token_targets,
@@ -106,7 +106,7 @@ def _causal_mask(seq: int) -> Tensor:
     return torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
 
 
-class MegatronEngine:
+class MegatronEngine(OptimizerSteps):
     """Megatron-Core ``GPTModel`` chunks trained as ``megatron_layout`` lays them out.
 
     ``dims``: an allocation ``Component`` or ``ParallelDims`` (dp is what the world
@@ -375,9 +375,7 @@ class MegatronEngine:
         coef = clip_grads_([g for g in grads.values() if g is not None], norm, self.grad_clip)
         for p in self._params.values():
             p.grad = p.main_grad  # type: ignore[attr-defined]
-        lr = self.optimizer_config.set_lr(self.optimizer, self.steps_done)
-        self.optimizer.step()
-        self.steps_done += 1
+        lr = self._optimizer_step()
         return {
             "loss": total / count,
             "grad_norm": norm,
@@ -429,28 +427,6 @@ class MegatronEngine:
         count, clipped: what the optimizer used.
         """
         return {name: getattr(p, "main_grad", None) for name, p in self._params.items()}
-
-    def scheduler_state(self) -> dict[str, int]:
-        """The LR schedule's state (for checkpoints' ``lr_scheduler``)."""
-        return {"steps_done": self.steps_done}
-
-    def load_scheduler_state(self, state: Mapping[str, Any]) -> None:
-        """Resume the LR schedule from :meth:`scheduler_state`."""
-        steps = state.get("steps_done")
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-            raise SpecError(
-                f"scheduler state {dict(state)!r} has no valid 'steps_done' (an int >= 0)"
-            )
-        self.steps_done = steps
-
-    def optimizer_local_state(self, *, create: bool = False) -> dict[str, dict[str, Tensor]]:
-        """AdamW state per local tensor: ``{name: {"exp_avg", "exp_avg_sq", "step"}}``.
-
-        Live tensors with the local shards' shapes (the layout's pieces describe them
-        too): write into them in place to restore a checkpoint. Empty before the first
-        step unless ``create`` (zero moments, step 0, which the next step then uses).
-        """
-        return adamw_local_state(self.optimizer, self._params, create=create)
 
     @beartype
     def load_canonical(self, canonical: "Mapping[str, Tensor] | Reader") -> None:

@@ -59,6 +59,7 @@ __all__ = [  # noqa: F822 (the engines load lazily, see __getattr__)
     "Fsdp2Engine",
     "LRSchedule",
     "MegatronEngine",
+    "OptimizerSteps",
     "adamw_local_state",
     "canonical_multiplicity",
     "clip_grads_",
@@ -194,6 +195,49 @@ class AdamWConfig:
             eps=self.eps,
             weight_decay=self.weight_decay,
         )
+
+
+class OptimizerSteps:
+    """What both engines share about their optimizer: the scheduled step, the LR
+    schedule's checkpointable state and the AdamW state per local tensor.
+
+    Engines set ``optimizer``, ``optimizer_config``, ``_params`` (local name ->
+    parameter) and ``steps_done = 0``.
+    """
+
+    optimizer: torch.optim.Optimizer
+    optimizer_config: AdamWConfig
+    _params: Mapping[str, torch.nn.Parameter]
+    steps_done: int
+
+    def _optimizer_step(self) -> float:
+        """Set this step's learning rate, step the optimizer; returns the rate used."""
+        lr = self.optimizer_config.set_lr(self.optimizer, self.steps_done)
+        self.optimizer.step()
+        self.steps_done += 1
+        return lr
+
+    def scheduler_state(self) -> dict[str, int]:
+        """The LR schedule's state (for checkpoints' ``lr_scheduler``)."""
+        return {"steps_done": self.steps_done}
+
+    def load_scheduler_state(self, state: Mapping[str, Any]) -> None:
+        """Resume the LR schedule from :meth:`scheduler_state`."""
+        steps = state.get("steps_done")
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise SpecError(
+                f"scheduler state {dict(state)!r} has no valid 'steps_done' (an int >= 0)"
+            )
+        self.steps_done = steps
+
+    def optimizer_local_state(self, *, create: bool = False) -> dict[str, dict[str, Tensor]]:
+        """AdamW state per local tensor: ``{name: {"exp_avg", "exp_avg_sq", "step"}}``.
+
+        Live tensors with the local shards' shapes (the layout's pieces describe them
+        too): write into them in place to restore a checkpoint. Empty before the first
+        step unless ``create`` (zero moments, step 0, which the next step then uses).
+        """
+        return adamw_local_state(self.optimizer, self._params, create=create)
 
 
 # -- pure: batches and targets ----------------------------------------------------------
