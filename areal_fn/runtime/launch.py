@@ -1,8 +1,8 @@
 """Launch a script under ``torchrun`` on this machine and collect what each rank said.
 
-Used by the multi-process tests (``tests/dist``) and usable from any driver::
+Used by the multi-process tests (``tests/distributed``) and usable from any driver::
 
-    result = run_torchrun("tests/dist/megatron_worker.py", ["--out", str(out)], nproc=4)
+    result = run_torchrun("tests/distributed/megatron_worker.py", ["--out", str(out)], nproc=4)
     print(result.rank_stdout[0])
 
 The launch gets a free ``--master-port`` (retried once on a port clash), a wall-clock

@@ -42,7 +42,7 @@ from areal_fn.runtime.checkpoint import (  # noqa: E402
 )
 from areal_fn.sharding import Sharding  # noqa: E402
 from areal_fn.tensor_spec import TensorSpec  # noqa: E402
-from tests.dist.checkpoint_worker_util import (  # noqa: E402
+from tests.distributed.checkpoint_worker_util import (  # noqa: E402
     blank_state,
     layout,
     model,

@@ -1,6 +1,6 @@
 """torchrun worker: build tiny Megatron-Core GPTModels on CPU and record what they are.
 
-Launched once by ``tests/dist/test_megatron_cpu.py`` with 4 ranks (gloo). For every
+Launched once by ``tests/distributed/test_megatron_cpu.py`` with 4 ranks (gloo). For every
 case (model family x parallel strategy) each rank writes ``<out>/<case>/rank<r>.json``:
 its parallel ranks and groups, every model chunk's local parameter names and shapes,
 ``state_dict`` keys, ``sharded_state_dict`` entries (global keys, shapes, offsets,

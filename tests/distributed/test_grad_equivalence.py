@@ -45,7 +45,7 @@ from areal_fn.runtime.engines import (
     split_rows,
 )
 from areal_fn.runtime.launch import run_torchrun
-from tests.dist import grad_worker as worker
+from tests.distributed import grad_worker as worker
 
 WORKER = Path(__file__).with_name("grad_worker.py")
 REPO = Path(__file__).resolve().parents[2]

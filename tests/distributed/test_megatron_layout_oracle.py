@@ -16,7 +16,7 @@ from areal_fn.allocation import ParallelDims
 from areal_fn.megatron_layout import megatron_layout
 from areal_fn.model import model_from_hf_config
 from areal_fn.pipeline import StagePlan
-from tests.dist.test_megatron_cpu import megatron_ground_truth  # noqa: F401 - fixture
+from tests.distributed.test_megatron_cpu import megatron_ground_truth  # noqa: F401 - fixture
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.xdist_group("megatron_cpu")]
 

@@ -25,7 +25,7 @@ if importlib.util.find_spec("transformers") is None:
 
 from areal_fn.errors import LayoutError, SpecError
 from areal_fn.runtime.launch import run_torchrun
-from tests.dist import fsdp2_worker as worker
+from tests.distributed import fsdp2_worker as worker
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.xdist_group("fsdp2_oracle")]
 

@@ -8,7 +8,7 @@ against facts derived here from the architecture alone (never from areal_fn's ow
 layout code), and check the forward passes against Hugging Face ``transformers``.
 
 Later tests use the records as ground truth: depend on the ``megatron_ground_truth``
-fixture (``from tests.dist.test_megatron_cpu import megatron_ground_truth``) and read
+fixture (``from tests.distributed.test_megatron_cpu import megatron_ground_truth``) and read
 ``<dir>/<case>/rank<r>.json`` and ``<dir>/manifest.json``. The newest records are also
 kept in the pytest cache, ``.pytest_cache/d/megatron_cpu/ground_truth/``.
 """

@@ -37,7 +37,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from areal_fn.runtime.checkpoint import RankState, load_checkpoint, save_checkpoint  # noqa: E402
-from tests.dist.checkpoint_worker_util import (  # noqa: E402
+from tests.distributed.checkpoint_worker_util import (  # noqa: E402
     blank_state,
     layout,
     model,

@@ -1,6 +1,6 @@
 """torchrun worker: real FSDP2 (+TP, +HSDP) on transformers models against ``fsdp2_layout``.
 
-Launched once by ``tests/dist/test_fsdp2_layout_oracle.py`` with 4 ranks (gloo, CPU).
+Launched once by ``tests/distributed/test_fsdp2_layout_oracle.py`` with 4 ranks (gloo, CPU).
 Every rank builds the same tiny transformers models (seeded, then every parameter
 overwritten with seeded random values so norms and biases are not constant), keeps a
 full copy, applies :func:`areal_fn.runtime.fsdp2.apply_fsdp2` and compares what it

@@ -1,6 +1,6 @@
 """torchrun worker: real DTensor / FSDP2 / TP layouts against areal_fn's records.
 
-Launched once by ``tests/dist/test_dtensor_dist.py`` with 8 ranks (gloo, CPU). Every
+Launched once by ``tests/distributed/test_dtensor_dist.py`` with 8 ranks (gloo, CPU). Every
 rank draws the same deterministic random cases (seeded ``random.Random``), runs the
 collectives, compares what it holds with what the pure core predicts, and writes
 ``<out>/rank<r>.json``: case counts per section, failures (with details) and

@@ -38,7 +38,7 @@ from areal_fn.runtime.fsdp2 import materialize_local
 from areal_fn.runtime.sync import SyncError, SyncGroup, SyncReport, send_and_receive
 from areal_fn.transfer import BucketPlan, bucket, plan_transfers
 from areal_fn.transfer_apply import apply_transfers
-from tests.dist import sync_worker as worker
+from tests.distributed import sync_worker as worker
 
 SPEC = model_from_hf_config(
     {

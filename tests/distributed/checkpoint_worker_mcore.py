@@ -44,7 +44,7 @@ from areal_fn.runtime.megatron_build import (  # noqa: E402
     transformer_config,
 )
 from areal_fn.vocab import padded_vocab_size  # noqa: E402
-from tests.dist.checkpoint_worker_util import bits, model  # noqa: E402
+from tests.distributed.checkpoint_worker_util import bits, model  # noqa: E402
 
 SPEC = model(torch_dtype="float32", tie_word_embeddings=False)
 VOCAB_PADDED = padded_vocab_size(SPEC.vocab_size, tp=2)  # 256: both strategies below

@@ -22,7 +22,7 @@ if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("tra
     pytest.skip("needs megatron-core and transformers", allow_module_level=True)
 
 from areal_fn.runtime.launch import run_torchrun
-from tests.dist.conversion_worker import CASES, FAMILIES, case_name
+from tests.distributed.conversion_worker import CASES, FAMILIES, case_name
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.xdist_group("conversion_parity")]
 

@@ -1,6 +1,6 @@
 """torchrun worker: weight sync from a real FSDP2 trainer to a DTensor-TP inference model.
 
-Launched once by ``tests/dist/test_weight_sync.py`` with 4 ranks (gloo, CPU). Checks
+Launched once by ``tests/distributed/test_weight_sync.py`` with 4 ranks (gloo, CPU). Checks
 never raise (a rank that raised would leave the others waiting): they record, and
 ``<out>/rank<r>.json`` gets counts, failures, sync reports, errors and measurements.
 

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from tests.dist.test_dtensor_dist import DistRun, _show
-from tests.dist.test_dtensor_dist import dtensor_dist_run as dtensor_dist_run  # fixture
+from tests.distributed.test_dtensor_dist import DistRun, _show
+from tests.distributed.test_dtensor_dist import dtensor_dist_run as dtensor_dist_run  # fixture
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.xdist_group("dtensor_dist")]
 

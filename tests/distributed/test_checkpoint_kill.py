@@ -32,7 +32,7 @@ if str(REPO) not in sys.path:
 
 
 def test_sigkill_of_one_rank_during_a_distributed_save(tmp_path):
-    from tests.dist.checkpoint_worker_kill import check_root
+    from tests.distributed.checkpoint_worker_kill import check_root
 
     result = run_torchrun(
         WORKER,

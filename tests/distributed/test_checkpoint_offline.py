@@ -30,7 +30,7 @@ from areal_fn.runtime.checkpoint import (  # noqa: E402
     save_checkpoint,
 )
 from areal_fn.runtime.hf_io import HfCheckpoint  # noqa: E402
-from tests.dist.checkpoint_worker_util import (  # noqa: E402
+from tests.distributed.checkpoint_worker_util import (  # noqa: E402
     bits,
     blank_state,
     layout,

@@ -1,6 +1,6 @@
 """torchrun worker: one AdamW step of every engine against one step of the plain model.
 
-Launched once by ``tests/dist/test_grad_equivalence.py`` with 4 ranks (gloo, CPU).
+Launched once by ``tests/distributed/test_grad_equivalence.py`` with 4 ranks (gloo, CPU).
 For every case (model, strategy) every rank:
 
 1. builds the reference: a transformers model of the tiny config with seeded random

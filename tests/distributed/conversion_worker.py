@@ -1,6 +1,6 @@
 """torchrun worker: HF <-> Megatron-Core conversion through areal_fn, checked by logits.
 
-Launched once by ``tests/dist/test_conversion_parity.py`` with 4 ranks (gloo). For
+Launched once by ``tests/distributed/test_conversion_parity.py`` with 4 ranks (gloo). For
 every case (model family x parallel strategy):
 
 1. rank 0 builds a ``transformers`` model (fp32, eager attention, non-trivial random

@@ -1,6 +1,6 @@
 """torchrun worker (4 ranks, gloo): checkpoints saved under one strategy, loaded under another.
 
-Launched once by ``tests/dist/test_checkpoint_dist.py``. Every rank builds its local
+Launched once by ``tests/distributed/test_checkpoint_dist.py``. Every rank builds its local
 state from canonical truth (``checkpoint_worker_util``), saves, loads into NaN-filled
 local tensors of another layout and compares bitwise with what ``to_megatron`` makes
 of the truth. Results go to ``<out>/rank<r>.json`` as ``{"checks": {name: problem or
@@ -40,7 +40,7 @@ from areal_fn.runtime.checkpoint import (  # noqa: E402
     load_checkpoint,
     save_checkpoint,
 )
-from tests.dist.checkpoint_worker_util import (  # noqa: E402
+from tests.distributed.checkpoint_worker_util import (  # noqa: E402
     blank_state,
     layout,
     model,
