@@ -68,6 +68,8 @@ from .transfer import Transfer as Transfer
 from .transfer import TransferPlan as TransferPlan
 from .transfer import bucket as bucket
 from .transfer import plan_transfers as plan_transfers
+from .transfer_bound import required_bytes as required_bytes
+from .transfer_bound import transfer_lower_bound as transfer_lower_bound
 from .vocab import padded_vocab_size as padded_vocab_size
 
 __version__ = "0.1.0"

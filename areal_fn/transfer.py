@@ -52,23 +52,20 @@ class Transfer:
 
 @attrs.frozen(kw_only=True)
 class TransferPlan:
-    """An ordered tuple of transfers, with byte accounting."""
+    """An ordered tuple of transfers, with byte accounting.
+
+    The least bytes any plan must move is :func:`areal_fn.transfer_lower_bound`,
+    computed from the two layouts alone.
+    """
 
     transfers: tuple[Transfer, ...]
     src_ranks: tuple[int, ...]
     dst_ranks: tuple[int, ...]
-    #: bytes each destination rank must obtain from other ranks at the least.
-    required_bytes: tuple[tuple[int, int], ...]
 
     @property
     def bytes_total(self) -> int:
         """Bytes that cross between ranks (local copies excluded)."""
         return sum(t.nbytes for t in self.transfers if not t.is_local)
-
-    @property
-    def lower_bound(self) -> int:
-        """Destination bytes that no colocated source holds: no plan moves fewer."""
-        return sum(b for _, b in self.required_bytes)
 
     def send_bytes(self) -> dict[int, int]:
         out = dict.fromkeys(self.src_ranks, 0)
@@ -89,10 +86,7 @@ class TransferPlan:
         return tuple(t for t in self.transfers if rank in (t.src, t.dst))
 
     def __str__(self) -> str:
-        head = (
-            f"TransferPlan: {len(self.transfers)} transfers, {self.bytes_total} B across ranks "
-            f"(lower bound {self.lower_bound} B)"
-        )
+        head = f"TransferPlan: {len(self.transfers)} transfers, {self.bytes_total} B across ranks"
         return "\n".join([head, *(f"  {t}" for t in self.transfers)])
 
 
@@ -198,12 +192,9 @@ def plan_transfers(
                     holders.setdefault(p.canonical, []).append(_Holder(g, lt.name, p, size))
     sent: dict[int, int] = dict.fromkeys(src_g, 0)
     transfers: list[Transfer] = []
-    required: list[tuple[int, int]] = []
     for j, g in enumerate(dst_g):
-        need = 0
         for lt in dst.local_tensors(j):
-            need += _plan_tensor(lt, g, holders, sent, transfers)
-        required.append((g, need))
+            _plan_tensor(lt, g, holders, sent, transfers)
     # Plan order: canonical tensor (checkpoint order), then destination, so that
     # consecutive buckets feed every receiver at once instead of one after another.
     position = {c.name: i for i, c in enumerate(dst.canonical)}
@@ -213,9 +204,7 @@ def plan_transfers(
         key=lambda i: (position[transfers[i].canonical], dst_pos[transfers[i].dst], i),
     )
     transfers = [transfers[i] for i in order]
-    return TransferPlan(
-        transfers=tuple(transfers), src_ranks=src_g, dst_ranks=dst_g, required_bytes=tuple(required)
-    )
+    return TransferPlan(transfers=tuple(transfers), src_ranks=src_g, dst_ranks=dst_g)
 
 
 def _plan_tensor(
@@ -224,8 +213,7 @@ def _plan_tensor(
     holders: dict[str, list[_Holder]],
     sent: dict[int, int],
     out: list[Transfer],
-) -> int:
-    need = 0
+) -> None:
     for piece in lt.pieces:
         if piece.canonical is None or piece.canonical_box is None:
             continue
@@ -243,9 +231,7 @@ def _plan_tensor(
                 choice = local[0]
             else:
                 choice = min(whole, key=lambda n: (sent[cands[n][0].rank], cands[n][0].rank, n))
-                nbytes = want.numel * cands[choice][0].itemsize
-                sent[cands[choice][0].rank] += nbytes
-                need += nbytes
+                sent[cands[choice][0].rank] += want.numel * cands[choice][0].itemsize
             h = cands[choice][0]
             out.append(
                 Transfer(
@@ -280,7 +266,6 @@ def _plan_tensor(
             cells.append((cell, choice))
             if not local:
                 sent[cands[choice][0].rank] += cell.numel * cands[choice][0].itemsize
-                need += cell.numel * cands[choice][0].itemsize
         for box, n in _merge_runs(cells):
             h = cands[n][0]
             src_box = h.piece.local_of(box)  # local coordinates (stacked dims included)
@@ -298,7 +283,6 @@ def _plan_tensor(
                     nbytes=box.numel * h.itemsize,
                 )
             )
-    return need
 
 
 # -- buckets ---------------------------------------------------------------------------
@@ -348,8 +332,11 @@ def _split_transfer(t: Transfer, max_bytes: int) -> list[Transfer]:
         stop = min(start + rows, t.box.shape[d])
 
         def cut(b: Box, d: int = d, start: int = start, stop: int = stop) -> Box:
+            # canonical dim d is local dim d + k: a local box may lead with k stacked
+            # dims of extent 1 (FSDP2's [E, ...] experts), as in Piece.local_of
+            k = b.ndim - t.box.ndim
             r = list(b.ranges)
-            r[d] = (b.ranges[d][0] + start, b.ranges[d][0] + stop)
+            r[d + k] = (b.ranges[d + k][0] + start, b.ranges[d + k][0] + stop)
             return Box._trusted(tuple(r))
 
         part = attrs.evolve(

@@ -51,6 +51,7 @@ from areal_fn.fsdp2_layout import fsdp2_layout  # noqa: E402
 from areal_fn.inference_layout import inference_layout  # noqa: E402
 from areal_fn.model import ModelSpec, model_from_hf_config  # noqa: E402
 from areal_fn.transfer import BucketPlan, Transfer, TransferPlan, bucket, plan_transfers  # noqa: E402
+from areal_fn.transfer_bound import transfer_lower_bound  # noqa: E402
 
 MODEL = ROOT / "specs" / "models" / "Qwen2.5-0.5B.json"
 BIG = ROOT / "specs" / "models" / "Qwen3-235B-A22B.json"
@@ -175,7 +176,7 @@ def _worker(out: Path) -> None:
         "equal": equal,
         "plan_s": plan_s,
         "buckets": len(buckets.buckets),
-        "lower_bound": plan.lower_bound,
+        "lower_bound": transfer_lower_bound(train, infer, src_ranks=TRAINER, dst_ranks=INFER),
         "model_bytes": sum(c.numel for c in spec.tensors)
         * torch.tensor([], dtype=dtype).element_size(),
     }
@@ -220,7 +221,7 @@ def _sync_part() -> None:
     print(
         f"ratio gather+broadcast / planned: bytes {gb[0] / pl[0]:.2f}x, time {gb[1] / pl[1]:.2f}x "
         f"(interleaved: {gb[1] / mx[1]:.2f}x); "
-        f"planned bytes = plan lower bound: {pl[0] == recs[0]['lower_bound']}; "
+        f"planned bytes = lower bound from the layouts: {pl[0] == recs[0]['lower_bound']}; "
         f"results bitwise equal: {all(rec['equal'] for rec in recs)}"
     )
 
@@ -240,6 +241,7 @@ def _planning_part() -> None:
     t2 = time.perf_counter()
     plan = plan_transfers(src, replica, src_ranks=range(256), dst_ranks=range(256, 264))
     t3 = time.perf_counter()
+    bound = transfer_lower_bound(src, replica, src_ranks=range(256), dst_ranks=range(256, 264))
     print(
         f"Qwen3-235B-A22B ({len(spec.tensors)} canonical tensors): megatron d8p8t4e32 (256 ranks) "
         f"-> sglang t8 x 8 replicas ({full.world_size} ranks)"
@@ -247,7 +249,8 @@ def _planning_part() -> None:
     print(f"  layouts: megatron {t1 - t0:.1f} s, inference {t2 - t1:.1f} s")
     print(
         f"  plan one replica (8 ranks): {t3 - t2:.1f} s, {len(plan.transfers)} transfers, "
-        f"{plan.bytes_total / (1 << 30):.1f} GiB"
+        f"{plan.bytes_total / (1 << 30):.1f} GiB (lower bound from the layouts: "
+        f"{bound / (1 << 30):.1f} GiB, {'equal' if bound == plan.bytes_total else 'NOT equal'})"
     )
     print(
         f"  all 8 replicas, extrapolated: {8 * (t3 - t2):.0f} s, {8 * len(plan.transfers)} transfers"

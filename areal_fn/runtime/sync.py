@@ -277,7 +277,10 @@ class SyncGroup:
             dist.PrefixStore(f"{prefix}/pg", store),
             ranks.index(rank),
             len(ranks),
-            timeout_s,
+            # the backend's own timeout also bounds its connection set-up (gloo's full
+            # mesh), which a loaded machine can take seconds for; every wait of a sync
+            # is bounded by ``timeout_s`` explicitly (work.wait, store polls)
+            max(timeout_s, connect),
         )
         return cls(
             pg=pg,

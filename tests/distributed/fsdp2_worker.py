@@ -485,7 +485,7 @@ def main() -> int:
     args = parser.parse_args()
     # FSDP2 warns that the root returns a view (the logits); nothing here edits it in place.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=180))
     rank, world = dist.get_rank(), dist.get_world_size()
     rec = Recorder(rank)
     try:

@@ -330,7 +330,7 @@ def main() -> int:
     parser.add_argument("--cases", default="", help="comma-separated config/label (default all)")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=180))
     rank = dist.get_rank()
     wanted = {tuple(c.split("/", 1)) for c in args.cases.split(",") if c}
     cases = [c for c in CASES if not wanted or c in wanted]

@@ -38,7 +38,7 @@ def test_sigkill_of_one_rank_during_a_distributed_save(tmp_path):
         WORKER,
         ["torchrun", "--out", str(tmp_path), "--seed", str(SEED)],
         nproc=2,
-        timeout_s=120,
+        timeout_s=300,
         cwd=REPO,
         check=False,
     )
@@ -57,7 +57,7 @@ def test_sigkill_at_random_moments_and_at_every_commit_step(tmp_path):
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=400,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-4000:]

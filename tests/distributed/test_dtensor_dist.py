@@ -6,7 +6,6 @@ One launch of ``dtensor_worker.py`` runs every section (this file's and
 
 import functools
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +47,6 @@ class DistRun:
 @functools.cache
 def _launch(out: Path) -> DistRun:
     """The one launch per session (the fixture is imported by several test modules)."""
-    shutil.rmtree(out)
-    out.mkdir(parents=True)
     result = run_torchrun(
         WORKER, ["--out", str(out)], nproc=WORLD, timeout_s=600, cwd=REPO, check=False
     )
@@ -60,8 +57,8 @@ def _launch(out: Path) -> DistRun:
 
 
 @pytest.fixture(scope="session")
-def dtensor_dist_run(request: pytest.FixtureRequest) -> DistRun:
-    return _launch(Path(request.config.cache.mkdir("dtensor_dist")))
+def dtensor_dist_run(tmp_path_factory: pytest.TempPathFactory) -> DistRun:
+    return _launch(tmp_path_factory.mktemp("dtensor_dist"))
 
 
 def _show(failures: list[dict[str, Any]], n: int = 8) -> str:

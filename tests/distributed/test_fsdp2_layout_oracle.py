@@ -9,12 +9,11 @@ placements, local shape, local bytes); then ``load_canonical`` / ``export_canoni
 round trips, logits against the unsharded model, and one SGD step under ``fsdp:d2t2``
 against a single-process reference. The tests below read those records.
 
-The JSON stays in the pytest cache (``.pytest_cache/d/fsdp2_oracle``).
+The JSON goes to a temporary directory of the session (pytest's ``tmp_path_factory``).
 """
 
 import importlib.util
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +34,8 @@ WORLD = worker.WORLD
 
 
 @pytest.fixture(scope="module")
-def records(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
-    out = Path(request.config.cache.mkdir("fsdp2_oracle"))
-    shutil.rmtree(out)
-    out.mkdir(parents=True)
+def records(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out = tmp_path_factory.mktemp("fsdp2_oracle")
     result = run_torchrun(
         WORKER, ["--out", str(out)], nproc=WORLD, timeout_s=600, cwd=REPO, check=False
     )

@@ -13,12 +13,8 @@ fixture (``from tests.distributed.test_megatron_cpu import megatron_ground_truth
 kept in the pytest cache, ``.pytest_cache/d/megatron_cpu/ground_truth/``.
 """
 
-import contextlib
 import importlib.util
 import json
-import os
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -46,28 +42,13 @@ def megatron_ground_truth(
 ) -> Path:
     """Directory of per-case, per-rank JSON records written by one torchrun launch.
 
-    Each session records into its own temporary directory (concurrent sessions never
-    share one), then publishes a copy as the pytest cache's ``megatron_cpu_ground_truth``
-    (a symlink swapped atomically to the newest copy).
+    Each session records into a temporary directory of its own (pytest's
+    ``tmp_path_factory``; ``--basetemp DIR`` keeps it where you want it), never a
+    directory shared between sessions.
     """
     out = tmp_path_factory.mktemp("megatron_cpu_ground_truth")
     run_torchrun(WORKER, ["--out", str(out)], nproc=WORLD, timeout_s=600, cwd=REPO)
-    if request.config.cache is not None:
-        with contextlib.suppress(OSError):  # best effort: never fails the session
-            _publish(out, Path(request.config.cache.mkdir("megatron_cpu")))
     return out
-
-
-def _publish(src: Path, cache: Path) -> None:
-    copy = Path(tempfile.mkdtemp(prefix="run-", dir=cache))
-    shutil.copytree(src, copy, dirs_exist_ok=True)
-    link = cache / "ground_truth"
-    tmp_link = cache / f".ground_truth-{os.getpid()}"
-    tmp_link.symlink_to(copy.name)
-    os.replace(tmp_link, link)  # atomic: readers see the old or the new copy
-    for old in cache.glob("run-*"):  # older copies; spare any a concurrent session is writing
-        if old != copy and time.time() - old.stat().st_mtime > 600:
-            shutil.rmtree(old, ignore_errors=True)
 
 
 # ------------------------------------------------------------------ helpers

@@ -4,11 +4,13 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from areal_fn.box import Box
 from areal_fn.layout import Layout
 from areal_fn.tensor_spec import DTYPE_BYTES
 from areal_fn.testing.layouts import layout_pairs
 from areal_fn.transfer import bucket, plan_transfers
 from areal_fn.transfer_apply import apply_transfers
+from areal_fn.transfer_bound import required_bytes, transfer_lower_bound, union_numel
 
 
 def materialise(
@@ -83,12 +85,9 @@ def test_each_destination_element_received_exactly_once(case):
                 assert bool((count[p.local_box.slices()] == want).all())
 
 
-@given(placed_pairs())
-def test_bytes_moved_equal_the_lower_bound(case):
-    """Lower bound, computed independently: elements a destination rank needs that the
-    source layout does not place on the same global rank."""
-    src, dst, sr, dr = case
-    plan = plan_transfers(src, dst, src_ranks=sr, dst_ranks=dr)
+def marked_bound(src, dst, sr, dr) -> dict[int, int]:
+    """Brute force, element by element: what each destination rank needs (each element
+    once) that the same global rank does not hold in the source layout."""
     held: dict[int, dict[str, torch.Tensor]] = {}
     for i, g in enumerate(sr):
         marks = {c.name: torch.zeros(c.shape, dtype=torch.bool) for c in src.canonical}
@@ -97,20 +96,71 @@ def test_bytes_moved_equal_the_lower_bound(case):
                 if p.canonical is not None:
                     marks[p.canonical][p.canonical_box.slices()] = True
         held[g] = marks
-    bound = 0
+    out = {}
     for j, g in enumerate(dr):
+        need = {c.name: torch.zeros(c.shape, dtype=torch.bool) for c in dst.canonical}
         for lt in dst.local_tensors(j):
             for p in lt.pieces:
-                if p.canonical is None:
-                    continue
-                region = (
-                    held[g][p.canonical][p.canonical_box.slices()]
-                    if g in held
-                    else torch.zeros(p.canonical_box.shape, dtype=torch.bool)
-                )
-                bound += int((~region).sum()) * DTYPE_BYTES["float32"]
-    assert plan.bytes_total == bound == plan.lower_bound
+                if p.canonical is not None:
+                    need[p.canonical][p.canonical_box.slices()] = True
+        out[g] = 0
+        for c in src.canonical:
+            mine = held[g][c.name] if g in held else torch.zeros(c.shape, dtype=torch.bool)
+            out[g] += int((need[c.name] & ~mine).sum()) * DTYPE_BYTES[c.dtype]
+    return out
+
+
+@given(placed_pairs())
+def test_bytes_moved_equal_the_lower_bound(case):
+    """The bound from the two layouts (``transfer_lower_bound``) equals the element-wise
+    brute force, and the planner moves exactly that many bytes, none more."""
+    src, dst, sr, dr = case
+    plan = plan_transfers(src, dst, src_ranks=sr, dst_ranks=dr)
+    brute = marked_bound(src, dst, sr, dr)
+    assert dict(required_bytes(src, dst, src_ranks=sr, dst_ranks=dr)) == brute
+    bound = transfer_lower_bound(src, dst, src_ranks=sr, dst_ranks=dr)
+    assert bound == sum(brute.values())
+    assert plan.bytes_total == bound
+    assert plan.recv_bytes() == brute
     assert sum(plan.send_bytes().values()) == sum(plan.recv_bytes().values()) == plan.bytes_total
+
+
+@given(placed_pairs())
+def test_a_plan_that_ignores_colocated_sources_exceeds_the_bound(case):
+    """The bound does not follow the planner: planning a colocated pair as if the ranks
+    were disjoint moves every destination byte, more than the bound whenever a
+    destination rank holds some of what it needs."""
+    src, dst, _, _ = case
+    sr, dr = range(src.world_size), range(dst.world_size)
+    bound = transfer_lower_bound(src, dst, src_ranks=sr, dst_ranks=dr)
+    shifted = range(src.world_size, src.world_size + dst.world_size)
+    wasteful = plan_transfers(src, dst, src_ranks=sr, dst_ranks=shifted)
+    held = sum(marked_bound(src, dst, sr, shifted).values()) - bound
+    assert wasteful.bytes_total == bound + held
+    assert (wasteful.bytes_total > bound) == (held > 0)
+
+
+@st.composite
+def box_sets(draw):
+    ndim = draw(st.integers(1, 3))
+    shape = tuple(draw(st.integers(1, 6)) for _ in range(ndim))
+    boxes = []
+    for _ in range(draw(st.integers(0, 6))):
+        ranges = []
+        for n in shape:
+            lo = draw(st.integers(0, n))
+            ranges.append((lo, draw(st.integers(lo, n))))
+        boxes.append(Box(ranges=tuple(ranges)))
+    return shape, boxes
+
+
+@given(box_sets())
+def test_union_numel_counts_each_element_once(case):
+    shape, boxes = case
+    marks = torch.zeros(shape, dtype=torch.bool)
+    for b in boxes:
+        marks[b.slices()] = True
+    assert union_numel(boxes) == int(marks.sum())
 
 
 @given(placed_pairs(), st.integers(4, 64))
@@ -209,4 +259,49 @@ def test_plans_between_real_framework_layouts_reproduce_the_destination(data):
         want = to_megatron(canon, dst, j)
         for name, t in want.items():
             assert torch.equal(dst_t[offset + j][name], t), (j, name)
-    assert plan.bytes_total == plan.lower_bound
+    assert plan.bytes_total == transfer_lower_bound(
+        src, dst, src_ranks=range(src.world_size), dst_ranks=range(offset, offset + dst.world_size)
+    )
+
+
+TINY_MOE = {
+    "model_type": "qwen3_moe",
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "vocab_size": 80,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 16,
+    "tie_word_embeddings": False,
+}
+
+
+@given(st.sampled_from([64, 1024, 1500]), st.booleans())
+def test_buckets_smaller_than_an_expert_piece_keep_fsdp2_stacked_experts_intact(max_bytes, back):
+    """FSDP2 stacks experts (``mlp.experts.gate_up_proj [E, 2I, H]``): a split must cut the
+    local dim that carries the canonical dim, not the expert axis in front of it."""
+    from areal_fn import ParallelDims, fsdp2_layout, inference_layout, model_from_hf_config
+    from areal_fn.convert import to_megatron
+
+    model = model_from_hf_config(TINY_MOE)
+    a = fsdp2_layout(model, ParallelDims(dp=2))
+    b = inference_layout(model, ParallelDims(tp=2))
+    src, dst = (b, a) if back else (a, b)
+    plan = plan_transfers(src, dst, src_ranks=range(2), dst_ranks=range(2, 4))
+    buckets = bucket(plan, max_bytes, version=1)
+    assert all(0 < bk.nbytes <= max_bytes for bk in buckets.buckets)
+    g = torch.Generator().manual_seed(5)
+    canon = {t.name: torch.randn(t.shape, generator=g) for t in model.tensors}
+    src_t = {r: to_megatron(canon, src, r) for r in range(2)}
+    dst_t = {
+        2 + j: {lt.name: torch.zeros(lt.shape) for lt in dst.local_tensors(j)} for j in range(2)
+    }
+    apply_transfers(buckets.transfers, src_t, dst_t)
+    for j in range(2):
+        for name, t in to_megatron(canon, dst, j).items():
+            assert torch.equal(dst_t[2 + j][name], t), (j, name)
