@@ -10,8 +10,11 @@ collection, and compared with the reports, folder by folder.
 """
 
 import ast
+import os
 from collections.abc import Iterable
 from pathlib import Path
+
+import pytest
 
 __all__ = ["defined_tests", "folder_of", "missing_tests", "summary_lines"]
 
@@ -85,3 +88,53 @@ def summary_lines(defined: dict[str, list[str]], reported: Iterable[str]) -> lis
             f"{len(functions.get(folder, set()))} reported, {items.get(folder, 0)} test items"
         )
     return lines
+
+
+# -- hooks (re-exported by tests/conftest.py) ------------------------------------------
+_REPORTED: set[str] = set()
+
+
+def _root(config: pytest.Config) -> Path:
+    return Path(config.rootpath) / "tests"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--check-collection",
+        action="store_true",
+        default=False,
+        help="fail the run unless every test function defined under tests/ was reported",
+    )
+
+
+def _guarding(config: pytest.Config) -> bool:
+    # only the controlling process judges (an xdist worker sees a share of the tests)
+    return bool(config.getoption("--check-collection")) and not os.environ.get(
+        "PYTEST_XDIST_WORKER"
+    )
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _REPORTED.add(report.nodeid)
+
+
+def pytest_terminal_summary(
+    terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config
+) -> None:
+    if not _guarding(config):
+        return
+    defined = defined_tests(_root(config))
+    terminalreporter.section("collection guard")
+    for line in summary_lines(defined, _REPORTED):
+        terminalreporter.write_line(line)
+    for folder, names in missing_tests(defined, _REPORTED).items():
+        terminalreporter.write_line(
+            f"NOT RUN in {folder}: {len(names)} test functions, e.g. {names[:3]}", red=True
+        )
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if not _guarding(session.config):
+        return
+    if missing_tests(defined_tests(_root(session.config)), _REPORTED) and session.exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
