@@ -3,7 +3,8 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-NPROC ?= 4
+# e.g. make demo DEMO_ARGS='--workdir demo_out --steps 40' (the demo always runs 4 processes)
+DEMO_ARGS ?=
 
 .PHONY: demo test test-fast lint typecheck pytest bench golden venv clean
 
@@ -16,7 +17,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/areal-fn demo --nproc $(NPROC)
+	$(BIN)/areal-fn demo $(DEMO_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check areal_fn tests bench tools

@@ -18,6 +18,7 @@ from .errors import LayoutError as LayoutError
 from .errors import ParseError as ParseError
 from .errors import PlanError as PlanError
 from .errors import SpecError as SpecError
+from .errors import UnsupportedConfigError as UnsupportedConfigError
 from .families.hf_memory import canonical_to_hf_state as canonical_to_hf_state
 from .families.hf_memory import hf_memory_view as hf_memory_view
 from .families.hf_memory import hf_state_to_canonical as hf_state_to_canonical

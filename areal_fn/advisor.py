@@ -1,20 +1,28 @@
 """`suggest_strategy`: enumerate parallel strategies, keep those that fit, rank them.
 
-**Enumeration** (every strategy uses all ``n_devices``; each is checked by the real
-layout checks, and ones they reject are skipped and counted):
+**Enumeration** (every strategy uses all ``n_devices``; each is checked by the one
+rule (:func:`~areal_fn.strategy_rules.dims_problems`, what
+:func:`~areal_fn.strategy_rules.check_dims` raises on) that the layouts and
+:func:`~areal_fn.strategy_check.check_strategy` use, and ones it rejects are skipped
+and counted):
 
-- ``fsdp:d{dp}t{tp}c{cp}``: ``dp*tp*cp = n``; ``tp`` at most ``devices_per_node``
-  (:func:`~areal_fn.fsdp2_layout.check_fsdp2`: ``tp`` divides the heads, KV heads and
-  intermediate size); ``cp`` is Ulysses sequence parallelism, so it must divide the
-  heads left on a TP rank.
+- ``fsdp:d{dp}t{tp}``: ``dp*tp = n``; ``tp`` at most ``devices_per_node`` (and
+  dividing the heads, KV heads, intermediate size and, past two FSDP shards, the
+  vocabulary). ``c`` is not enumerated for fsdp: the FSDP2 engine runs it as data
+  parallelism today (``dp_shard = dp*cp``), so ``fsdp:d{dp}c{cp}`` is the job
+  ``fsdp:d{dp*cp}``; Ulysses sequence parallelism, which fsdp's ``c`` is reserved
+  for, is not built yet.
 - ``megatron:d{dp}p{pp}t{tp}c{cp}e{ep}v{vpp}``: ``tp`` at most ``devices_per_node``;
   ``pp`` at most 16 and at most the layers; ``vpp`` 1 or 2 (needs ``pp >= 2`` and
   ``2*pp`` layers); ``ep`` (MoE only) divides the experts and ``dp*tp*cp`` (expert
-  tensor parallelism left at 1); :func:`~areal_fn.megatron_layout.check_megatron`
-  decides the rest. Stages: Megatron's even split when ``pp*vpp`` divides the layers,
-  else :func:`~areal_fn.pipeline.split_evenly` (first chunks one layer longer).
-- Context parallelism ``cp`` (both backends) keeps at least 4,096 tokens of a sequence
-  per rank, at most 8 ways, and ``2*cp`` divides ``seq_len``.
+  tensor parallelism left at 1); the rule decides the rest. ``c`` is Megatron-Core's
+  context parallelism (parameters replicated over ``cp``, each rank holding
+  ``seq_len/cp`` tokens; ring attention needs the TransformerEngine layer spec, which
+  is what AReaL builds; this project's CPU ``MegatronEngine`` builds the local spec and
+  runs ``cp = 1`` only). Stages: Megatron's even split when ``pp*vpp`` divides the
+  layers, else :func:`~areal_fn.pipeline.split_evenly` (first chunks one layer longer).
+- Context parallelism ``cp`` (Megatron) keeps at least 4,096 tokens of a sequence per
+  rank, at most 8 ways, and ``2*cp`` divides ``seq_len``.
 
 **Fit**: the largest per-rank total of :func:`~areal_fn.memory.estimate_memory` (model
 state exact, activations estimated) must be at most ``(1 - memory_margin)`` of
@@ -51,8 +59,7 @@ all-gather, all-to-all) or twice that (all-reduce).
   sequence parallelism, one more forward with recompute).
 - CP (exposed): Megatron ring attention ``m * L_r * (3 + rc) * (cp-1) * (T/cp) *
   2*kv/tp * cb`` (K and V passed around the ring forward, again plus their gradients
-  backward); FSDP Ulysses ``m * L * (2 + rc) * (cp-1)/cp * (T/cp) * (2q + 2kv)/tp * cb``
-  (all-to-alls of q, k, v and the output, forward and backward).
+  backward).
 - EP (exposed): ``m * M_r * (4 + 2*rc) * (ep-1)/ep * T/(cp*tp) * k * h * cb`` (token
   dispatch and combine all-to-alls, forward and backward; balanced routing).
 - PP (exposed): ``m * 2 * vpp * T/(cp*tp) * h * cb`` (activations forward, their
@@ -84,8 +91,7 @@ import attrs
 from .allocation import Backend, Component, ParallelDims, divisors
 from .census import Census, CensusIndex, fsdp2_census, megatron_census
 from .errors import PlanError, SpecError
-from .fsdp2_layout import check_fsdp2
-from .megatron_layout import check_megatron, default_stages
+from .megatron_layout import default_stages
 from .memory import (
     GIB,
     ActivationModel,
@@ -97,6 +103,7 @@ from .memory import (
 )
 from .model import ModelSpec
 from .pipeline import split_evenly
+from .strategy_rules import dims_problems
 from .tensor_spec import DTYPE_BYTES
 from .typecheck import beartype
 
@@ -235,21 +242,15 @@ def _cp_choices(n: int, seq_len: int) -> list[int]:
 
 
 def _fsdp_dims(w: _Workload, skipped: list[str]) -> Iterator[ParallelDims]:
-    heads = w.model.num_attention_heads
     for tp in divisors(w.n):
         if tp > w.hw.devices_per_node:
             continue
-        for cp in _cp_choices(w.n // tp, w.act.seq_len):
-            dims = ParallelDims(dp=w.n // (tp * cp), tp=tp, cp=cp)
-            try:
-                check_fsdp2(w.model, dims)
-            except SpecError:
-                skipped.append(f"fsdp:{dims}")
-                continue
-            if heads % tp or (heads // tp) % cp:
-                skipped.append(f"fsdp:{dims}")
-                continue
-            yield dims
+        # cp stays 1: the FSDP2 engine runs fsdp's c as data parallelism (fsdp:dXcY is fsdp:d(XY))
+        dims = ParallelDims(dp=w.n // tp, tp=tp)
+        if dims_problems(w.model, "fsdp2", dims):  # the rule check_dims raises on
+            skipped.append(f"fsdp:{dims}")
+            continue
+        yield dims
 
 
 def _megatron_dims(w: _Workload, skipped: list[str]) -> Iterator[ParallelDims]:
@@ -266,9 +267,7 @@ def _megatron_dims(w: _Workload, skipped: list[str]) -> Iterator[ParallelDims]:
                 for vpp in (1, 2) if pp > 1 and 2 * pp <= m.num_layers else (1,):
                     for ep in eps if m.is_moe else [1]:
                         dims = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, vpp=vpp)
-                        try:
-                            check_megatron(m, dims)
-                        except SpecError:
+                        if dims_problems(m, "megatron", dims):
                             skipped.append(f"megatron:{dims}")
                             continue
                         yield dims
@@ -347,7 +346,7 @@ def _estimate(
     rc = 1 if act.recompute else 0
     m = max(1, -(-w.batch // (dims.dp * act.micro_batch_size)))
     h, hd = model.hidden_size, model.head_dim
-    q, kv = model.num_attention_heads * hd, model.num_key_value_heads * hd
+    kv = model.num_key_value_heads * hd
     tokens = act.tokens
     tp, cp, ep, pp = dims.tp, dims.cp, dims.ep, dims.pp
 
@@ -378,11 +377,8 @@ def _estimate(
         if tp > 1:
             vol = m * lr * (8 + 4 * rc) * (tp - 1) / tp * tokens / cp * h * cb
             terms.append(term("TP", tp, tp, vol))
-        if cp > 1:
-            if backend is Backend.MEGATRON:
-                vol = m * lr * (3 + rc) * (cp - 1) * tokens / cp * 2 * kv / tp * cb
-            else:
-                vol = m * lr * (2 + rc) * (cp - 1) / cp * tokens / cp * (2 * q + 2 * kv) / tp * cb
+        if cp > 1:  # Megatron ring attention (fsdp's c is not enumerated: see the docstring)
+            vol = m * lr * (3 + rc) * (cp - 1) * tokens / cp * 2 * kv / tp * cb
             terms.append(term("CP", cp, tp * cp, vol))
         if ep > 1:
             k = model.num_experts_per_tok

@@ -27,14 +27,15 @@ import attrs
 
 from .allocation import ParallelDims
 from .errors import LayoutError, SpecError
-from .fsdp2_layout import Fsdp2Options, check_fsdp2, fsdp2_mesh, fsdp2_sharding
+from .fsdp2_layout import Fsdp2Options, fsdp2_mesh, fsdp2_sharding
 from .layout import Layout
-from .megatron_layout import MegatronMeshes, check_megatron, default_stages
+from .megatron_layout import MegatronMeshes, default_stages
 from .mesh import Mesh
 from .model import ModelSpec, layer_of
 from .pipeline import StagePlan
 from .placement import Placement, Replicate, Shard, StridedShard
 from .sharding import Sharding, check_sharding, local_shape
+from .strategy_rules import check_dims
 from .typecheck import beartype
 from .vocab import padded_vocab_size
 
@@ -246,7 +247,7 @@ def megatron_census(
     Same checks and errors as :func:`~areal_fn.megatron_layout.megatron_layout` (names
     and ``grouped_gemm`` do not change a census).
     """
-    check_megatron(model, dims)
+    check_dims(model, "megatron", dims)
     plan = stages if stages is not None else default_stages(model, dims)
     if plan.num_layers != model.num_layers or plan.num_stages != dims.pp or plan.vpp != dims.vpp:
         raise LayoutError(
@@ -321,7 +322,13 @@ def fsdp2_census(
     Same checks and errors as :func:`~areal_fn.fsdp2_layout.fsdp2_layout`. Experts are
     counted as transformers 5 holds them: one stacked tensor per fused group per layer.
     """
-    check_fsdp2(model, dims)
+    check_dims(
+        model,
+        "fsdp2",
+        dims,
+        tp_embeddings=options.tp_embeddings,
+        hsdp_replicas=options.hsdp_replicas,
+    )
     mesh = fsdp2_mesh(dims, options)
     b = _Builder()
     for name, shape in _memory_shapes(model):

@@ -5,10 +5,9 @@ Bad input prints one line (``areal-fn: error: ...``) and exits 2; no traceback.
 
 import argparse
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .allocation import Backend, Component
 from .allocation_parse import parse_allocation
@@ -16,6 +15,9 @@ from .component_layout import layout_for
 from .errors import SpecError
 from .layout import Layout
 from .model import ModelSpec, model_from_hf_config
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 #: The tiny Qwen2-architecture model the demo trains (random weights, no download).
 DEMO_CONFIG: dict[str, object] = {
@@ -40,6 +42,19 @@ def _model(arg: str) -> ModelSpec:
         return model_from_hf_config(DEMO_CONFIG)
     builtin = Path(__file__).resolve().parent.parent / "specs" / "models" / f"{arg}.json"
     return model_from_hf_config(builtin if not Path(arg).exists() and builtin.exists() else arg)
+
+
+def text_console(**kwargs: Any) -> "Console":
+    """The console every ``areal-fn`` table and line goes through: it prints text as is.
+
+    Names, paths and allocation strings come from the user, so rich's markup
+    (``megatron[actor]``, ``out[bold]``) and emoji codes (``a:cat:b``) are not
+    interpreted; styling is explicit (``rich.text.Text``). Lines are not folded at the
+    terminal width, so a printed path stays one line that can be copied.
+    """
+    from rich.console import Console
+
+    return Console(markup=False, emoji=False, soft_wrap=True, **kwargs)
 
 
 def _human(n: float) -> str:
@@ -78,14 +93,14 @@ def _bytes_arg(text: str) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     from .memory import PrecisionPolicy, estimate_memory
     from .strategy_check import check_strategy
     from .tensor_spec import DTYPE_BYTES
 
-    console = Console()
+    console = text_console()
     model = _model(args.config)
     if args.suggest:
         return _suggest(console, model, args)
@@ -96,15 +111,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
     alloc = parse_allocation(args.allocation)
     check_strategy(model, alloc)
     console.print(
-        f"[bold]{model.model_type}[/] {model.num_layers} layers, {model.num_params:,} parameters; "
-        f"allocation [bold]{alloc}[/] on {alloc.world_size} ranks"
+        Text.assemble(
+            (model.model_type, "bold"),
+            f" {model.num_layers} layers, {model.num_params:,} parameters; allocation ",
+            (str(alloc), "bold"),
+            f" on {alloc.world_size} ranks",
+        )
     )
     for comp in alloc.components:
         layout = layout_for(model, comp)
         rr = alloc.rank_range(comp)
         console.print(
-            f"\n[bold]{comp.label}[/] {comp} ranks {rr.start}..{rr.stop - 1}: meshes "
-            + ", ".join(str(m) for m in layout.meshes)
+            Text.assemble(
+                "\n",
+                (comp.label, "bold"),
+                f" {comp} ranks {rr.start}..{rr.stop - 1}: meshes ",
+                ", ".join(str(m) for m in layout.meshes),
+            )
         )
         if comp.is_training:
             console.print(str(estimate_memory(layout, PrecisionPolicy.bf16_mixed())))
@@ -139,7 +162,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if args.tensors:
             t2 = Table(title=f"{comp.label}: placements")
             for col in ("tensor", "shape", "placements", "present"):
-                t2.add_column(col)
+                t2.add_column(col, overflow="fold")
             for t in layout.tensors[: args.tensors]:
                 t2.add_row(
                     t.name,
@@ -217,13 +240,11 @@ def _suggest(console: "Any", model: ModelSpec, args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.progress import Progress
 
     from .runtime.convert_io import convert_back, convert_to_local
 
-    console = Console()
-    start = time.perf_counter()
+    console = text_console()
     if args.to_hf:
         summary = convert_back(args.src, args.allocation, args.dst, overwrite=args.overwrite)
     else:
@@ -237,7 +258,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
                 overwrite=args.overwrite,
                 progress=lambda _name: progress.advance(task),
             )
-    console.print(f"converted {summary} in {time.perf_counter() - start:.2f} s")
+    console.print(f"converted {summary}")  # the summary says how long it took
     return 0
 
 
@@ -256,7 +277,7 @@ def cmd_checkpoint_export_hf(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from .runtime.demo import run_demo
 
-    return run_demo(nproc=args.nproc, steps=args.steps)
+    return run_demo(steps=args.steps, workdir=args.workdir)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -324,10 +345,19 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--overwrite", action="store_true")
     exp.set_defaults(func=cmd_checkpoint_export_hf)
     demo = sub.add_parser(
-        "demo", help="the main job: train, checkpoint, reshard and sync a tiny model on CPU"
+        "demo",
+        help="the main job: train, checkpoint, reshard and sync a tiny model on CPU "
+        "(4 processes under torchrun)",
     )
-    demo.add_argument("--nproc", type=int, default=4)
-    demo.add_argument("--steps", type=int, default=30)
+    demo.add_argument(
+        "--steps", type=int, default=30, help="training steps under fsdp:d2t2 (at least 20)"
+    )
+    demo.add_argument(
+        "--workdir",
+        metavar="DIR",
+        help="a new or empty directory for the checkpoint (DIR/checkpoints) and the HF "
+        "export (DIR/hf); default: a new temporary directory, kept and printed",
+    )
     demo.set_defaults(func=cmd_demo)
     return p
 

@@ -27,3 +27,12 @@ class PlanError(SpecError):
 
 class CheckpointError(SpecError):
     """A checkpoint is missing, corrupted, or belongs to something else."""
+
+
+class UnsupportedConfigError(SpecError):
+    """A ``config.json`` asks for a computation its model family does not model.
+
+    An activation, sliding-window attention, a rope type or partial rotary embeddings
+    that the family (and the engines built from it) would not apply: refused, never
+    ignored.
+    """

@@ -4,7 +4,10 @@ Names are the transformers 5 parameter names (``model.named_parameters()``: MoE
 experts stacked as ``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` and ``down_proj``; tied
 ``lm_head`` is the embedding and not listed twice). The mesh is the one torch builds,
 row-major: ``dp_replicate`` (HSDP replicas, only when > 1), ``dp_shard`` (FSDP shards
-over data x context parallel ranks), ``tp`` (only when > 1).
+over data x context parallel ranks), ``tp`` (only when > 1). The ``cp`` ranks are
+folded into ``dp_shard``: the FSDP2 engine runs them as extra data-parallel ranks
+(Ulysses sequence parallelism, which ``c`` is reserved for, is not built yet).
+``pp``, ``ep``, ``etp`` and ``vpp`` must be 1.
 
 TP plan by role (like AReaL's): q/k/v/gate/up and ``lm_head`` column-wise
 (``Shard(0)``), o/down row-wise (``Shard(1)``, their biases replicated), embeddings
@@ -24,6 +27,7 @@ from .mesh import Mesh
 from .model import ModelSpec
 from .placement import Placement, Replicate, Shard, StridedShard
 from .sharding import Sharding
+from .strategy_rules import check_dims
 from .typecheck import beartype
 
 _COLWISE = (
@@ -76,20 +80,6 @@ def tp_placement(name: str, options: Fsdp2Options) -> Placement:
     return Replicate()
 
 
-def check_fsdp2(model: ModelSpec, dims: ParallelDims) -> None:
-    tp = dims.tp
-    for what, n in (
-        ("num_attention_heads", model.num_attention_heads),
-        ("num_key_value_heads", model.num_key_value_heads),
-        ("intermediate_size", model.intermediate_size),
-    ):
-        if n % tp:
-            raise LayoutError(
-                f"tp={tp} does not divide {what}={n} ({model.model_type}); column/row-wise TP shards whole heads "
-                f"and channels, use tp in {[d for d in range(1, n + 1) if n % d == 0]}"
-            )
-
-
 def fsdp2_sharding(
     name: str, shape: tuple[int, ...], dims: ParallelDims, mesh: Mesh, options: Fsdp2Options
 ) -> Sharding:
@@ -121,8 +111,22 @@ def fsdp2_sharding(
 def fsdp2_layout(
     model: ModelSpec, dims: ParallelDims, *, options: Fsdp2Options = Fsdp2Options()
 ) -> Layout:
-    """Every rank's parameters under FSDP2 (+TP, +HSDP) for the ``fsdp`` component ``dims``."""
-    check_fsdp2(model, dims)
+    """Every rank's parameters under FSDP2 (+TP, +HSDP) for the ``fsdp`` component ``dims``.
+
+    ``dims`` takes ``dp``, ``tp`` and ``cp``; ``LayoutError`` for ``pp``, ``ep``, ``etp``
+    or ``vpp`` other than 1 (FSDP2 has no pipeline stages and does not split experts:
+    use :func:`~areal_fn.megatron_layout.megatron_layout`) and for degrees the model
+    does not divide (:func:`~areal_fn.strategy_rules.check_dims`). ``cp`` ranks are
+    FSDP shards like ``dp`` ranks (``dp_shard = dp/hsdp_replicas * cp``): the FSDP2
+    engine runs them as data parallelism until Ulysses sequence parallelism is built.
+    """
+    check_dims(
+        model,
+        "fsdp2",
+        dims,
+        tp_embeddings=options.tp_embeddings,
+        hsdp_replicas=options.hsdp_replicas,
+    )
     mesh = fsdp2_mesh(dims, options)
     tensors = []
     for mt in hf_memory_view(model):

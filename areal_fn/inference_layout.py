@@ -17,59 +17,31 @@ names. Rules (both engines):
 - pipeline stages (``p``): layer ``i`` on stage ``s`` by an even split, the first
   ``L % pp`` stages one layer longer; embeddings on stage 0, final norm and head on the
   last.
+- tied embeddings (``tie_word_embeddings``) with ``p > 1``: the last stage also holds
+  the embedding, as its output layer: a tensor ``lm_head.weight`` made of
+  ``model.embed_tokens.weight``, padded and split over TP exactly like the embedding
+  (vLLM builds ``embed_tokens`` on the last rank too and ties its ``ParallelLMHead``
+  to it; SGLang's Qwen2/Qwen3 build a ``ParallelLMHead`` there and load
+  ``model.embed_tokens.weight`` into it). With ``p = 1`` the engines use the
+  embedding itself as the head: one tensor. Sources: ``docs/inference.md``.
+
+Degrees: ``d``, ``t``, ``p``; anything else is refused
+(:func:`~areal_fn.strategy_rules.check_dims`).
 
 Mesh: ``(dp, pp, tp)``, replicas outermost; ``tp`` varies fastest.
 """
 
 from .allocation import ParallelDims
 from .box import Box
-from .errors import LayoutError
 from .layout import FusionPiece, Layout, LogicalTensor
 from .mesh import Mesh
 from .model import ModelSpec, layer_of
 from .placement import Placement, Replicate, Shard
 from .sharding import Sharding
+from .strategy_rules import VOCAB_PADDING, check_dims, engine_padded_vocab
 from .typecheck import beartype
 
-VOCAB_PADDING = 64
-
-
-def _divs(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def check_inference(model: ModelSpec, dims: ParallelDims) -> None:
-    tp, nq, nkv = dims.tp, model.num_attention_heads, model.num_key_value_heads
-    if nq % tp:
-        raise LayoutError(
-            f"tp={tp} does not divide num_attention_heads={nq} ({model.model_type}); use tp in {_divs(nq)}"
-        )
-    if tp > nkv and tp % nkv:
-        raise LayoutError(
-            f"tp={tp} exceeds num_key_value_heads={nkv} but is not a multiple of it; the engines replicate each KV "
-            f"head on tp/kv ranks, use tp in {_divs(nkv)} or a multiple of {nkv}"
-        )
-    if tp <= nkv and nkv % tp:
-        raise LayoutError(
-            f"tp={tp} does not divide num_key_value_heads={nkv}; use tp in {_divs(nkv)}"
-        )
-    for what, n in (
-        ("intermediate_size", model.intermediate_size),
-        ("moe_intermediate_size", model.moe_intermediate_size),
-    ):
-        if n and n % tp:
-            raise LayoutError(f"tp={tp} does not divide {what}={n}; use tp in {_divs(n)}")
-    if dims.pp > model.num_layers:
-        raise LayoutError(f"pp={dims.pp} exceeds num_layers={model.num_layers}")
-
-
-def padded_vocab(vocab: int, tp: int, multiple: int = VOCAB_PADDING) -> int:
-    padded = -(-vocab // multiple) * multiple
-    if padded % tp:
-        raise LayoutError(
-            f"padded vocabulary {padded} (vocab {vocab} padded to a multiple of {multiple}) is not divisible by tp={tp}; use a tp that divides it"
-        )
-    return padded
+__all__ = ["VOCAB_PADDING", "inference_layout", "layer_stage"]
 
 
 def layer_stage(layer: int, num_layers: int, pp: int) -> int:
@@ -92,18 +64,12 @@ def inference_layout(
     ``vocab_multiple`` is the engines' vocabulary padding (64); 1 means unpadded, as a
     plain DTensor tensor-parallel model holds it.
     """
-    if vocab_multiple < 1:
-        raise LayoutError(
-            f"vocab_multiple={vocab_multiple} must be >= 1 (64 for SGLang/vLLM, 1 for no padding)"
-        )
-    if dims.cp != 1 or dims.ep != 1 or dims.vpp != 1:
-        raise LayoutError(f"inference layouts take d, t, p only; got {dims}")
-    check_inference(model, dims)
+    check_dims(model, "inference", dims, vocab_multiple=vocab_multiple)
     tp, nkv = dims.tp, model.num_key_value_heads
     mesh = Mesh.of(dp=dims.dp, pp=dims.pp, tp=tp)
     kv_mesh = mesh.split("tp", tp_kv=min(tp, nkv), tp_rep=max(1, tp // nkv))
     tensors = []
-    vpad = padded_vocab(model.vocab_size, tp, vocab_multiple)
+    vpad = engine_padded_vocab(model.vocab_size, vocab_multiple)
     for spec in model.tensors:
         name, shape = spec.name, spec.shape
         layer = layer_of(name)
@@ -151,6 +117,24 @@ def inference_layout(
                 fusion=fusion,
                 sharding=Sharding(mesh=m, placements=placements),
                 present=(("pp", stage),),
+            )
+        )
+    if model.tie_word_embeddings and dims.pp > 1:
+        # the last stage's output layer: a copy of the embedding the engines hold there
+        hidden = model.hidden_size
+        rows = Box(ranges=((0, model.vocab_size), (0, hidden)))
+        tensors.append(
+            LogicalTensor(
+                name="lm_head.weight",
+                shape=(vpad, hidden),
+                dtype=model.dtype,
+                fusion=(
+                    FusionPiece(
+                        canonical="model.embed_tokens.weight", canonical_box=rows, logical_box=rows
+                    ),
+                ),
+                sharding=Sharding(mesh=mesh, placements=(Replicate(), Replicate(), Shard(dim=0))),
+                present=(("pp", dims.pp - 1),),
             )
         )
     return Layout(

@@ -11,6 +11,12 @@ over the same ranks (MoE parallel folding). Fusion maps:
 - ``word_embeddings`` / ``output_layer``: vocab padded to a multiple of
   ``128 * tp`` (padding rows have no canonical source), ``Shard(0)`` over TP.
 
+Context parallelism: Megatron-Core replicates every parameter over ``cp`` (the
+sequence is split ``2*cp`` ways by its ring attention, which needs the
+TransformerEngine spec); the layout says exactly that. This project's
+:class:`~areal_fn.runtime.engine_megatron.MegatronEngine` builds the local spec,
+whose ``DotProductAttention`` supports ``cp = 1`` only.
+
 Pipeline: chunk ``j`` (layers of a :class:`~areal_fn.pipeline.StagePlan`) runs on pp
 rank ``j % pp`` as virtual stage ``j // pp``; names use the layer index local to the
 chunk (``decoder.layers.{i}``), prefixed ``model{v}.`` when ``vpp > 1``. Tied
@@ -32,6 +38,7 @@ from .model import ModelSpec
 from .pipeline import StagePlan
 from .placement import Placement, Replicate, Shard, StridedShard
 from .sharding import Sharding
+from .strategy_rules import check_dims
 from .typecheck import beartype
 from .vocab import padded_vocab_size
 
@@ -99,49 +106,6 @@ def gate_up_fusion(
     )
 
 
-def check_megatron(model: ModelSpec, dims: ParallelDims) -> None:
-    """Raise ``LayoutError`` when ``model`` cannot be laid out under ``dims``."""
-    nq, nkv = model.num_attention_heads, model.num_key_value_heads
-    tp = dims.tp
-
-    def divs(n: int) -> list[int]:
-        return [d for d in range(1, n + 1) if n % d == 0]
-
-    if nq % tp:
-        raise LayoutError(
-            f"tp={tp} does not divide num_attention_heads={nq} ({model.model_type}); use tp in {divs(nq)}"
-        )
-    if nkv % tp:
-        raise LayoutError(
-            f"tp={tp} does not divide num_key_value_heads={nkv} ({model.model_type}); Megatron shards whole "
-            f"query groups, use tp in {divs(nkv)}"
-        )
-    for name, size in (("intermediate_size", model.intermediate_size),):
-        if any(not m for m in model.moe_layers) and size % tp:
-            raise LayoutError(f"tp={tp} does not divide {name}={size}; use tp in {divs(size)}")
-    if model.is_moe:
-        if model.num_experts % dims.ep:
-            raise LayoutError(
-                f"ep={dims.ep} does not divide num_experts={model.num_experts}; use ep in {divs(model.num_experts)}"
-            )
-        if model.moe_intermediate_size % dims.etp:
-            raise LayoutError(
-                f"etp={dims.etp} does not divide moe_intermediate_size={model.moe_intermediate_size}; "
-                f"use etp in {divs(model.moe_intermediate_size)}"
-            )
-    elif dims.ep > 1:
-        raise LayoutError(
-            f"ep={dims.ep} given for dense model {model.model_type} without experts; use ep=1 "
-            "(etp is ignored for dense models)"
-        )
-    chunks = dims.pp * dims.vpp
-    if model.num_layers < chunks:
-        raise LayoutError(
-            f"pp={dims.pp} x vpp={dims.vpp} = {chunks} pipeline chunks exceed num_layers={model.num_layers}; "
-            "every chunk needs at least one layer"
-        )
-
-
 @beartype
 def default_stages(model: ModelSpec, dims: ParallelDims) -> StagePlan:
     """Megatron's default split: ``num_layers / (pp*vpp)`` layers per chunk (must divide)."""
@@ -171,8 +135,10 @@ def megatron_layout(
     ``naming="te"`` uses the Transformer-Engine spec's names (layer norms fused into
     ``linear_qkv`` / ``linear_fc1``); ``grouped_gemm`` names experts
     ``mlp.experts.linear_fc1.weight{i}`` instead of ``mlp.experts.local_experts.{i}...``.
+    ``LayoutError`` for degrees the model does not divide, and for ``ep``/``etp`` > 1
+    on a dense model (:func:`~areal_fn.strategy_rules.check_dims`).
     """
-    check_megatron(model, dims)
+    check_dims(model, "megatron", dims)
     plan = stages if stages is not None else default_stages(model, dims)
     if plan.num_layers != model.num_layers or plan.num_stages != dims.pp or plan.vpp != dims.vpp:
         raise LayoutError(

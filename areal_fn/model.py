@@ -24,7 +24,7 @@ from pathlib import Path
 
 import attrs
 
-from .errors import SpecError
+from .errors import SpecError, UnsupportedConfigError
 from .families import FAMILIES, Family, family
 from .tensor_spec import TensorSpec, dtype_name
 from .typecheck import beartype
@@ -362,6 +362,11 @@ def _canonical_shapes(spec: ModelSpec) -> list[tuple[str, tuple[int, ...]]]:
 
 # -- config.json -> ModelSpec ---------------------------------------------------------
 
+#: Rope types (``rope_scaling`` / ``rope_parameters`` ``rope_type``) with an implementation
+#: in transformers, which the FSDP2 engine builds from ``hf_config()``; the Megatron builder
+#: applies ``llama3`` only (:func:`areal_fn.runtime.megatron_build.rope_kwargs`).
+ROPE_TYPES = ("default", "dynamic", "linear", "llama3", "longrope", "yarn")
+
 #: Other names a config may use for a key (transformers 5 writes the second form).
 _ALIASES = (("num_experts", "num_local_experts"), ("torch_dtype", "dtype"))
 
@@ -393,8 +398,14 @@ def model_from_hf_config(config: str | os.PathLike[str] | Mapping[str, object]) 
     """The :class:`ModelSpec` of an HF ``config.json`` (a dict, a file, or a directory).
 
     Required keys missing, an unsupported ``model_type`` or inconsistent sizes raise a
-    :class:`SpecError` naming the key, the value and the rule. Unknown keys are ignored
-    (they do not change any tensor).
+    :class:`SpecError` naming the key, the value and the rule. Keys that would change what
+    the model computes in a way the family does not model raise
+    :class:`~areal_fn.errors.UnsupportedConfigError`: ``hidden_act`` other than the
+    family's (``silu``), sliding-window attention turned on for some layer, a
+    ``layer_types`` entry other than full (or disabled sliding) attention, a rope type
+    outside :data:`ROPE_TYPES`, ``partial_rotary_factor`` other than 1. Other keys are
+    ignored: token ids, ``transformers_version``, ``initializer_range``, ``use_cache``,
+    dropout rates (the engines train without dropout), router loss settings, ...
     """
     if isinstance(config, Mapping):
         return _from_mapping(config)
@@ -473,7 +484,106 @@ def _rope(c: _Config) -> tuple[float, tuple[tuple[str, object], ...]]:
     scaling = _rope_pairs(legacy if legacy else params)
     if scaling == (("rope_type", "default"),):
         scaling = ()
+    _check_full_rotary(
+        c, "rope scaling partial_rotary_factor", dict(scaling).get("partial_rotary_factor")
+    )
+    kind = dict(scaling).get("rope_type", "default")
+    if kind not in ROPE_TYPES:
+        raise UnsupportedConfigError(
+            f"{c.fam.model_type} config has rope scaling rope_type={kind!r}, which the "
+            f"{c.fam.model_type} family does not model; known rope types are {list(ROPE_TYPES)} "
+            f"(transformers' implementations, which the FSDP2 engine applies; the Megatron "
+            f"builder applies 'llama3' only); use one of them or no rope scaling"
+        )
     return c.number("rope_theta", theta), scaling
+
+
+def _check_computation(c: _Config, layers: int) -> None:
+    """Refuse keys that change what the model computes in a way the family does not model."""
+    fam, mt = c.fam, c.fam.model_type
+    act = c.cfg.get("hidden_act")
+    if act is not None and act != fam.hidden_act:
+        raise UnsupportedConfigError(
+            f"{mt} config has hidden_act={act!r}; the {mt} family models a SwiGLU MLP with "
+            f"hidden_act={fam.hidden_act!r} only (the engines and the Megatron builder apply "
+            f"{fam.hidden_act}), so this model would compute differently; use a config with "
+            f"hidden_act={fam.hidden_act!r} or add the activation to the family"
+        )
+    _check_full_rotary(c, "partial_rotary_factor", c.cfg.get("partial_rotary_factor"))
+    _check_sliding_window(c, layers)
+
+
+def _check_full_rotary(c: _Config, where: str, value: object) -> None:
+    if value is not None and value != 1:
+        mt = c.fam.model_type
+        raise UnsupportedConfigError(
+            f"{mt} config has {where}={value!r}: rotary embeddings on part of each head; the "
+            f"{mt} family rotates all head_dim dims (so do the engines and the Megatron "
+            f"builder); use a config without partial_rotary_factor (or 1.0)"
+        )
+
+
+def _check_sliding_window(c: _Config, layers: int) -> None:
+    fam, mt = c.fam, c.fam.model_type
+    kinds = c.cfg.get("layer_types")
+    if kinds is not None:
+        if isinstance(kinds, str) or not isinstance(kinds, Sequence):
+            raise SpecError(
+                f"layer_types={kinds!r} must be a list of attention kinds, one per layer"
+            )
+        if len(kinds) != layers:
+            raise SpecError(
+                f"layer_types has {len(kinds)} entries but num_hidden_layers={layers}; give one "
+                f"attention kind per layer"
+            )
+        absent = fam.sliding_window == "absent"
+        allowed = ("full_attention",) if absent else ("full_attention", "sliding_attention")
+        for i, kind in enumerate(kinds):
+            if kind not in allowed:
+                modelled = (
+                    ""
+                    if absent
+                    else " (and 'sliding_attention' ones while use_sliding_window is false)"
+                )
+                raise UnsupportedConfigError(
+                    f"{mt} config has layer_types[{i}]={kind!r}; the {mt} family models "
+                    f"'full_attention' layers{modelled} only; use a model whose layers are all "
+                    f"'full_attention'"
+                )
+    has_key = "sliding_window" in c.cfg
+    window = c.cfg["sliding_window"] if has_key else None
+    if fam.sliding_window == "absent":
+        if window is not None:
+            raise UnsupportedConfigError(
+                f"{mt} config has sliding_window={window!r}, but the {mt} family has no "
+                f"sliding-window attention (transformers ignores the key for {mt}, so every "
+                f"layer would attend to the whole context); set sliding_window to null, or use "
+                f"a model without a sliding window (Mistral-style configs are not supported)"
+            )
+        return
+    if not c.flag("use_sliding_window"):
+        return
+    if not has_key:
+        window = fam.default("sliding_window")
+    if window is None:
+        return
+    if fam.sliding_window == "all_layers":
+        sliding, why = list(range(layers)), "every layer"
+    elif kinds is not None:
+        sliding = [i for i, kind in enumerate(kinds) if kind == "sliding_attention"]
+        why = "the layers layer_types marks 'sliding_attention'"
+    else:
+        first = c.integer("max_window_layers", minimum=0)
+        sliding = list(range(first, layers))
+        why = f"layers with index >= max_window_layers={first}"
+    if sliding:
+        raise UnsupportedConfigError(
+            f"{mt} config turns on sliding-window attention (use_sliding_window=true, "
+            f"sliding_window={window!r}) for {len(sliding)} of {layers} layers {sliding[:8]} "
+            f"({why}); the {mt} family models full causal attention only, so those layers "
+            f"would attend to the whole context; set use_sliding_window to false (as Qwen2.5 "
+            f"configs do) or use a model without sliding-window layers"
+        )
 
 
 def _from_mapping(raw: Mapping[str, object]) -> ModelSpec:
@@ -488,6 +598,7 @@ def _from_mapping(raw: Mapping[str, object]) -> ModelSpec:
     hidden = c.integer("hidden_size")
     heads = c.integer("num_attention_heads")
     layers = c.integer("num_hidden_layers")
+    _check_computation(c, layers)
     kv = c.get("num_key_value_heads")
     kv_heads = heads if kv is None else c.integer("num_key_value_heads")
     if c.get("head_dim") is None:

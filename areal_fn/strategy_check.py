@@ -2,25 +2,26 @@
 
 from .allocation import Allocation, Backend, Component
 from .errors import LayoutError
-from .fsdp2_layout import check_fsdp2
-from .inference_layout import check_inference
-from .megatron_layout import check_megatron
 from .model import ModelSpec
+from .strategy_rules import Kind, check_dims
 from .typecheck import beartype
+
+#: The rules each backend's components follow (an engine's: the inference layout's plus
+#: what its own model code cannot hold).
+KIND: dict[Backend, Kind] = {
+    Backend.FSDP: "fsdp2",
+    Backend.MEGATRON: "megatron",
+    Backend.SGLANG: "sglang",
+    Backend.VLLM: "vllm",
+}
 
 
 def check_component(model: ModelSpec, component: Component) -> None:
-    """Raise ``LayoutError`` if ``component`` cannot hold ``model``."""
-    dims = component.dims
+    """Raise ``LayoutError`` if ``component`` cannot hold ``model``, by the one rule of
+    :func:`~areal_fn.strategy_rules.check_dims` that its layout checks too (for an
+    inference engine also what its own model code cannot hold)."""
     try:
-        if component.backend is Backend.MEGATRON:
-            check_megatron(model, dims)
-        elif component.backend is Backend.FSDP:
-            check_fsdp2(model, dims)
-            if model.num_layers < 1:
-                raise LayoutError("model has no layers")
-        else:
-            check_inference(model, dims)
+        check_dims(model, KIND[component.backend], component.dims)
     except LayoutError as e:
         raise LayoutError(
             f"{component.label} ({component}) cannot hold this {model.model_type} model: {e}"
@@ -33,10 +34,13 @@ def check_strategy(
 ) -> None:
     """Raise ``LayoutError`` when ``allocation`` cannot run ``model``.
 
-    Checks every component (heads and KV heads against TP, with the inference
-    engines' KV-head replication when TP exceeds them; experts against EP; layers
-    against PP x VPP; channels against TP) and, when ``n_devices`` is given, that
-    the allocation's world size equals it.
+    Checks every component by the rule its layout uses
+    (:func:`~areal_fn.strategy_rules.check_dims`: heads and KV heads against TP, with
+    the inference engines' KV-head replication when TP exceeds them; channels and the
+    padded vocabulary against TP; fsdp's ``c`` against the heads a TP rank keeps;
+    experts against EP; layers against PP x VPP), what the inference engines' own model
+    code cannot hold, and, when ``n_devices`` is given, that the allocation's world size
+    equals it. Each refusal lists the values of the refused degree that pass.
     """
     if n_devices is not None and allocation.world_size != n_devices:
         raise LayoutError(

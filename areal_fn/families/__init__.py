@@ -11,11 +11,15 @@ Supported ``model_type``: see :data:`FAMILIES`.
 """
 
 from collections.abc import Iterable
+from typing import Literal
 
 import attrs
 
 from ..errors import SpecError
 from ..typecheck import beartype
+
+#: How a config class switches sliding-window attention on (see :class:`Family`).
+SlidingWindow = Literal["absent", "max_window_layers", "all_layers"]
 
 
 def _strs(value: Iterable[str]) -> tuple[str, ...]:
@@ -61,6 +65,16 @@ class Family:
       even when ``head_dim`` is explicit (transformers' ``LlamaConfig`` rejects it).
     - ``moe`` and ``fused_experts``: the family has routed experts and transformers 5
       keeps them fused in memory as described.
+    - ``hidden_act``: the one MLP activation the family models (SwiGLU with ``silu``);
+      a config asking for another is refused.
+    - ``sliding_window``: how the config class switches sliding-window attention on,
+      which no family models (a config that turns it on for some layer is refused):
+      ``"absent"``: the class has none, so a non-null ``sliding_window`` (which
+      transformers would ignore) is refused; ``"max_window_layers"``: with
+      ``use_sliding_window`` true and ``sliding_window`` not null, the layers that
+      ``layer_types`` marks ``"sliding_attention"`` (default: those with index
+      ``>= max_window_layers``) slide; ``"all_layers"``: with ``use_sliding_window``
+      true and ``sliding_window`` not null, every layer slides.
     """
 
     model_type: str
@@ -75,6 +89,11 @@ class Family:
     hidden_divisible_by_heads: bool = False
     moe: bool = False
     fused_experts: tuple[FusedExperts, ...] = attrs.field(default=(), converter=_fused_tuple)
+    hidden_act: str = "silu"
+    sliding_window: SlidingWindow = attrs.field(
+        default="absent",
+        validator=attrs.validators.in_(("absent", "max_window_layers", "all_layers")),
+    )
 
     def default(self, key: str) -> object:
         for k, v in self.defaults:

@@ -19,8 +19,12 @@ FAMILY = Family(
         ("rms_norm_eps", 1e-6),
         ("rope_theta", 10000.0),
         ("max_position_embeddings", 32768),
+        ("use_sliding_window", False),
+        ("sliding_window", 4096),  # used only when use_sliding_window is true
+        ("max_window_layers", 28),
     ),
     bias_flags=(),
+    sliding_window="max_window_layers",
     fixed=(
         ("qkv_bias", True),
         ("o_bias", False),

@@ -35,6 +35,8 @@ FAMILY = Family(
         ("rms_norm_eps", 1e-6),
         ("rope_theta", 10000.0),
         ("max_position_embeddings", 32768),
+        ("use_sliding_window", False),
+        ("sliding_window", 4096),  # used only when use_sliding_window is true
         ("decoder_sparse_step", 1),
         ("mlp_only_layers", ()),
         ("norm_topk_prob", False),
@@ -42,6 +44,7 @@ FAMILY = Family(
     bias_flags=(("attention_bias", ("qkv_bias", "o_bias")),),
     fixed=(("mlp_bias", False), ("qk_norm", True)),
     moe=True,
+    sliding_window="all_layers",
     fused_experts=(
         FusedExperts(
             name="mlp.experts.gate_up_proj",

@@ -6,7 +6,8 @@ name (``model.layers.0.self_attn.q_proj.weight``) and ``optim/<canonical>/<state
 for optimizer state; so any layout loads what any other layout saved. Next to DCP's
 files sits ``manifest.json`` (:class:`~areal_fn.checkpoint_plan.CheckpointManifest`:
 allocation, model config, tensors and chunks, optimizer, step, data position, sha256
-of every file). A save::
+of every file). Saved with ``hf=``, the model's ``config.json``, tokenizer and
+generation config sit in ``hf/`` (:mod:`~areal_fn.runtime.hf_files`). A save::
 
     root/.tmp-step-00000012/   DCP writes here (every file fsync'ed), then the manifest
     root/step-00000012/        one rename once complete (and the directory fsync'ed)
@@ -42,6 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import (
     MetadataIndex,
 )
@@ -85,10 +87,12 @@ from .checkpoint_dcp import (
     _single_process_dcp,
     _to_bytes,
     _write_item,
+    dcp_error,
 )
 from .checkpoint_files import (
     LATEST,
     MANIFEST,
+    _check_sizes,
     _data_files,
     _digest,
     _fsync_dir,
@@ -109,15 +113,18 @@ from .checkpoint_inspect import (
     inspect_checkpoint,
 )
 from .checkpoint_megatron import export_megatron_checkpoint, import_megatron_checkpoint
+from .hf_files import HfFiles, checkpoint_hf_files, read_hf_files, write_checkpoint_hf_files
 
 __all__ = [
     "LATEST",
     "MANIFEST",
     "CheckpointReader",
+    "HfFiles",
     "LoadResult",
     "PendingSave",
     "RankState",
     "capture_rng",
+    "checkpoint_hf_files",
     "cmd_checkpoint_export_hf",
     "cmd_checkpoint_inspect",
     "export_hf",
@@ -126,6 +133,7 @@ __all__ = [
     "inspect_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
+    "read_hf_files",
     "read_manifest",
     "resolve_checkpoint",
     "restore_rng",
@@ -185,6 +193,13 @@ class _Group:
 
 def _error(e: BaseException) -> str:
     return str(e) if isinstance(e, SpecError) else f"{type(e).__name__}: {e}"
+
+
+#: said when a load fails after it began writing into the caller's tensors
+_PARTLY = (
+    "the local tensors may be partly overwritten: load them again before using them "
+    "(verify=True checks every file's sha256 before any tensor is touched)"
+)
 
 
 # -- rng -----------------------------------------------------------------------------
@@ -354,6 +369,22 @@ def _stage(
     return _Staged(items=items, data=data, dtypes=dtypes, extras=list(extras))
 
 
+def _check_hf(hf: HfFiles, model: ModelSpec) -> None:
+    from ..model import model_from_hf_config
+
+    got = attrs.evolve(model_from_hf_config(hf.config_dict), dtype=model.dtype)
+    if got != model:
+        diff = [
+            f"{a.name} {getattr(got, a.name)!r} != {getattr(model, a.name)!r}"
+            for a in attrs.fields(ModelSpec)
+            if getattr(got, a.name) != getattr(model, a.name)
+        ]
+        raise CheckpointError(
+            f"hf.config describes another model than model= ({'; '.join(diff[:4])}); pass "
+            "the config.json the model was built from, e.g. read_hf_files(<model dir>)"
+        )
+
+
 def _commit(tmp: Path, final: Path, root: Path, manifest: CheckpointManifest, keep: int) -> None:
     _write_text_atomic(tmp / MANIFEST, manifest.to_json())
     _fsync_dir(tmp)
@@ -422,6 +453,7 @@ def save_checkpoint(
     process_group: "dist.ProcessGroup | None" = None,
     blocking: bool = True,
     thread_count: int = 1,
+    hf: HfFiles | None = None,
 ) -> "Path | PendingSave":
     """Save ``states`` (this process's ranks of ``layout``) as checkpoint ``root/step-<step>``.
 
@@ -432,6 +464,15 @@ def save_checkpoint(
     call leaves them as it found them). With ``blocking=False`` the state is copied
     first and a :class:`PendingSave` returned: call its ``wait()`` before the next
     save (distributed, the background write uses a gloo group of its own, made once).
+
+    ``hf`` (taken from the first process): the ``config.json`` the model was built from
+    and the model directory's other non-weight files (tokenizer, generation config),
+    e.g. ``read_hf_files(model_dir)`` or ``HfFiles.of_config(config)``. They are stored
+    under ``hf/`` byte for byte (checksummed like every file), the manifest's model
+    config is that ``config.json``, and :func:`export_hf` writes them back unchanged. It
+    must describe ``model`` (its dtype aside), or ``CheckpointError``. Without ``hf`` the
+    manifest holds ``model.hf_config()``, which lacks every key the spec does not model
+    (token ids, ``transformers_version``, ...), and no tokenizer is kept.
     """
     entry_rng = capture_rng() if save_rng and len(states) == 1 else None
     python_rng = random.getstate()
@@ -452,6 +493,7 @@ def save_checkpoint(
             process_group=process_group,
             blocking=blocking,
             thread_count=thread_count,
+            hf=hf,
         )
     finally:
         random.setstate(python_rng)  # type checks sample with python's RNG: undo that
@@ -474,6 +516,7 @@ def _save(
     process_group: "dist.ProcessGroup | None",
     blocking: bool,
     thread_count: int,
+    hf: HfFiles | None,
 ) -> "Path | PendingSave":
     g = _Group(process_group)
     name = step_dir_name(step)
@@ -494,6 +537,8 @@ def _save(
             raise CheckpointError(f"step={step} must be >= 0")
         plan = plan_save(layout, dedup=dedup)
         _check_states(layout, states, opt)
+        if hf is not None:
+            _check_hf(hf, model)
         json.dumps(data_position)
         if g.rank == 0 and lr_scheduler is not None:
             extras[_LR_KEY] = _to_bytes(dict(lr_scheduler))
@@ -533,7 +578,7 @@ def _save(
             manifest = make_manifest(
                 plan,
                 allocation=allocation,
-                model_config=model.hf_config(),
+                model_config=hf.config_dict if hf is not None else model.hf_config(),
                 step=step,
                 optimizer=opt,
                 dtypes={k: v[0] for k, v in dtypes.items()},
@@ -543,6 +588,8 @@ def _save(
                 library_version=_library_version(),
             )
             _prepare_root(root, name, tmp)
+            if hf is not None:
+                write_checkpoint_hf_files(tmp, hf)
         except (SpecError, OSError) as e:
             error = f"cannot save checkpoint {final}: {_error(e)}"
     g.agree(error)
@@ -552,27 +599,37 @@ def _save(
         # No type-checked (beartype) calls here: they draw from python's RNG, which the
         # training thread owns while a save runs in the background.
         gw = _Group(pg) if g.on else g
-        with _single_process_dcp(g.on):
-            dcp.save(
-                {},
-                storage_writer=FileSystemWriter(
-                    tmp, single_file_per_rank=True, sync_files=True, thread_count=thread_count
-                ),
-                planner=_SavePlanner(staged.items, staged.data),
-                process_group=pg,
-                no_dist=not g.on,
-            )
         err: str | None = None
         digests: list[FileDigest] = []
         try:
-            files = _data_files(tmp)
-            mine = files[gw.rank :: gw.size]
-            with ThreadPoolExecutor(max_workers=max(1, min(4, len(mine)))) as pool:
-                digests = list(pool.map(lambda f: _digest(tmp / f, f, sync=True), mine))
+            with _single_process_dcp(g.on):
+                dcp.save(
+                    {},
+                    storage_writer=FileSystemWriter(
+                        tmp, single_file_per_rank=True, sync_files=True, thread_count=thread_count
+                    ),
+                    planner=_SavePlanner(staged.items, staged.data),
+                    process_group=pg,
+                    no_dist=not g.on,
+                )
+        except (Exception, CheckpointException) as e:  # DCP wraps what it raises in a BaseException
+            err = f"cannot save checkpoint {final}: writing its files failed ({dcp_error(e)})"
+        try:
+            if err is None:
+                files = _data_files(tmp)
+                mine = files[gw.rank :: gw.size]
+                with ThreadPoolExecutor(max_workers=max(1, min(4, len(mine)))) as pool:
+                    digests = list(pool.map(lambda f: _digest(tmp / f, f, sync=True), mine))
         except OSError as e:
             err = f"cannot save checkpoint {final}: {e}"
         everyone = gw.all_gather((err, digests))
         err = next((e for e, _ in everyone if e), None)
+        if gw.rank == 0 and err is not None:
+            shutil.rmtree(tmp, ignore_errors=True)  # every process is done writing into it
+            err += (
+                f"; {tmp} was removed and the checkpoints saved before are untouched; fix that "
+                "(e.g. free disk space) and save again"
+            )
         if gw.rank == 0 and err is None:
             assert manifest is not None
             try:
@@ -673,11 +730,14 @@ def load_checkpoint(
 ) -> LoadResult:
     """Load a checkpoint into ``states`` (local tensors of ``layout``), in place.
 
-    ``path`` is a checkpoint directory or a root with ``latest``. The manifest and (with
-    ``verify``) every file's sha256 are checked first, the files shared among the
-    processes of ``process_group``; any defect raises ``CheckpointError`` on every
-    process, before any tensor is touched. ``optimizer='none'`` loads parameters only.
-    Dtypes must match the stored ones unless ``allow_cast``. Padding is zeroed.
+    ``path`` is a checkpoint directory or a root with ``latest``. The manifest, the DCP
+    metadata, every file's presence and size and (with ``verify``) sha256 are checked
+    first, the checksums shared among the processes of ``process_group``; any defect
+    found there raises ``CheckpointError`` on every process, before any tensor is touched.
+    Without ``verify`` a file whose bytes are damaged (its size intact) is found only while
+    reading, if at all: ``CheckpointError`` on every process, saying that the local tensors
+    may be partly overwritten. ``optimizer='none'`` loads parameters only. Dtypes must
+    match the stored ones unless ``allow_cast``. Padding is zeroed.
     """
     g = _Group(process_group)
     opt = optimizer_spec(optimizer) if isinstance(optimizer, str) else optimizer
@@ -685,6 +745,7 @@ def load_checkpoint(
     folder = Path(path)
     plans: dict[int, PieceLoadPlan] = {}
     manifest: CheckpointManifest | None = None
+    reader: _ChunkReader | None = None
     try:
         folder = resolve_checkpoint(path)
         manifest = read_manifest(folder)
@@ -692,15 +753,18 @@ def load_checkpoint(
         check_model(manifest, layout.canonical, source=source)
         check_optimizer(manifest, opt, source=source)
         _check_states(layout, states, opt)
+        _check_sizes(folder, manifest)
         if verify:
             _verify_files(folder, manifest, slice(g.rank, None, g.size))
+        reader = _ChunkReader(folder)
+        reader.read_metadata()  # a damaged .metadata is refused here, before any read
         if not allow_cast:
             _check_dtypes(manifest, layout, states, opt)
         plans = {r: plan_load(manifest, layout, r) for r in states}
     except (SpecError, OSError) as e:
         error = f"cannot load checkpoint {folder}: {_error(e)}"
     g.agree(error)
-    assert manifest is not None
+    assert manifest is not None and reader is not None
     items: list[ReadItem] = []
     dests: list[torch.Tensor] = []
     scalars: dict[int, dict[tuple[str, str, str], torch.Tensor]] = {}
@@ -734,16 +798,21 @@ def load_checkpoint(
     with torch.no_grad():
         try:
             with _single_process_dcp(False):
-                dcp.load({}, storage_reader=_ChunkReader(folder), planner=planner, no_dist=True)
-        except Exception as e:
-            raise CheckpointError(f"cannot load checkpoint {folder}: {_error(e)}") from e
-        for r, plan in plans.items():
-            st = states[r]
-            for pad in plan.padding:
-                st.params[pad.tensor][pad.local_box.slices()].zero_()
-                for m in opt.moments:
-                    st.optim[pad.tensor][m][pad.local_box.slices()].zero_()
-            _set_scalars(st, opt, scalars[r], str(folder))
+                dcp.load({}, storage_reader=reader, planner=planner, no_dist=True)
+            for r, plan in plans.items():
+                st = states[r]
+                for pad in plan.padding:
+                    reader.touched = True
+                    st.params[pad.tensor][pad.local_box.slices()].zero_()
+                    for m in opt.moments:
+                        st.optim[pad.tensor][m][pad.local_box.slices()].zero_()
+                reader.touched = True
+                _set_scalars(st, opt, scalars[r], str(folder))
+        except (Exception, CheckpointException) as e:  # DCP wraps what it raises in a BaseException
+            error = f"cannot load checkpoint {folder}: {dcp_error(e)}"
+            if reader.touched:
+                error += f"; {_PARTLY}"
+    g.agree(error)
     lr = (
         _from_bytes(planner.blobs[_LR_KEY], f"{folder}: {_LR_KEY}")
         if _LR_KEY in planner.blobs

@@ -11,10 +11,12 @@ import warnings
 import zipfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -36,7 +38,10 @@ from torch.distributed.checkpoint.planner import (
 from torch.futures import Future
 
 from ..box import Box
-from ..errors import CheckpointError
+from ..errors import CheckpointError, SpecError
+
+#: what to do about a damaged file of a checkpoint
+_REMEDY = "restore it from a copy or use another checkpoint"
 
 # -- DCP planners --------------------------------------------------------------------
 
@@ -169,8 +174,38 @@ def _read_exact(f: Any, offset: int, dest: torch.Tensor, what: str) -> None:
     while done < len(view):
         n = f.readinto(view[done:])
         if not n:
-            raise CheckpointError(f"{what}: the file ends early; it is truncated")
+            raise CheckpointError(f"{what}: the file ends early; it is truncated: {_REMEDY}")
         done += n
+
+
+def _reason(e: BaseException) -> str:
+    """``Type: first line of the message`` (library messages can run over many lines)."""
+    lines = str(e).strip().splitlines()
+    first = lines[0] if lines else ""
+    return f"{type(e).__name__}: {first[:200]}{'...' if len(first) > 200 else ''}"
+
+
+def dcp_failure(e: BaseException) -> BaseException:
+    """The exception behind a torch DCP ``CheckpointException`` (a ``BaseException`` that
+    wraps what each rank raised), else ``e``; the ``OSError`` behind it when there is one
+    (``torch.save`` onto a full disk raises ``RuntimeError: ... unexpected pos``)."""
+    if isinstance(e, CheckpointException) and e.failures:
+        first = next(iter(e.failures.values()))
+        e = first[0] if isinstance(first, tuple) else first
+    seen: BaseException | None = e
+    for _ in range(8):
+        if seen is None or isinstance(e, SpecError):
+            break
+        if isinstance(seen, OSError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return e
+
+
+def dcp_error(e: BaseException) -> str:
+    """One line saying what went wrong in a DCP call: our own message, else type and message."""
+    cause = dcp_failure(e)
+    return str(cause) if isinstance(cause, SpecError) else _reason(cause)
 
 
 class _ChunkReader(FileSystemReader):
@@ -183,6 +218,22 @@ class _ChunkReader(FileSystemReader):
     def __init__(self, path: "str | os.PathLike[str]", *, raw: bool = True) -> None:
         super().__init__(path)
         self._raw = raw
+        self._metadata: Metadata | None = None
+        #: whether a destination tensor was written to (a failed read may leave it partly written)
+        self.touched = False
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """DCP's ``.metadata`` (read once; a damaged file raises ``CheckpointError`` naming it)."""
+        if self._metadata is None:
+            try:
+                self._metadata = super().read_metadata()
+            except Exception as e:
+                f = Path(self.path) / ".metadata"
+                raise CheckpointError(
+                    f"{f} cannot be read as torch DCP metadata ({_reason(e)}); the file is "
+                    f"corrupted: {_REMEDY}"
+                ) from None
+        return self._metadata
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
@@ -202,24 +253,40 @@ class _ChunkReader(FileSystemReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> "Future[None]":
         infos = self.storage_data
         if any(infos[i.storage_index].transform_descriptors for i in plan.items):
-            return super().read_data(plan, planner)
+            self.touched = True
+            try:
+                return super().read_data(plan, planner)
+            except Exception as e:
+                raise CheckpointError(
+                    f"{self.path} cannot be read ({_reason(e)}); a file is corrupted: {_REMEDY}"
+                ) from None
         groups: dict[MetadataIndex, list[ReadItem]] = {}
         for item in plan.items:
             groups.setdefault(item.storage_index, []).append(item)
         order = sorted(groups, key=lambda k: (infos[k].relative_path, infos[k].offset))
         for rel, keys in itertools.groupby(order, key=lambda k: infos[k].relative_path):
-            with self.fs.create_stream(self.fs.concat_path(self.path, rel), "rb") as stream:
-                for key in keys:
-                    self._serve(stream, rel, key, groups[key], planner)
+            path = Path(self.path) / rel
+            key: MetadataIndex | None = None
+            try:
+                with self.fs.create_stream(self.fs.concat_path(self.path, rel), "rb") as stream:
+                    for key in keys:
+                        self._serve(stream, str(path), key, groups[key], planner)
+            except SpecError:
+                raise
+            except Exception as e:
+                what = f"{path} ({key.fqn})" if key is not None else str(path)
+                raise CheckpointError(
+                    f"{what} cannot be read ({_reason(e)}); the file is corrupted: {_REMEDY}"
+                ) from None
         done: Future[None] = Future()
         done.set_result(None)
         return done
 
     def _serve(
-        self, stream: Any, rel: str, key: MetadataIndex, reqs: list[ReadItem], planner: LoadPlanner
+        self, stream: Any, path: str, key: MetadataIndex, reqs: list[ReadItem], planner: LoadPlanner
     ) -> None:
         info = self.storage_data[key]
-        what = f"{rel} ({key.fqn})"
+        what = f"{path} ({key.fqn})"
         if reqs[0].type == LoadItemType.BYTE_IO:
             stream.seek(info.offset)
             data = stream.read(info.length)
@@ -241,6 +308,7 @@ class _ChunkReader(FileSystemReader):
                     and dest.dtype == dtype
                     and dest.is_contiguous()
                 ):
+                    self.touched = True
                     _read_exact(stream, raw + first * row, dest, what)  # rows -> destination
                 else:
                     buf = torch.empty(part, dtype=dtype)
@@ -248,12 +316,14 @@ class _ChunkReader(FileSystemReader):
                     src = buf
                     for d in range(1, len(shape)):
                         src = src.narrow(d, req.storage_offsets[d], req.lengths[d])
+                    self.touched = True
                     dest.copy_(src)
                 planner.commit_tensor(req, dest)
             return
         if raw is not None and len(reqs) == 1:
             dest = dests[0]
             if tuple(dest.shape) == tuple(shape) and dest.dtype == dtype and dest.is_contiguous():
+                self.touched = True
                 _read_exact(stream, raw, dest, what)  # one copy: file -> destination
                 planner.commit_tensor(reqs[0], dest)
                 return
@@ -261,6 +331,11 @@ class _ChunkReader(FileSystemReader):
             stored = torch.empty(shape, dtype=dtype)
             _read_exact(stream, raw, stored, what)
         else:
+            if not zipfile.is_zipfile(_Window(stream, info.offset, info.length)):  # type: ignore[arg-type]
+                raise CheckpointError(
+                    f"{what}: the {info.length} bytes at offset {info.offset} are not a "
+                    f"torch.save archive; the file is corrupted: {_REMEDY}"
+                )
             stream.seek(info.offset)
             stored = torch.load(
                 io.BytesIO(stream.read(info.length)), map_location="cpu", weights_only=True
@@ -273,6 +348,7 @@ class _ChunkReader(FileSystemReader):
                 raise CheckpointError(
                     f"{key.fqn}: stored piece has shape {tuple(src.shape)}, its destination {tuple(dest.shape)}"
                 )
+            self.touched = True
             dest.copy_(src)
             planner.commit_tensor(req, dest)
 

@@ -12,6 +12,7 @@ from ..checkpoint_plan import (
     FileDigest,
 )
 from ..errors import CheckpointError
+from .hf_files import HF_DIR
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -42,7 +43,11 @@ def _digest(path: Path, rel: str, *, sync: bool) -> FileDigest:
 
 
 def _data_files(folder: Path) -> list[str]:
-    return sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != MANIFEST)
+    """Every file but the manifest, relative to ``folder``: DCP's, and the HF files in ``hf/``."""
+    top = [p.name for p in folder.iterdir() if p.is_file() and p.name != MANIFEST]
+    hf = folder / HF_DIR
+    sub = [f"{HF_DIR}/{p.name}" for p in hf.iterdir() if p.is_file()] if hf.is_dir() else []
+    return sorted(top + sub)
 
 
 def _write_text_atomic(path: Path, text: str) -> None:
@@ -122,13 +127,33 @@ def _verify_files(folder: Path, manifest: CheckpointManifest, share: slice) -> N
             raise CheckpointError(problem)
 
 
-def _check_file(folder: Path, want: FileDigest) -> str | None:
+def _check_sizes(folder: Path, manifest: CheckpointManifest) -> None:
+    """Every listed file present with the size the manifest says (no read: what ``verify=False``
+    still checks, so that a truncated file is refused before any tensor is touched)."""
+    for want in manifest.files:
+        problem = _check_size(folder, want)
+        if problem:
+            raise CheckpointError(problem)
+
+
+def _check_size(folder: Path, want: FileDigest) -> str | None:
     p = folder / want.path
     if not p.is_file():
         return f"{p} is listed in the manifest but missing; the checkpoint is incomplete"
     size = p.stat().st_size
     if size != want.size:
-        return f"{p} has {size} bytes, the manifest says {want.size}; the file is truncated or corrupted"
+        return (
+            f"{p} has {size} bytes, the manifest says {want.size}; the file is truncated or "
+            "corrupted: restore it from a copy or load another step"
+        )
+    return None
+
+
+def _check_file(folder: Path, want: FileDigest) -> str | None:
+    problem = _check_size(folder, want)
+    if problem:
+        return problem
+    p = folder / want.path
     got = _digest(p, want.path, sync=False).sha256
     if got != want.sha256:
         return (

@@ -24,12 +24,14 @@ from ..errors import CheckpointError
 from ..tensor_spec import torch_dtype
 from .checkpoint_dcp import _ChunkReader, _LoadPlanner
 from .checkpoint_files import (
+    _check_sizes,
     _latest_name,
     list_checkpoints,
     read_manifest,
     resolve_checkpoint,
     verify_checkpoint,
 )
+from .hf_files import checkpoint_hf_files, describe_checkpoint_hf_files
 
 # -- reading canonical tensors -------------------------------------------------------
 
@@ -71,12 +73,14 @@ class CheckpointReader:
     """Canonical tensors of a checkpoint, read box by box (a ``convert.Reader``).
 
     ``read(name, box)`` returns ``box`` of a parameter; ``read_state(name, state, box)``
-    of an optimizer state. Only the chunks a box touches are read.
+    of an optimizer state. Only the chunks a box touches are read. The files' sizes are
+    checked first, their sha256 too with ``verify``.
     """
 
     def __init__(self, path: "str | os.PathLike[str]", *, verify: bool = True) -> None:
         self.path = resolve_checkpoint(path)
         self.manifest = verify_checkpoint(self.path) if verify else read_manifest(self.path)
+        _check_sizes(self.path, self.manifest)
         self._storage = _ChunkReader(self.path)
         self._storage.set_up_storage_reader(self._storage.read_metadata(), True)
         self._saved = {t.name: t for t in self.manifest.tensors}
@@ -138,17 +142,25 @@ def export_hf(
     max_shard_bytes: int = 5 << 30,
     overwrite: bool = False,
 ) -> Path:
-    """Write a checkpoint's parameters as a Hugging Face safetensors checkpoint (+ config.json)."""
+    """Write a checkpoint's parameters as a Hugging Face safetensors checkpoint.
+
+    Saved with ``hf=``, the checkpoint's ``hf/`` files (``config.json``, tokenizer,
+    generation config) are written next to the weights byte for byte; otherwise
+    ``config.json`` is the manifest's model config (``ModelSpec.hf_config()``, see
+    :func:`~areal_fn.runtime.hf_files.describe_checkpoint_hf_files`).
+    """
     from ..model import model_from_hf_config
     from .hf_io import write_hf_checkpoint
 
-    reader = CheckpointReader(path)
+    reader = CheckpointReader(path)  # every file's sha256 checked, hf/ included
     model = model_from_hf_config(reader.manifest.model)
     check_model(reader.manifest, model.tensors, source=str(reader.path))
+    hf = checkpoint_hf_files(reader.path, reader.manifest)
     return write_hf_checkpoint(
         dest,
         ((t.name, reader.read(t.name)) for t in reader.manifest.tensors),
-        config=reader.manifest.model,
+        config=hf.config if hf is not None else reader.manifest.model,
+        files=hf.files if hf is not None else (),
         model=model,
         max_shard_bytes=max_shard_bytes,
         overwrite=overwrite,
@@ -192,6 +204,7 @@ def inspect_checkpoint(
         f"vocab {cfg.get('vocab_size')}, {params:,} parameters in {len(m.tensors)} canonical tensors",
         f"  optimizer {m.optimizer}",
         f"  extras {list(m.extras)}",
+        f"  {describe_checkpoint_hf_files(m)}",
         f"  files {len(m.files)}, {_human(m.nbytes)}"
         + (" (every sha256 verified)" if verify else " (checksums not verified; pass verify)"),
     ]
@@ -229,5 +242,5 @@ def cmd_checkpoint_inspect(args: Any) -> int:
 def cmd_checkpoint_export_hf(args: Any) -> int:
     """``areal-fn checkpoint export-hf DIR DEST [--overwrite]``."""
     out = export_hf(args.dir, args.dest, overwrite=bool(getattr(args, "overwrite", False)))
-    print(f"wrote {out}")
+    print(f"wrote {out}; {describe_checkpoint_hf_files(read_manifest(args.dir))}")
     return 0

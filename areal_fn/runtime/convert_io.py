@@ -2,9 +2,12 @@
 
 :func:`convert_to_local` reads an HF checkpoint lazily (only the slices each rank
 needs, :class:`~areal_fn.runtime.hf_io.HfCheckpoint`) and writes
-``rank{r:05d}.safetensors`` per rank plus the source ``config.json``; this is what
+``rank{r:05d}.safetensors`` per rank plus the source ``config.json`` and its other
+non-weight files (generation config, tokenizer, ...: see
+:mod:`~areal_fn.runtime.hf_files`), byte for byte; this is what
 ``areal-fn convert SRC ALLOCATION DST`` does. :func:`convert_back` streams those
-files back into a sharded HF checkpoint with ``config.json``: canonical tensors are
+files back into a sharded HF checkpoint with the same ``config.json`` and non-weight
+files: canonical tensors are
 built one at a time (:func:`~areal_fn.convert.iter_to_hf`) from zero-copy
 memory-mapped views of the rank files and written atomically
 (:func:`~areal_fn.runtime.hf_io.write_hf_checkpoint`).
@@ -14,11 +17,9 @@ Both are strict: every input is checked before anything is written, a mismatch r
 no partial output under the destination name. Nothing is cast unless ``dtype`` asks.
 """
 
-import json
 import mmap
 import os
 import shutil
-import struct
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -35,7 +36,14 @@ from ..errors import ConversionError
 from ..layout import Layout
 from ..model import ModelSpec, load_hf_config, model_from_hf_config
 from ..typecheck import beartype
-from .hf_io import HfCheckpoint, write_hf_checkpoint
+from .hf_files import HfFiles, read_hf_files
+from .hf_io import (
+    HfCheckpoint,
+    is_write_failure,
+    read_safetensors_header,
+    write_error,
+    write_hf_checkpoint,
+)
 
 __all__ = [
     "LOCAL_FORMAT",
@@ -63,12 +71,28 @@ class ConvertSummary:
     tensors: int
     bytes: int
     seconds: float
+    #: ``config.json`` and the other non-weight files copied unchanged (tokenizer, ...).
+    carried: tuple[str, ...] = ()
+    #: ``"name (reason)"`` for what the source holds that was not carried.
+    not_carried: tuple[str, ...] = ()
 
     def __str__(self) -> str:
-        return (
+        text = (
             f"{self.tensors} tensors, {self.bytes / 2**20:.1f} MiB for {len(self.ranks)} rank(s) "
             f"in {self.seconds:.2f} s -> {self.path}"
         )
+        if self.carried:
+            text += f"; carried {', '.join(self.carried)}"
+        if self.not_carried:
+            text += f"; not carried: {', '.join(self.not_carried)}"
+        return text
+
+
+def _carried(hf: HfFiles) -> dict[str, tuple[str, ...]]:
+    return {
+        "carried": hf.names,
+        "not_carried": tuple(f"{n} ({why})" for n, why in hf.skipped),
+    }
 
 
 def rank_file(rank: int) -> str:
@@ -156,8 +180,10 @@ def convert_to_local(
     in ``src_hf_dir/config.json``. The checkpoint is checked against the model first
     (names and shapes); each rank reads only its slices. A new ``dst_dir`` appears
     whole or not at all; into an existing one (``overwrite=True``, e.g. other ranks
-    converted elsewhere) each file is replaced atomically. ``config.json`` is copied
-    next to the rank files. ``progress`` is called with each tensor name written.
+    converted elsewhere) each file is replaced atomically. ``config.json`` and the other
+    non-weight files of ``src_hf_dir`` are copied next to the rank files unchanged; the
+    summary lists them, and what was not carried (other weight files, subdirectories).
+    ``progress`` is called with each tensor name written.
     """
     src, dst = Path(src_hf_dir), Path(dst_dir)
     start = time.perf_counter()
@@ -168,9 +194,12 @@ def convert_to_local(
     tensors = nbytes = 0
     with HfCheckpoint(src) as ckpt:
         ckpt.check(model)
+        hf = read_hf_files(src, weights=ckpt.files)
         fresh = not dst.exists()
         dst.parent.mkdir(parents=True, exist_ok=True)
         out = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent)) if fresh else dst
+        writing: Path | None = None  # the file being written (None: reading the checkpoint)
+        done: list[int] = []
         try:
             for r in chosen:
                 state: dict[str, torch.Tensor] = {}
@@ -190,16 +219,35 @@ def convert_to_local(
                     "model_type": model.model_type,
                 }
                 tmp = out / f".{rank_file(r)}.tmp"
+                writing = dst / rank_file(r)
                 save_file(state, str(tmp), metadata=metadata)
                 os.replace(tmp, out / rank_file(r))
+                writing = None
+                done.append(r)
                 del state
-            shutil.copyfile(src / CONFIG, out / f".{CONFIG}.tmp")
-            os.replace(out / f".{CONFIG}.tmp", out / CONFIG)
+            for name, data in ((CONFIG, hf.config), *hf.files):
+                writing = dst / name
+                (out / f".{name}.tmp").write_bytes(data)
+                os.replace(out / f".{name}.tmp", out / name)
+            writing = dst
             if fresh:
                 os.replace(out, dst)
-        except BaseException:
+        except BaseException as e:
             if fresh:
                 shutil.rmtree(out, ignore_errors=True)
+            else:  # the temporary files of this call, not what the directory held
+                names = [rank_file(r) for r in chosen] + [CONFIG] + [n for n, _ in hf.files]
+                for name in names:
+                    (out / f".{name}.tmp").unlink(missing_ok=True)
+            if writing is not None and is_write_failure(e):
+                left = f"nothing was written to {dst}"
+                if not fresh:
+                    left = f"{dst} holds what it held before" + (
+                        f" but the files of ranks {done}, written before the failure"
+                        if done
+                        else ""
+                    )
+                raise write_error(e, writing, dest=dst, left=left) from None
             raise
     return ConvertSummary(
         path=str(dst),
@@ -207,6 +255,7 @@ def convert_to_local(
         tensors=tensors,
         bytes=nbytes,
         seconds=round(time.perf_counter() - start, 4),
+        **_carried(hf),
     )
 
 
@@ -238,10 +287,8 @@ class _Header:
 
 
 def _header(path: Path) -> _Header:
+    raw, data_start, _ = read_safetensors_header(path)
     try:
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            raw = json.loads(f.read(n))
         meta = raw.pop("__metadata__", None) or {}
         entries = [
             (
@@ -252,8 +299,11 @@ def _header(path: Path) -> _Header:
             )
             for name, e in raw.items()
         ]
-    except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error) as exc:
-        raise ConversionError(f"{path} is not a readable safetensors file ({exc!r})") from None
+    except (ValueError, KeyError, TypeError, IndexError) as exc:
+        raise ConversionError(
+            f"{path} is not a readable safetensors file: its header lists a tensor without dtype, "
+            f"shape and data_offsets ({exc!r}); the file is corrupted: convert it again"
+        ) from None
     for name, code, _, _ in entries:
         if code not in _DTYPES:
             raise ConversionError(f"{path}: tensor {name!r} has unsupported dtype {code}")
@@ -261,7 +311,7 @@ def _header(path: Path) -> _Header:
         path=path,
         metadata=tuple(sorted((str(k), str(v)) for k, v in meta.items())),
         entries=tuple(entries),
-        data_start=8 + n,
+        data_start=data_start,
     )
 
 
@@ -285,7 +335,10 @@ def read_local(path: _PathLike) -> dict[str, torch.Tensor]:
         dtype = _DTYPES[code]
         lo, hi = header.data_start + begin, header.data_start + end
         if hi > size:
-            raise ConversionError(f"{header.path}: tensor {name!r} runs past the end of the file")
+            raise ConversionError(
+                f"{header.path}: tensor {name!r} runs past the end of the file; the file is "
+                "truncated: convert it again"
+            )
         raw = buf[lo:hi]
         item = torch.empty((), dtype=dtype).element_size()
         if lo % item:
@@ -364,7 +417,8 @@ def convert_back(
     ``target`` is the allocation or layout the files were written for (``None``: the
     allocation recorded in the files). ``model`` defaults to ``src_dir/config.json``,
     which is copied to the checkpoint unchanged (otherwise ``model.hf_config()`` is
-    written). Refused, before anything is written, with every mismatch listed: missing
+    written, and the summary says so), as are the other non-weight files of ``src_dir``
+    (tokenizer, generation config). Refused, before anything is written, with every mismatch listed: missing
     or extra rank files, files written for another allocation, world size or model
     type, a tensor held in several dtypes, local tensors with other names or shapes.
     With ``check_replicas`` every replicated copy must agree bitwise.
@@ -396,6 +450,7 @@ def convert_back(
     layout, alloc = layout_of(model, target)
     _check_files(headers, layout, alloc, model)
     _check_dest(dst, overwrite)
+    hf = read_hf_files(src, weights=[p.name for p in files.values()], config=model.hf_config())
     states = {r: read_local(files[r]) for r in range(layout.world_size)}
     counted = [0, 0]
 
@@ -408,8 +463,9 @@ def convert_back(
     write_hf_checkpoint(
         dst,
         count(iter_to_hf(states, layout, check_replicas=check_replicas)),
-        config=config if config is not None else model.hf_config(),
+        config=hf.config,
         model=model,
+        files=hf.files,
         max_shard_bytes=max_shard_bytes,
         overwrite=overwrite,
     )
@@ -419,4 +475,5 @@ def convert_back(
         tensors=counted[0],
         bytes=counted[1],
         seconds=round(time.perf_counter() - start, 4),
+        **_carried(hf),
     )

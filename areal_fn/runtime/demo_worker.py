@@ -139,7 +139,7 @@ def stage_train(spec: Any, steps: int) -> tuple[Any, dict[str, torch.Tensor]]:
 
 
 def stage_checkpoint(spec: Any, trainer: Any, steps: int, workdir: Path) -> Path:
-    from areal_fn.runtime.checkpoint import RankState, save_checkpoint
+    from areal_fn.runtime.checkpoint import HfFiles, RankState, save_checkpoint
 
     rank = dist.get_rank()
     root = workdir / "checkpoints"
@@ -154,6 +154,7 @@ def stage_checkpoint(spec: Any, trainer: Any, steps: int, workdir: Path) -> Path
         optimizer="adamw",
         data_position={"batches_seen": steps},
         lr_scheduler=trainer.scheduler_state(),
+        hf=HfFiles.of_config(DEMO_CONFIG),  # the HF export gets this config.json back
     )
     files = sorted(p.name for p in Path(str(path)).iterdir())
     record(
@@ -312,9 +313,12 @@ def stage_megatron(
 
 
 def main() -> None:
+    from areal_fn.errors import SpecError
+    from areal_fn.runtime.demo import STEPS, check_demo_flags
+
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--workdir", required=True)
+    parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--workdir", required=True, help="a new or empty directory")
     parser.add_argument(
         "--fault", default="", help="RANK:STAGE: that rank dies there (train, sync)"
     )
@@ -322,6 +326,11 @@ def main() -> None:
         "--timeout", type=float, default=120.0, help="collective timeout in seconds"
     )
     args = parser.parse_args()
+    try:  # before any process group, and before any rank writes into the workdir
+        check_demo_flags(steps=args.steps, workdir=args.workdir)
+    except SpecError as e:
+        print(f"areal-fn demo worker: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     FAULT.update(_parse_fault(args.fault))
     spec = model_from_hf_config(DEMO_CONFIG)
     workdir = Path(args.workdir)
@@ -329,31 +338,52 @@ def main() -> None:
     start = time.perf_counter()
     stage_plan(spec)  # pure: before any process group
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=args.timeout))
+    complete = False
     try:
         trainer, canonical = stage_train(spec, args.steps)
         root = stage_checkpoint(spec, trainer, args.steps, workdir)
         target = inference_engine(spec)
         stage_sync(spec, trainer, target, args.steps, "fsdp:d2t2")
         stage_megatron(spec, root, canonical, trainer, target, args.steps)
+        complete = True
     finally:
         if dist.get_rank() == 0:
-            _summary(time.perf_counter() - start)
+            _summary(time.perf_counter() - start, complete=complete)
         dist.destroy_process_group()
     if not all(ok for _, ok, _ in RESULTS):
         raise SystemExit(1)
 
 
-def _summary(seconds: float) -> None:
-    from rich.console import Console
-    from rich.table import Table
+def summary_title(results: list[tuple[str, bool, str]], *, complete: bool, seconds: float) -> str:
+    """The table's title: "verified" only when every stage ran and every check passed."""
+    failed = [what for what, ok, _ in results if not ok]
+    if failed:
+        verdict = f"FAILED {len(failed)} of {len(results)} checks ({', '.join(failed)})"
+    else:
+        verdict = "verified"
+    if not complete:
+        stopped = (
+            f"stopped after {results[-1][0]!r}" if results else "stopped before the first check"
+        )
+        verdict = (
+            f"{verdict}, {stopped}" if failed else f"NOT verified, {stopped}"
+        ) + " (see the error report)"
+    return f"areal_fn demo: {verdict} on CPU/gloo, 4 ranks, {seconds:.1f} s"
 
-    table = Table(title=f"areal_fn demo: verified on CPU/gloo, 4 ranks, {seconds:.1f} s")
+
+def _summary(seconds: float, *, complete: bool) -> None:
+    from rich.table import Table
+    from rich.text import Text
+
+    from areal_fn.cli import text_console
+
+    table = Table(title=summary_title(RESULTS, complete=complete, seconds=seconds))
     table.add_column("check")
     table.add_column("result")
     table.add_column("figures")
     for what, ok, figure in RESULTS:
-        table.add_row(what, "[green]ok[/]" if ok else "[red]FAIL[/]", figure)
-    Console(width=140).print(table)
+        table.add_row(what, Text("ok", style="green") if ok else Text("FAIL", style="red"), figure)
+    text_console(width=140).print(table)
 
 
 if __name__ == "__main__":

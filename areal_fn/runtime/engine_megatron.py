@@ -137,6 +137,7 @@ class MegatronEngine(OptimizerSteps):
         self.layout: Layout = megatron_layout(
             model_spec, pdims, stages=plan, vocab_divisible_by=vocab_divisible_by
         )  # pure: fails before any process group is touched
+        mb.rope_kwargs(attrs.asdict(model_spec))  # rope scaling GPTModel cannot apply fails here
         self.mesh = MegatronMeshes.of(pdims).dense
         self.grad_clip = grad_clip
         self.optimizer_config = optimizer

@@ -48,6 +48,7 @@ __all__ = [
     "local_layer_offsets",
     "megatron_session",
     "pipeline_forward_logits",
+    "rope_kwargs",
     "transformer_config",
 ]
 
@@ -66,6 +67,7 @@ ARCH_FIELDS: Mapping[str, str] = {
     "qk_norm": "bool (qwen3: RMSNorm over head_dim on q and k)",
     "rms_norm_eps": "float",
     "rope_theta": "float",
+    "rope_scaling": "mapping, (key, value) pairs or None (only rope_type 'llama3'; see rope_kwargs)",
     "num_experts": "int or None (MoE when set)",
     "moe_intermediate_size": "int or None (expert MLP width)",
     "num_experts_per_tok": "int or None (router top-k)",
@@ -350,6 +352,56 @@ def _rotary_base(theta: float) -> int | float:
     return int(theta) if float(theta).is_integer() else theta
 
 
+#: The Llama 3 rope parameters Megatron-Core's ``RotaryEmbedding`` fixes (only the factor
+#: is an argument); every Llama 3.1 / 3.2 config has these values.
+MCORE_LLAMA3_ROPE: Mapping[str, float] = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+@beartype
+def rope_kwargs(arch: Mapping[str, Any]) -> dict[str, Any]:
+    """``GPTModel``'s rope-scaling arguments for ``arch["rope_scaling"]``.
+
+    ``rope_scaling`` is absent, ``None``, a mapping or ``(key, value)`` pairs (as
+    :class:`~areal_fn.model.ModelSpec` holds it). Megatron-Core applies one rope scaling,
+    Llama 3's (``rope_type`` ``llama3``), with :data:`MCORE_LLAMA3_ROPE` fixed:
+    ``{"rope_scaling": True, "rope_scaling_factor": factor}``. No scaling (or
+    ``rope_type`` ``default``): ``{"rope_scaling": False}``. Anything else GPTModel would
+    ignore, computing other rotations than the config asks for: ``LayoutError``.
+    """
+    raw = arch.get("rope_scaling")
+    items: dict[str, Any] = dict(raw.items() if isinstance(raw, Mapping) else raw or ())
+    kind = items.get("rope_type", items.get("type", "default"))
+    partial = items.get("partial_rotary_factor")
+    if partial not in (None, 1):
+        raise LayoutError(
+            f"rope scaling {items} has partial_rotary_factor={partial!r}; the Megatron builder "
+            f"rotates every head dim (rotary_percent=1.0); use a config without it"
+        )
+    if kind == "default":
+        return {"rope_scaling": False}
+    if kind == "llama3":
+        wrong = [f"{k}={items.get(k)!r}" for k, v in MCORE_LLAMA3_ROPE.items() if items.get(k) != v]
+        factor = items.get("factor")
+        if not wrong and isinstance(factor, int | float) and factor > 0:
+            return {"rope_scaling": True, "rope_scaling_factor": float(factor)}
+        raise LayoutError(
+            f"llama3 rope scaling {items} has {', '.join(wrong) or f'factor={factor!r}'}; "
+            f"Megatron-Core's GPTModel applies llama3 scaling with a factor > 0 and "
+            f"{dict(MCORE_LLAMA3_ROPE)} fixed, so it would compute other rotations; train "
+            f"this model with the fsdp backend"
+        )
+    raise LayoutError(
+        f"rope scaling {items} (rope_type={kind!r}) is not applied by Megatron-Core's "
+        f"GPTModel, which applies rope_type 'llama3' only, so it would compute other "
+        f"rotations than the config asks for; train this model with the fsdp backend, or use "
+        f"a model without rope scaling"
+    )
+
+
 @beartype
 def build_gpt_model(
     arch: Mapping[str, Any],
@@ -385,6 +437,7 @@ def build_gpt_model(
         rotary_percent=1.0,
         rotary_base=_rotary_base(arch["rope_theta"]),
         vp_stage=vp_stage,
+        **rope_kwargs(arch),
     )
 
 

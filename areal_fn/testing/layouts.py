@@ -186,3 +186,31 @@ def megatron_layouts_for(draw: st.DrawFn, model: "ModelSpec", *, max_world: int 
         stages=stages,
         grouped_gemm=draw(st.booleans()),
     )
+
+
+@st.composite
+def inference_dims_for(
+    draw: st.DrawFn, model: "ModelSpec", *, max_world: int = 16, min_pp: int = 1
+) -> "ParallelDims":
+    """SGLang / vLLM degrees valid for ``model`` (TP divides the heads, the channels and
+    the 64-padded vocabulary, and divides the KV heads or is a multiple of them; PP
+    from ``min_pp`` to the layers; ``min_pp`` must be at most the layers)."""
+    import math
+
+    from ..allocation import ParallelDims
+    from ..strategy_rules import engine_padded_vocab
+
+    nkv = model.num_key_value_heads
+    sizes = [model.num_attention_heads, engine_padded_vocab(model.vocab_size)]
+    if not all(model.moe_layers):
+        sizes.append(model.intermediate_size)
+    if model.is_moe:
+        sizes.append(model.moe_intermediate_size)
+    g = math.gcd(*sizes)
+    top = max(1, max_world // min_pp)
+    tp = draw(
+        st.sampled_from([d for d in _divisors(g) if d <= top and (nkv % d == 0 or d % nkv == 0)])
+    )
+    pp = draw(st.integers(min_pp, max(min_pp, min(model.num_layers, max_world // tp))))
+    dp = draw(st.integers(1, max(1, max_world // (tp * pp))))
+    return ParallelDims(dp=dp, tp=tp, pp=pp)

@@ -20,6 +20,7 @@ if str(REPO) not in sys.path:
 
 import areal_fn.runtime.checkpoint_dcp as ckpt_dcp  # noqa: E402
 from areal_fn.box import Box  # noqa: E402
+from areal_fn.errors import CheckpointError  # noqa: E402
 from areal_fn.runtime.checkpoint import (  # noqa: E402
     CheckpointReader,
     RankState,
@@ -160,3 +161,103 @@ def test_megatron_export_then_import_is_bitwise(saved, tmp_path):
     assert back.keys() == TRUTH["param"].keys()
     for n, t in TRUTH["param"].items():
         assert torch.equal(bits(back[n]), bits(t)), n
+
+
+# -- the HF files of the model (config.json, tokenizer, generation config) ----------------
+
+
+def test_hf_files_are_saved_verified_and_exported_unchanged(tmp_path, capsys):
+    """Saved with hf=, export-hf gives back the model directory's config.json (eos list,
+    token ids, unknown keys; its very bytes), tokenizer and generation config."""
+    from areal_fn.cli import main
+    from areal_fn.runtime.checkpoint import (
+        HfFiles,
+        checkpoint_hf_files,
+        read_hf_files,
+        read_manifest,
+    )
+    from tests.distributed.checkpoint_worker_util import CONFIG
+    from tests.hf_dir_util import NOT_CARRIED, add_hf_extras
+
+    carried = add_hf_extras(tmp_path / "model", CONFIG)
+    hf = read_hf_files(tmp_path / "model")
+    assert hf.skipped == (
+        (".gitattributes", "hidden"),
+        ("original", "a directory; only top-level files are carried"),
+        ("pytorch_model.bin", "weights; the converted or saved weights replace them"),
+    )
+    lay = layout(SPEC, "megatron:t2p2")
+    root = tmp_path / "root"
+    save_checkpoint(
+        root,
+        layout=lay,
+        states={r: rank_state(lay, r, TRUTH, SALT) for r in range(lay.world_size)},
+        model=SPEC,
+        allocation="megatron:t2p2",
+        step=5,
+        optimizer="adam",
+        hf=hf,
+    )
+    manifest = read_manifest(root)
+    assert manifest.model == json.loads(carried["config.json"])
+    assert checkpoint_hf_files(root / "step-00000005", manifest) == HfFiles(
+        config=hf.config, files=hf.files
+    )
+    assert main(["checkpoint", "export-hf", str(root), str(tmp_path / "hf")]) == 0
+    assert "hf files (exported unchanged): config.json, README.md, chat_template.jinja" in (
+        capsys.readouterr().out
+    )
+    out = tmp_path / "hf"
+    for name, data in carried.items():
+        assert (out / name).read_bytes() == data, name
+    assert not any((out / n).exists() for n in NOT_CARRIED)
+    with HfCheckpoint(out) as ck:
+        for n, t in TRUTH["param"].items():
+            assert torch.equal(bits(ck.read_full(n)), bits(t)), n
+    # loads as before (the hf/ files are checked like every file), and a changed one is refused
+    states = {r: blank_state(lay, r) for r in range(lay.world_size)}
+    load_checkpoint(root, layout=lay, states=states, optimizer="adam")
+    tok = root / "step-00000005" / "hf" / "tokenizer.model"
+    tok.write_bytes(bytes(reversed(tok.read_bytes())))
+    with pytest.raises(
+        CheckpointError, match=r"hf/tokenizer\.model has sha256 .* the file is corrupted"
+    ):
+        load_checkpoint(root, layout=lay, states=states, optimizer="adam")
+
+
+def test_hf_files_of_another_model_are_refused(tmp_path):
+    from areal_fn.runtime.checkpoint import HfFiles
+    from tests.distributed.checkpoint_worker_util import CONFIG
+
+    lay = layout(SPEC, "fsdp:d2")
+    with pytest.raises(
+        CheckpointError,
+        match=r"cannot save checkpoint .*step-00000001: hf.config describes another model than "
+        r"model= \(rope_theta 500000.0 != 10000.0\); pass the config.json the model was built "
+        r"from, e.g. read_hf_files\(<model dir>\)",
+    ):
+        save_checkpoint(
+            tmp_path / "root",
+            layout=lay,
+            states={r: rank_state(lay, r, TRUTH, SALT) for r in range(2)},
+            model=SPEC,
+            allocation="fsdp:d2",
+            step=1,
+            optimizer="adam",
+            hf=HfFiles.of_config({**CONFIG, "rope_theta": 500000.0}),
+        )
+    assert not (tmp_path / "root" / "step-00000001").exists()
+
+
+def test_without_hf_files_the_export_says_what_it_lacks(saved, tmp_path, capsys):
+    text = inspect_checkpoint(saved)
+    assert "hf files: none saved; an HF export regenerates config.json from the model spec" in text
+    from areal_fn.cli import main
+
+    assert main(["checkpoint", "export-hf", str(saved), str(tmp_path / "hf")]) == 0
+    said = capsys.readouterr().out
+    assert "(keys such as eos_token_id are lost) and has no tokenizer or generation config" in said
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
+        "config.json",
+        "model.safetensors",
+    ]

@@ -1,5 +1,7 @@
 """The main job (README's first command) runs and verifies everything it claims."""
 
+from pathlib import Path
+
 import pytest
 
 from areal_fn.cli import main
@@ -7,10 +9,11 @@ from areal_fn.cli import main
 pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.xdist_group("demo")]
 
 
-def test_demo_runs_green(capsys, tmp_path):
-    from areal_fn.runtime.demo import run_demo
+def test_demo_runs_green_and_names_its_artefacts(capsys, tmp_path):
+    import json
 
-    rc = run_demo(nproc=4, steps=30, out=str(tmp_path))
+    workdir = tmp_path / "demo[bold]:cat:"  # printed verbatim, not as rich markup
+    rc = main(["demo", "--workdir", str(workdir)])
     out = capsys.readouterr().out
     assert rc == 0, out
     for check in (
@@ -25,26 +28,34 @@ def test_demo_runs_green(capsys, tmp_path):
     ):
         assert f"[ok] {check}" in out, out
     assert "FAIL" not in out
+    assert "areal_fn demo: verified on CPU/gloo, 4 ranks" in out, out
+    checkpoint, hf = workdir / "checkpoints" / "step-00000030", workdir / "hf"
+    assert f"artefacts in {workdir}:\n" in out, out
+    assert f"  checkpoint  {checkpoint}  (areal-fn checkpoint inspect {checkpoint.parent})" in out
+    assert f"  HF export   {hf}  (transformers: AutoModelForCausalLM.from_pretrained)" in out
+    assert (checkpoint / "manifest.json").is_file()
+    assert json.loads((hf / "config.json").read_text())["model_type"] == "qwen2"
 
 
 def test_cli_bad_input_is_one_line(capsys):
     assert main(["plan", "Qwen2.5-7B", "megatron:d2t3x"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 3 and err[0].startswith("areal-fn: error:"), err  # message, input, caret
-    assert main(["demo", "--nproc", "3"]) == 2
 
 
 @pytest.mark.parametrize("where", ["2:train", "1:sync"])
 def test_a_dying_rank_fails_the_job_fast_and_is_named(where, capsys, tmp_path):
     import time
 
-    from areal_fn.runtime.demo import run_demo
+    from areal_fn.runtime.demo import MIN_STEPS, run_demo
 
     rank = where.split(":")[0]
     start = time.perf_counter()
-    rc = run_demo(nproc=4, steps=6, out=str(tmp_path), fault=where, timeout_s=240)
+    rc = run_demo(steps=MIN_STEPS, workdir=tmp_path / "w", fault=where, timeout_s=240)
     took = time.perf_counter() - start
-    err = capsys.readouterr().err
+    captured = capsys.readouterr()
     assert rc == 1
-    assert f"rank {rank}: injected death" in err, err[-3000:]
+    assert f"rank {rank}: injected death" in captured.err, captured.err[-3000:]
+    assert "verified on CPU" not in captured.out
     assert took < 180, f"the job took {took:.0f} s to fail"
+    assert Path(tmp_path / "w").is_dir()

@@ -6,15 +6,20 @@ Each case gets its own copy of one small checkpoint (saved offline: both ranks o
 modifies the checkpoint (every file's bytes and mtime are compared before and after).
 """
 
+import contextlib
+import errno
 import json
+import re
 import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
+from safetensors import SafetensorError
 
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
@@ -95,6 +100,28 @@ def truncate(name: str) -> Callable[[Path], None]:
     def damage(root: Path) -> None:
         f = root / STEP / name
         f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+    return damage
+
+
+def zero(name: str) -> Callable[[Path], None]:
+    """Overwrite a file with zeros, keeping its size (only its sha256 tells)."""
+
+    def damage(root: Path) -> None:
+        f = root / STEP / name
+        f.write_bytes(bytes(f.stat().st_size))
+
+    return damage
+
+
+def zero_tail(name: str) -> Callable[[Path], None]:
+    """Overwrite the second half of a file with zeros, keeping its size."""
+
+    def damage(root: Path) -> None:
+        f = root / STEP / name
+        data = f.read_bytes()
+        half = len(data) // 2
+        f.write_bytes(data[:half] + bytes(len(data) - half))
 
     return damage
 
@@ -200,6 +227,43 @@ def save(step: int = 6, **kw: Any) -> Callable[[Path], Any]:
     return call
 
 
+class _FullDisk:
+    """A file that takes ``room`` bytes, then raises ENOSPC (as a full disk does)."""
+
+    def __init__(self, stream: Any, room: int) -> None:
+        self._stream, self._room = stream, room
+
+    def write(self, data: Any) -> int:
+        n = len(memoryview(data).cast("B"))
+        if n > self._room:
+            self._stream.write(memoryview(data).cast("B")[: self._room])
+            self._room = 0
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self._room -= n
+        return int(self._stream.write(data))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def save_onto_full_disk(root: Path) -> Any:
+    from torch.distributed.checkpoint import filesystem
+
+    real = filesystem.FileSystem.create_stream
+
+    @contextlib.contextmanager
+    def create_stream(self: Any, path: Any, mode: str) -> Any:
+        with real(self, path, mode) as stream:
+            yield _FullDisk(stream, 4096) if "w" in mode else stream
+
+    with mock.patch.object(filesystem.FileSystem, "create_stream", create_stream):
+        return save()(root)
+
+
+def read_unverified(root: Path) -> Any:
+    return CheckpointReader(root, verify=False).read("model.norm.weight")
+
+
 def read_missing(root: Path) -> Any:
     return CheckpointReader(root).read("lm_head.weight")
 
@@ -284,6 +348,48 @@ CASES = [
         "truncated data file",
         truncate("__0_0.distcp"),
         load(),
+        r"__0_0\.distcp has \d+ bytes, the manifest says \d+; the file is truncated or corrupted",
+    ),
+    (
+        "truncated data file, not verified",
+        truncate("__0_0.distcp"),
+        load(verify=False),
+        r"__0_0\.distcp has \d+ bytes, the manifest says \d+; the file is truncated or corrupted: "
+        r"restore it from a copy or load another step",
+    ),
+    (
+        "truncated DCP metadata, not verified",
+        truncate(".metadata"),
+        load(verify=False),
+        r"\.metadata has \d+ bytes, the manifest says \d+; the file is truncated or corrupted",
+    ),
+    (
+        "zeroed data file, not verified",
+        zero("__0_0.distcp"),
+        load(verify=False),
+        r"__0_0\.distcp \(model\.[a-z_.0-9]+\): the \d+ bytes at offset 0 are not a torch\.save "
+        r"archive; the file is corrupted: restore it from a copy or use another checkpoint$",
+    ),
+    (
+        "data file zeroed from its middle, not verified",
+        zero_tail("__0_0.distcp"),
+        load(verify=False),
+        r"__0_0\.distcp \(.+\): the \d+ bytes at offset \d+ are not a torch\.save archive; the file "
+        r"is corrupted: restore it from a copy or use another checkpoint; the local tensors may be "
+        r"partly overwritten: load them again before using them \(verify=True checks every file's "
+        r"sha256 before any tensor is touched\)",
+    ),
+    (
+        "zeroed DCP metadata, not verified",
+        zero(".metadata"),
+        load(verify=False),
+        r"\.metadata cannot be read as torch DCP metadata \(UnpicklingError: invalid load key, "
+        r"'\\x00'\.\); the file is corrupted: restore it from a copy or use another checkpoint",
+    ),
+    (
+        "reading a truncated file, not verified",
+        truncate("__0_0.distcp"),
+        read_unverified,
         r"__0_0\.distcp has \d+ bytes, the manifest says \d+; the file is truncated or corrupted",
     ),
     (
@@ -388,6 +494,14 @@ CASES = [
         save(step=5),
         r"step-00000005 is the latest checkpoint already; save under a new step",
     ),
+    (
+        "saving onto a full disk",
+        nothing,
+        save_onto_full_disk,
+        r"cannot save checkpoint .*step-00000006: writing its files failed \(OSError: \[Errno 28\] No "
+        r"space left on device\); .*\.tmp-step-00000006 was removed and the checkpoints saved before "
+        r"are untouched; fix that \(e\.g\. free disk space\) and save again",
+    ),
     ("keep < 1", nothing, save(keep=0), r"keep=0 must be >= 1"),
     ("negative step", nothing, save(step=-1), r"step=-1 must be >= 0"),
     (
@@ -477,6 +591,20 @@ def test_bad_checkpoint_raises_and_is_left_untouched(saved, tmp_path, name, dama
     assert tree_digest(root) == before, "the checkpoint was modified"
 
 
+def test_unverified_load_of_a_truncated_file_touches_no_tensor(saved, tmp_path):
+    """The sizes are checked before reading even with ``verify=False``: nothing is written."""
+    root = tmp_path / "root"
+    shutil.copytree(saved, root)
+    truncate("__0_0.distcp")(root)
+    states = {r: blank_state(LAY, r) for r in range(LAY.world_size)}
+    with pytest.raises(CheckpointError, match=r"__0_0\.distcp has \d+ bytes"):
+        load_checkpoint(root, layout=LAY, states=states, optimizer="adam", verify=False)
+    for st in states.values():
+        assert all(torch.isnan(t.float()).all() for t in st.params.values())
+        assert all(torch.isnan(s["exp_avg"]).all() for s in st.optim.values())
+        assert all(s["step"].item() == -1.0 for s in st.optim.values())
+
+
 def test_overlap_is_named_when_volumes_agree():
     with pytest.raises(
         CheckpointError, match=r"tensor 'w': chunks \[0:2, 0:2\] and \[1:2, 0:2\] overlap"
@@ -497,3 +625,36 @@ def test_the_undamaged_checkpoint_loads(saved, tmp_path):
     shutil.copytree(saved, root)
     res = load()(root)
     assert res.step == 5 and res.data_position == {"sample": 5}
+
+
+def test_export_hf_onto_a_full_disk_is_one_line_and_leaves_nothing(
+    saved, tmp_path, capsys, monkeypatch
+):
+    """``areal-fn checkpoint export-hf`` when the disk fills: exit 2, one line, no output."""
+    import areal_fn.runtime.hf_io as hf_io
+    from areal_fn.cli import main
+
+    real = hf_io.save_file
+
+    def save_file(tensors: Any, filename: str, metadata: Any = None) -> None:
+        real(tensors, filename, metadata=metadata)
+        with open(filename, "r+b") as f:
+            f.truncate(1000)
+        raise SafetensorError(
+            "Error while serializing: I/O error: No space left on device (os error 28)"
+        )
+
+    monkeypatch.setattr(hf_io, "save_file", save_file)
+    out = tmp_path / "exports" / "hf"
+    before = tree_digest(saved)
+    assert main(["checkpoint", "export-hf", str(saved), str(out)]) == 2
+    line = capsys.readouterr().err.strip()
+    assert len(line.splitlines()) == 1, line
+    assert re.fullmatch(
+        rf"areal-fn: error: cannot write {re.escape(str(out))} \(its shard 1\): No space left on "
+        r"device \(ENOSPC\); free space on the disk of \S+ or write elsewhere; nothing was written "
+        rf"to {re.escape(str(out))}",
+        line,
+    ), line
+    assert list((tmp_path / "exports").iterdir()) == []
+    assert tree_digest(saved) == before

@@ -151,7 +151,8 @@ CASES = [
     (
         "census of an invalid strategy",
         lambda: megatron_census(spec("Qwen2.5-7B"), ParallelDims(dp=1, tp=3)),
-        r"tp=3 does not divide num_attention_heads=28 \(qwen2\); use tp in \[1, 2, 4, 7, 14, 28\]",
+        r"tp=3 does not divide num_attention_heads=28 \(qwen2\); tensor parallelism shards "
+        r"whole attention heads; use tp in \{1, 2, 4\}$",
     ),
     (
         "fsdp census with uneven TP rows over 3 shards",

@@ -8,7 +8,7 @@ import attrs
 import pytest
 import torch
 
-from areal_fn.errors import ConversionError, SpecError
+from areal_fn.errors import ConversionError, SpecError, UnsupportedConfigError
 from areal_fn.families.hf_memory import canonical_to_hf_state, hf_state_to_canonical
 from areal_fn.model import model_from_hf_config
 from areal_fn.vocab import padded_vocab_size
@@ -206,6 +206,109 @@ CASES: list[tuple[str, Callable[..., object], type[Exception], str]] = [
         cfg("llama", rope_scaling=0),
         SpecError,
         r"rope_scaling=0 must be a mapping or null",
+    ),
+    # -- computations the family does not model ------------------------------------------
+    (
+        "hidden_act other than silu",
+        cfg("llama", hidden_act="gelu"),
+        UnsupportedConfigError,
+        r"llama config has hidden_act='gelu'; the llama family models a SwiGLU MLP with "
+        r"hidden_act='silu' only \(the engines and the Megatron builder apply silu\), so this "
+        r"model would compute differently; use a config with hidden_act='silu'",
+    ),
+    (
+        "qwen2 sliding window from max_window_layers",
+        cfg("llama", model_type="qwen2", use_sliding_window=True, max_window_layers=1),
+        UnsupportedConfigError,
+        r"qwen2 config turns on sliding-window attention \(use_sliding_window=true, "
+        r"sliding_window=4096\) for 1 of 2 layers \[1\] \(layers with index >= "
+        r"max_window_layers=1\); the qwen2 family models full causal attention only, so those "
+        r"layers would attend to the whole context; set use_sliding_window to false",
+    ),
+    (
+        "qwen3 sliding window from layer_types",
+        cfg(
+            "qwen3_moe",
+            model_type="qwen3",
+            use_sliding_window=True,
+            sliding_window=16,
+            layer_types=["full_attention", "sliding_attention"] * 2,
+        ),
+        UnsupportedConfigError,
+        r"qwen3 config turns on sliding-window attention \(use_sliding_window=true, "
+        r"sliding_window=16\) for 2 of 4 layers \[1, 3\] \(the layers layer_types marks "
+        r"'sliding_attention'\)",
+    ),
+    (
+        "qwen3_moe sliding window on every layer",
+        cfg("qwen3_moe", use_sliding_window=True, sliding_window=16, max_window_layers=4),
+        UnsupportedConfigError,
+        r"qwen3_moe config turns on sliding-window attention \(use_sliding_window=true, "
+        r"sliding_window=16\) for 4 of 4 layers \[0, 1, 2, 3\] \(every layer\)",
+    ),
+    (
+        "llama with a sliding window",
+        cfg("llama", sliding_window=4096),
+        UnsupportedConfigError,
+        r"llama config has sliding_window=4096, but the llama family has no sliding-window "
+        r"attention \(transformers ignores the key for llama, so every layer would attend to the "
+        r"whole context\); set sliding_window to null",
+    ),
+    (
+        "llama layer marked sliding",
+        cfg("llama", layer_types=["full_attention", "sliding_attention"]),
+        UnsupportedConfigError,
+        r"llama config has layer_types\[1\]='sliding_attention'; the llama family models "
+        r"'full_attention' layers only; use a model whose layers are all 'full_attention'",
+    ),
+    (
+        "qwen2 layer of another attention kind",
+        cfg("llama", model_type="qwen2", layer_types=["full_attention", "linear_attention"]),
+        UnsupportedConfigError,
+        r"qwen2 config has layer_types\[1\]='linear_attention'; the qwen2 family models "
+        r"'full_attention' layers \(and 'sliding_attention' ones while use_sliding_window is "
+        r"false\) only",
+    ),
+    (
+        "layer_types length",
+        cfg("llama", layer_types=["full_attention"]),
+        SpecError,
+        r"layer_types has 1 entries but num_hidden_layers=2; give one attention kind per layer",
+    ),
+    (
+        "use_sliding_window not a bool",
+        cfg("llama", model_type="qwen2", use_sliding_window="no"),
+        SpecError,
+        r"use_sliding_window='no' must be true or false",
+    ),
+    (
+        "rope type nobody implements",
+        cfg("llama", rope_scaling={"type": "mrope", "mrope_section": [2, 2]}),
+        UnsupportedConfigError,
+        r"llama config has rope scaling rope_type='mrope', which the llama family does not "
+        r"model; known rope types are \['default', 'dynamic', 'linear', 'llama3', 'longrope', "
+        r"'yarn'\] \(transformers' implementations, which the FSDP2 engine applies; the "
+        r"Megatron builder applies 'llama3' only\); use one of them or no rope scaling",
+    ),
+    (
+        "rope_parameters type nobody implements",
+        cfg("qwen3_moe", rope_parameters={"rope_type": "proportional", "rope_theta": 1e6}),
+        UnsupportedConfigError,
+        r"qwen3_moe config has rope scaling rope_type='proportional'",
+    ),
+    (
+        "partial rotary",
+        cfg("llama", partial_rotary_factor=0.5),
+        UnsupportedConfigError,
+        r"llama config has partial_rotary_factor=0.5: rotary embeddings on part of each head; "
+        r"the llama family rotates all head_dim dims \(so do the engines and the Megatron "
+        r"builder\); use a config without partial_rotary_factor \(or 1.0\)",
+    ),
+    (
+        "partial rotary in rope_parameters",
+        cfg("llama", rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.25}),
+        UnsupportedConfigError,
+        r"llama config has rope scaling partial_rotary_factor=0.25: rotary embeddings on part",
     ),
     (
         "unknown dtype",

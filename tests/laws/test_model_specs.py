@@ -5,6 +5,7 @@ import json
 import math
 from pathlib import Path
 
+import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -71,6 +72,56 @@ def test_path_dir_and_dict_agree(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(src.read_text())
     assert model_from_hf_config(tmp_path) == model_from_hf_config(src)
     assert model_from_hf_config(str(src)) == model_from_hf_config(load_hf_config(src))
+
+
+_TINY = {
+    "model_type": "qwen2",
+    "hidden_size": 16,
+    "intermediate_size": 24,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 32,
+}
+
+#: Settings of the keys refused when they change the computation, in the forms that do not.
+ACCEPTED = {
+    "silu": {"hidden_act": "silu"},
+    "Qwen2.5 window off": {"use_sliding_window": False, "sliding_window": 131072},
+    "window on, no layer past max_window_layers": {
+        "use_sliding_window": True,
+        "sliding_window": 4096,
+        "max_window_layers": 2,
+    },
+    "window on but null": {"use_sliding_window": True, "sliding_window": None},
+    "transformers 5 layer_types": {
+        "layer_types": ["full_attention", "full_attention"],
+        "sliding_window": None,
+    },
+    "sliding layer_types, window off": {"layer_types": ["full_attention", "sliding_attention"]},
+    "full rotary": {"partial_rotary_factor": 1.0},
+    "yarn": {"rope_scaling": {"type": "yarn", "factor": 4.0}},
+    "default rope_parameters": {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},
+    "token ids and versions": {
+        "bos_token_id": 1,
+        "eos_token_id": [2, 3],
+        "transformers_version": "4.51.0",
+        "use_mrope": False,
+    },
+}
+
+
+@pytest.mark.parametrize("name", sorted(ACCEPTED))
+def test_keys_that_change_no_computation_are_accepted(name: str) -> None:
+    spec = model_from_hf_config({**_TINY, **ACCEPTED[name]})
+    plain = model_from_hf_config(_TINY)
+    assert spec.tensors == plain.tensors
+    assert attrs.evolve(spec, rope_scaling=()) == plain
+
+
+def test_llama_without_a_window_is_accepted() -> None:
+    llama = {**_TINY, "model_type": "llama"}
+    assert model_from_hf_config({**llama, "sliding_window": None}) == model_from_hf_config(llama)
 
 
 def test_tensor_spec_repr_round_trip() -> None:

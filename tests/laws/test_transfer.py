@@ -1,5 +1,6 @@
 """Laws of transfer plans on random layout pairs, executed on simulated ranks."""
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -305,3 +306,98 @@ def test_buckets_smaller_than_an_expert_piece_keep_fsdp2_stacked_experts_intact(
     for j in range(2):
         for name, t in to_megatron(canon, dst, j).items():
             assert torch.equal(dst_t[2 + j][name], t), (j, name)
+
+
+TINY_TIED_LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 32,
+    "intermediate_size": 32,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 100,  # padded to 128 by the engines: 64 rows per TP rank, 36 of padding on rank 1
+    "tie_word_embeddings": True,
+}
+
+
+def _sync_tied_head(model, src, dst):  # type: ignore[no-untyped-def]
+    """Execute the plan src -> dst; return each last-stage rank's ``lm_head.weight`` with
+    the embedding rows it must hold (from its pieces)."""
+    from areal_fn.convert import to_megatron
+
+    g = torch.Generator().manual_seed(7)
+    canon = {t.name: torch.randn(t.shape, generator=g) for t in model.tensors}
+    offset = src.world_size
+    plan = plan_transfers(
+        src, dst, src_ranks=range(src.world_size), dst_ranks=range(offset, offset + dst.world_size)
+    )
+    src_t = {r: to_megatron(canon, src, r) for r in range(src.world_size)}
+    dst_t = {
+        offset + j: {lt.name: torch.full(lt.shape, float("nan")) for lt in dst.local_tensors(j)}
+        for j in range(dst.world_size)
+    }
+    apply_transfers(plan.transfers, src_t, dst_t)
+    mesh = dst.meshes[0]
+    last = mesh.axis_size("pp") - 1
+    out = []
+    for j in range(dst.world_size):
+        if mesh.coords(j)[mesh.axis_index("pp")] != last:
+            continue
+        assert "lm_head.weight" in dst_t[offset + j], f"last-stage rank {j} holds no tied head"
+        (lt,) = [t for t in dst.local_tensors(j) if t.name == "lm_head.weight"]
+        got = dst_t[offset + j]["lm_head.weight"]
+        for p in lt.pieces:
+            if p.canonical is None:
+                continue  # padding rows: not sent, left as the receiver has them
+            assert p.canonical == "model.embed_tokens.weight" and p.canonical_box is not None
+            want = canon["model.embed_tokens.weight"][p.canonical_box.slices()]
+            assert torch.equal(got[p.local_box.slices()], want), j
+        out.append(j)
+    return out
+
+
+@pytest.mark.parametrize("src_kind", ["fsdp2:d2", "megatron:t2p3", "megatron:d2", "inference:t2"])
+def test_weight_sync_refreshes_the_last_stages_tied_head(src_kind):
+    """A tied model served with p > 1: the engines hold the embedding on the last
+    pipeline rank as the output layer; after the plan runs it equals the canonical
+    embedding (rows and TP split of the 64-padded vocabulary) on every last-stage rank."""
+    from areal_fn import (
+        ParallelDims,
+        fsdp2_layout,
+        inference_layout,
+        megatron_layout,
+        model_from_hf_config,
+    )
+
+    model = model_from_hf_config(TINY_TIED_LLAMA)
+    dims = {
+        "fsdp2:d2": lambda: fsdp2_layout(model, ParallelDims(dp=2)),
+        "megatron:t2p3": lambda: megatron_layout(model, ParallelDims(tp=2, pp=3)),
+        "megatron:d2": lambda: megatron_layout(model, ParallelDims(dp=2)),
+        "inference:t2": lambda: inference_layout(model, ParallelDims(tp=2)),
+    }
+    dst = inference_layout(model, ParallelDims(dp=2, pp=3, tp=2))
+    assert _sync_tied_head(model, dims[src_kind](), dst) == [4, 5, 10, 11]
+
+
+@given(st.data())
+def test_weight_sync_refreshes_tied_heads_of_random_models(data):
+    from areal_fn import ParallelDims, fsdp2_layout, inference_layout, model_from_hf_config
+    from areal_fn.testing.layouts import inference_dims_for, megatron_layouts_for
+    from areal_fn.testing.models import hf_configs
+
+    cfg = data.draw(hf_configs())
+    cfg["tie_word_embeddings"] = True
+    cfg["num_hidden_layers"] = max(2, int(cfg["num_hidden_layers"]))  # type: ignore[call-overload]
+    model = model_from_hf_config(cfg)
+    dims = data.draw(inference_dims_for(model, max_world=8, min_pp=2))
+    dst = inference_layout(model, dims)
+    src = data.draw(
+        st.sampled_from(
+            [
+                lambda: fsdp2_layout(model, ParallelDims(dp=2)),
+                lambda: data.draw(megatron_layouts_for(model, max_world=4)),
+            ]
+        )
+    )()
+    assert len(_sync_tied_head(model, src, dst)) == dims.dp * dims.tp

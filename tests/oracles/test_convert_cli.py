@@ -6,15 +6,21 @@ per-rank files, :func:`convert_back` turns those into an HF checkpoint again, an
 one line (the CLI: exit 2) and write nothing.
 """
 
+import errno
+import json
+import os
+import re
+import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import transformers
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from areal_fn.cli import main
 from areal_fn.errors import ConversionError
@@ -26,6 +32,7 @@ from areal_fn.runtime.convert_io import (
     rank_file,
     read_local,
 )
+from areal_fn.runtime.hf_io import HfCheckpoint, write_hf_checkpoint
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "qwen2": dict(
@@ -154,7 +161,11 @@ def test_one_rank_alone_equals_that_rank_of_all(
     src, _ = saved["qwen2"]
     convert_to_local(src, "megatron:t2p2", tmp_path / "all")
     convert_to_local(src, "megatron:t2p2", tmp_path / "one", ranks=[3])
-    assert sorted(p.name for p in (tmp_path / "one").iterdir()) == ["config.json", rank_file(3)]
+    assert sorted(p.name for p in (tmp_path / "one").iterdir()) == [
+        "config.json",
+        "generation_config.json",  # save_pretrained wrote it: carried like the config
+        rank_file(3),
+    ]
     a, b = read_local(tmp_path / "all" / rank_file(3)), read_local(tmp_path / "one" / rank_file(3))
     assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
     # adding another rank to an existing directory needs overwrite=True
@@ -270,3 +281,307 @@ def test_refuses_bad_ranks_and_unreadable_files(
     ):
         convert_back(tmp_path / "local", None, tmp_path / "back")
     assert not (tmp_path / "back").exists()
+
+
+# ------------------------------------------------------------------ damaged files, full disks
+
+
+def _header_len(data: bytes) -> int:
+    return int.from_bytes(data[:8], "little")
+
+
+def _garble_header(data: bytes) -> bytes:
+    n = _header_len(data)
+    return data[:8] + b"\xff" * n + data[8 + n :]
+
+
+def _edit_header(edit: Callable[[dict[str, Any]], None]) -> Callable[[bytes], bytes]:
+    """Change the first tensor's header entry (the header re-serialised, the data kept)."""
+
+    def damage(data: bytes) -> bytes:
+        n = _header_len(data)
+        header = json.loads(data[8 : 8 + n])
+        edit(header[sorted(k for k in header if k != "__metadata__")[0]])
+        raw = json.dumps(header).encode()
+        raw += b" " * (-len(raw) % 8)
+        return len(raw).to_bytes(8, "little") + raw + data[8 + n :]
+
+    return damage
+
+
+_offsets_past_the_end = _edit_header(lambda e: e.update(data_offsets=[0, 10**9]))
+
+
+#: (name, damage of model.safetensors, what the one line says after "is not a readable
+#: safetensors file: ")
+DAMAGED: list[tuple[str, Callable[[bytes], bytes], str]] = [
+    (
+        "truncated",
+        lambda d: d[: len(d) // 2],
+        r"its tensors' data ends at byte \d+, the file has \d+ bytes; the file is truncated",
+    ),
+    (
+        "header cut short",
+        lambda d: d[: 8 + _header_len(d) // 2],
+        r"its header length says \d+ bytes, \d+ follow; the file is truncated",
+    ),
+    (
+        "garbled header",
+        _garble_header,
+        r"its header is not JSON \(UnicodeDecodeError: [^;]*\); the file is corrupted",
+    ),
+    (
+        "header offsets past the end",
+        _offsets_past_the_end,
+        r"its tensors' data ends at byte 1000\d+, the file has \d+ bytes; the file is truncated",
+    ),
+    (
+        "unknown dtype",
+        _edit_header(lambda e: e.update(dtype="F128")),
+        r"safetensors refuses it \(SafetensorError: [^;]*\); the file is corrupted",
+    ),
+    (
+        "garbled header length",
+        lambda d: b"\xff" * 8 + d[8:],
+        r"its header length says 18446744073709551615 bytes, \d+ follow; the file is truncated",
+    ),
+    (
+        "empty",
+        lambda d: b"",
+        r"it has 0 bytes, not even the 8 of the header length; the file is truncated",
+    ),
+]
+_REMEDY = r" or corrupted: download or save it again"
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"), [c[1:] for c in DAMAGED], ids=[c[0] for c in DAMAGED]
+)
+def test_cli_refuses_a_damaged_safetensors_file(
+    saved: dict[str, tuple[Path, Any]],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    damage: Callable[[bytes], bytes],
+    message: str,
+) -> None:
+    weights, _ = saved["qwen2"]
+    src = tmp_path / "src"
+    shutil.copytree(weights, src)
+    f = src / "model.safetensors"
+    f.write_bytes(damage(f.read_bytes()))
+    assert main(["convert", str(src), "megatron:t2p2", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    line = err.strip()
+    prefix = rf"areal-fn: error: {re.escape(str(f))} is not a readable safetensors file: "
+    tail = _REMEDY if message.endswith("truncated") else ": download or save it again"
+    assert re.fullmatch(prefix + message + tail, line), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no output, no temporary
+
+
+def test_cli_refuses_a_truncated_shard(
+    saved: dict[str, tuple[Path, Any]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    weights, _ = saved["qwen2"]
+    src = tmp_path / "src"
+    with HfCheckpoint(weights) as hf:
+        tensors = {n: hf.read_full(n) for n in hf.names}
+    config = json.loads((weights / "config.json").read_text())
+    write_hf_checkpoint(src, tensors, config=config, max_shard_bytes=64 << 10)
+    shards = sorted(src.glob("model-*.safetensors"))
+    assert len(shards) > 1
+    shards[-1].write_bytes(shards[-1].read_bytes()[:-100])
+    assert main(["convert", str(src), "megatron:t2p2", str(tmp_path / "out")]) == 2
+    line = capsys.readouterr().err.strip()
+    assert re.fullmatch(
+        rf"areal-fn: error: {re.escape(str(shards[-1]))} is not a readable safetensors file: its "
+        r"tensors' data ends at byte \d+, the file has \d+ bytes; the file is truncated" + _REMEDY,
+        line,
+    ), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_convert_back_refuses_a_rank_file_with_a_garbled_header_length(
+    saved: dict[str, tuple[Path, Any]], tmp_path: Path
+) -> None:
+    src, _ = saved["qwen2"]
+    local = tmp_path / "local"
+    convert_to_local(src, "megatron:t2p2", local)
+    f = local / rank_file(2)
+    f.write_bytes(b"\xff" * 8 + f.read_bytes()[8:])
+    with pytest.raises(
+        ConversionError,
+        match=r"rank00002\.safetensors is not a readable safetensors file: its header length says "
+        r"18446744073709551615 bytes, \d+ follow; the file is truncated or corrupted",
+    ):
+        convert_back(local, None, tmp_path / "back")
+    assert not (tmp_path / "back").exists()
+
+
+def _full_disk(real: Callable[..., Any]) -> Callable[..., Any]:
+    """``save_file`` on a full disk: part of the file is written, then the library's error."""
+
+    def save_file(tensors: Any, filename: str, metadata: Any = None) -> None:
+        real(tensors, filename, metadata=metadata)
+        with open(filename, "r+b") as f:
+            f.truncate(os.path.getsize(filename) // 3)
+        raise SafetensorError(
+            "Error while serializing: I/O error: No space left on device (os error 28)"
+        )
+
+    return save_file
+
+
+_NO_SPACE = r"No space left on device \(ENOSPC\); free space on the disk of \S+ or write elsewhere"
+
+
+@pytest.mark.parametrize(
+    "case", ["convert", "convert one rank into a directory", "convert --to-hf"]
+)
+def test_cli_onto_a_full_disk_says_one_line_and_leaves_nothing(
+    saved: dict[str, tuple[Path, Any]],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    case: str,
+) -> None:
+    import areal_fn.runtime.convert_io as convert_io
+    import areal_fn.runtime.hf_io as hf_io
+
+    src, _ = saved["qwen2"]
+    out = tmp_path / "out"
+    if case == "convert":
+        args = ["convert", str(src), "megatron:t2p2", str(out)]
+        monkeypatch.setattr(convert_io, "save_file", _full_disk(convert_io.save_file))
+        what = rf"{re.escape(str(out))}/rank00000\.safetensors"
+        left = rf"nothing was written to {re.escape(str(out))}"
+    elif case == "convert one rank into a directory":
+        convert_to_local(src, "megatron:t2p2", out, ranks=[0])
+        args = ["convert", str(src), "megatron:t2p2", str(out), "--rank", "1", "--overwrite"]
+        monkeypatch.setattr(convert_io, "save_file", _full_disk(convert_io.save_file))
+        what = rf"{re.escape(str(out))}/rank00001\.safetensors"
+        left = rf"{re.escape(str(out))} holds what it held before"
+    else:
+        local = tmp_path / "local"
+        convert_to_local(src, "megatron:t2p2", local)
+        args = ["convert", str(local), "megatron:t2p2", str(out), "--to-hf"]
+        monkeypatch.setattr(hf_io, "save_file", _full_disk(hf_io.save_file))
+        what = rf"{re.escape(str(out))} \(its shard 1\)"
+        left = rf"nothing was written to {re.escape(str(out))}"
+    before = {p.name: p.read_bytes() for p in out.iterdir()} if out.exists() else None
+    listing = sorted(p.name for p in tmp_path.iterdir())
+    assert main(args) == 2
+    line = capsys.readouterr().err.strip()
+    assert len(line.splitlines()) == 1, line
+    assert re.fullmatch(rf"areal-fn: error: cannot write {what}: {_NO_SPACE}; {left}", line), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == listing  # no temporary directory left
+    if before is not None:  # no temporary file left, the files there untouched
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_write_into_a_read_only_place_says_so(
+    saved: dict[str, tuple[Path, Any]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import areal_fn.runtime.hf_io as hf_io
+
+    def save_file(tensors: Any, filename: str, metadata: Any = None) -> None:
+        raise PermissionError(errno.EACCES, "Permission denied", filename)
+
+    monkeypatch.setattr(hf_io, "save_file", save_file)
+    with HfCheckpoint(saved["qwen2"][0]) as hf:
+        tensors = {n: hf.read_full(n) for n in hf.names}
+    out = tmp_path / "hf"
+    with pytest.raises(
+        ConversionError,
+        match=rf"^cannot write {re.escape(str(out))} \(its shard 1\): Permission denied \(EACCES\); "
+        rf"check that {re.escape(str(tmp_path))} can be written to, or write elsewhere; nothing was "
+        rf"written to {re.escape(str(out))}$",
+    ):
+        write_hf_checkpoint(out, tensors)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_config_copy_onto_a_full_disk(
+    saved: dict[str, tuple[Path, Any]],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    src, _ = saved["qwen2"]
+    out = tmp_path / "out"
+    real = Path.write_bytes
+
+    def write_bytes(self: Path, data: Any) -> int:
+        if str(self).startswith(str(tmp_path)) and "config.json" in self.name:
+            raise OSError(errno.ENOSPC, "No space left on device", str(self))
+        return real(self, data)
+
+    monkeypatch.setattr(Path, "write_bytes", write_bytes)
+    assert main(["convert", str(src), "megatron:t2p2", str(out)]) == 2
+    line = capsys.readouterr().err.strip()
+    assert re.fullmatch(
+        rf"areal-fn: error: cannot write {re.escape(str(out))}/config\.json: {_NO_SPACE}; nothing "
+        rf"was written to {re.escape(str(out))}",
+        line,
+    ), line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_installed_cli_past_the_file_size_limit(
+    saved: dict[str, tuple[Path, Any]], tmp_path: Path
+) -> None:
+    """The real thing: the kernel refuses a write (a file size limit; a full disk is alike),
+    safetensors raises its own error; one line, exit 2, nothing left."""
+    src, _ = saved["qwen2"]
+    out = tmp_path / "out"
+    exe = Path(sys.executable).with_name("areal-fn")
+    limit = (
+        "import os, resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (16384, 16384)); "
+        "os.execv(sys.argv[1], sys.argv[1:])"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", limit, str(exe), "convert", str(src), "megatron:t2p2", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert re.fullmatch(
+        rf"areal-fn: error: cannot write {re.escape(str(out))}/rank00000\.safetensors: File too "
+        r"large \(EFBIG\); raise the limit on file size \(ulimit -f\) or write elsewhere; nothing "
+        rf"was written to {re.escape(str(out))}",
+        lines[0],
+    ), lines[0]
+    assert list(tmp_path.iterdir()) == []
+
+
+# ------------------------------------------------------------------ config, tokenizer, ...
+
+
+def test_convert_round_trip_carries_config_tokenizer_and_generation_config(
+    saved: dict[str, tuple[Path, Any]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """HF -> per rank -> HF gives back config.json, generation_config.json and every
+    tokenizer file byte for byte; what cannot be carried is named, not dropped silently."""
+    from tests.hf_dir_util import NOT_CARRIED, add_hf_extras
+
+    src = tmp_path / "src"
+    shutil.copytree(saved["llama_tied"][0], src)
+    carried = add_hf_extras(src, json.loads((src / "config.json").read_text()))
+    local, back = tmp_path / "local", tmp_path / "back"
+    assert main(["convert", str(src), "megatron:t2p2", str(local)]) == 0
+    assert main(["convert", str(local), "megatron:t2p2", str(back), "--to-hf"]) == 0
+    out = capsys.readouterr().out
+    for d in (local, back):
+        for name, data in carried.items():
+            assert (d / name).read_bytes() == data, (d, name)
+        assert not any((d / n).exists() for n in NOT_CARRIED), sorted(os.listdir(d))
+    assert "carried config.json, README.md, chat_template.jinja, generation_config.json" in out
+    assert "not carried: .gitattributes (hidden), original (a directory; only top-level" in out
+    assert "pytorch_model.bin (weights; the converted or saved weights replace them)" in out
+    tok = transformers.AutoTokenizer.from_pretrained(back)
+    assert tok("hello world")["input_ids"] == [1, 2]
+    assert transformers.GenerationConfig.from_pretrained(back).eos_token_id == [128001, 128009]
+    _equal_bitwise(_state(back), _state(src))

@@ -115,3 +115,52 @@ def test_refuses_mismatched_checkpoints(tmp_path):
     )
     with pytest.raises(ConversionError, match=r"is named by the index but does not exist"):
         HfCheckpoint(idx).read("x", Box(ranges=((0, 1),)))
+
+
+def test_config_bytes_and_other_files_are_written_as_given(tmp_path):
+    model, _ = real_model("qwen2")
+    spec = model_from_hf_config(CONFIGS["qwen2"])
+    canon = hf_state_to_canonical(model.state_dict(), spec)
+    raw = json.dumps({**CONFIGS["qwen2"], "eos_token_id": [1, 2], "zzz": None}, indent=1).encode()
+    files = {"tokenizer.json": b'{"version": "1.0"}', "tokenizer.model": bytes(range(256))}
+    out = write_hf_checkpoint(tmp_path / "out", canon, config=raw, files=files, model=spec)
+    assert (out / "config.json").read_bytes() == raw
+    assert all((out / n).read_bytes() == b for n, b in files.items())
+    assert transformers.AutoConfig.from_pretrained(out).eos_token_id == [1, 2]
+
+
+@pytest.mark.parametrize(
+    ("files", "config", "message"),
+    [
+        (
+            {"model.safetensors": b""},
+            None,
+            r"HfFiles.files names 'model.safetensors'; carried files are plain top-level names, "
+            r"not hidden, not config.json \(that is HfFiles.config\) and not weight files",
+        ),
+        ({"config.json": b"{}"}, None, r"HfFiles.files names 'config.json'"),
+        ({"sub/tokenizer.json": b"{}"}, None, r"HfFiles.files names 'sub/tokenizer.json'"),
+        ({".hidden": b""}, None, r"HfFiles.files names '.hidden'"),
+        ({"vocab.txt": "text"}, None, r"HfFiles.files\['vocab.txt'\] is a str, not bytes"),
+        ({}, b"{nope", r"HfFiles.config is not JSON text \(.*\); give config.json as read"),
+        ({}, b"[1]", r"HfFiles.config holds a JSON list, not an object \(a config.json\)"),
+    ],
+)
+def test_carried_files_are_checked_before_anything_is_written(tmp_path, files, config, message):
+    spec = model_from_hf_config(CONFIGS["qwen2"])
+    with pytest.raises(ConversionError, match=message):
+        write_hf_checkpoint(tmp_path / "out", {}, config=config, files=files, model=spec)
+    assert not (tmp_path / "out").exists()
+
+
+def test_read_hf_files_needs_a_config(tmp_path):
+    from areal_fn.runtime.hf_files import read_hf_files
+
+    with pytest.raises(
+        ConversionError, match=r"has no config.json; an HF model directory needs one"
+    ):
+        read_hf_files(tmp_path)
+    hf = read_hf_files(tmp_path, config={"model_type": "qwen2"})
+    assert hf.skipped == (
+        ("config.json", f"absent from {tmp_path}; regenerated from the model spec"),
+    )
