@@ -11,7 +11,8 @@ Rules by kind (``fsdp2``, ``megatron``, ``inference``, and the engines ``sglang`
 
 - degrees a kind cannot express are refused, not ignored: FSDP2 takes ``dp``, ``tp``,
   ``cp`` (``pp``, ``ep``, ``etp``, ``vpp`` must be 1); inference layouts take ``dp``,
-  ``tp``, ``pp``; Megatron refuses ``ep``/``etp`` for a dense model (no expert weights);
+  ``tp``, ``pp``; Megatron refuses ``ep`` for a dense model (no experts to split) and,
+  as Megatron-Core does, lets ``etp`` (its default is ``tp``) go unused there;
 - ``tp`` divides ``num_attention_heads`` (whole heads per rank; all kinds);
 - KV heads: Megatron and FSDP2 shard whole KV heads (query groups): ``tp`` divides
   ``num_key_value_heads``; the inference engines also accept a ``tp`` that is a
@@ -127,14 +128,8 @@ def _dense_experts(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None
             text=f"ep={d.ep} given for dense model {m.model_type} without experts; use ep=1 "
             "(expert parallelism splits experts only)",
         )
-    if d.etp > 1:
-        return Problem(
-            field="etp",
-            reads=("etp",),
-            fixed=True,
-            text=f"etp={d.etp} given for dense model {m.model_type} without experts; use etp=1 "
-            "(expert tensor parallelism shards expert weights only)",
-        )
+    # etp is left alone: Megatron-Core builds dense models under any expert tensor
+    # parallel size (its default equals tp) and uses it for expert weights only
     return None
 
 

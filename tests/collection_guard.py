@@ -59,7 +59,8 @@ def folder_of(nodeid: str) -> str:
 
 
 def _function_id(nodeid: str) -> str:
-    return nodeid.split("[", 1)[0]
+    # parameters (``[...]``) and pytest-xdist's group suffix (``@group``) dropped
+    return nodeid.split("[", 1)[0].split("@", 1)[0]
 
 
 def missing_tests(defined: dict[str, list[str]], reported: Iterable[str]) -> dict[str, list[str]]:

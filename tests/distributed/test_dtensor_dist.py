@@ -4,61 +4,15 @@ One launch of ``dtensor_worker.py`` runs every section (this file's and
 ``test_fsdp2_placements.py``'s); the tests below read its per-rank JSON summaries.
 """
 
-import functools
 import json
-from pathlib import Path
 from typing import Any
 
-import attrs
 import pytest
 
-from areal_fn.runtime.launch import LaunchResult, run_torchrun
+from tests.distributed.launches import DTENSOR_WORLD as WORLD
+from tests.distributed.launches import DistRun
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.xdist_group("dtensor_dist")]
-
-WORKER = Path(__file__).with_name("dtensor_worker.py")
-REPO = Path(__file__).resolve().parents[2]
-WORLD = 8
-
-
-@attrs.frozen(kw_only=True)
-class DistRun:
-    """The launch and every rank's summary (``counts``, ``failures``, ``observations``)."""
-
-    result: LaunchResult
-    summaries: tuple[dict[str, Any], ...]
-
-    def failures(self, prefix: str) -> list[dict[str, Any]]:
-        return [
-            f
-            for s in self.summaries
-            for f in s["failures"]
-            if f["section"] == prefix or f["section"].startswith(prefix + ".")
-        ]
-
-    def counts(self, key: str) -> list[int]:
-        """``key``'s count on every rank."""
-        return [s["counts"].get(key, 0) for s in self.summaries]
-
-    def observations(self) -> list[dict[str, Any]]:
-        return [o for s in self.summaries for o in s["observations"]]
-
-
-@functools.cache
-def _launch(out: Path) -> DistRun:
-    """The one launch per session (the fixture is imported by several test modules)."""
-    result = run_torchrun(
-        WORKER, ["--out", str(out)], nproc=WORLD, timeout_s=600, cwd=REPO, check=False
-    )
-    summaries = tuple(
-        json.loads(p.read_text()) for r in range(WORLD) if (p := out / f"rank{r}.json").exists()
-    )
-    return DistRun(result=result, summaries=summaries)
-
-
-@pytest.fixture(scope="session")
-def dtensor_dist_run(tmp_path_factory: pytest.TempPathFactory) -> DistRun:
-    return _launch(tmp_path_factory.mktemp("dtensor_dist"))
 
 
 def _show(failures: list[dict[str, Any]], n: int = 8) -> str:

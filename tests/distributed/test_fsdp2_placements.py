@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from tests.distributed.test_dtensor_dist import DistRun, _show
-from tests.distributed.test_dtensor_dist import dtensor_dist_run as dtensor_dist_run  # fixture
+from tests.distributed.launches import DistRun
+from tests.distributed.test_dtensor_dist import _show
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.xdist_group("dtensor_dist")]
 

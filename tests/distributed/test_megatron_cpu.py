@@ -8,9 +8,8 @@ against facts derived here from the architecture alone (never from areal_fn's ow
 layout code), and check the forward passes against Hugging Face ``transformers``.
 
 Later tests use the records as ground truth: depend on the ``megatron_ground_truth``
-fixture (``from tests.distributed.test_megatron_cpu import megatron_ground_truth``) and read
-``<dir>/<case>/rank<r>.json`` and ``<dir>/manifest.json``. The newest records are also
-kept in the pytest cache, ``.pytest_cache/d/megatron_cpu/ground_truth/``.
+fixture (``tests/distributed/conftest.py``) and read ``<dir>/<case>/rank<r>.json`` and
+``<dir>/manifest.json``.
 """
 
 import importlib.util
@@ -29,26 +28,10 @@ from areal_fn.runtime.launch import run_torchrun
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.xdist_group("megatron_cpu")]
 
-WORKER = Path(__file__).with_name("megatron_worker.py")
 REPO = Path(__file__).resolve().parents[2]
 WORLD = 4
 # Observed: 0 without tensor parallelism, <= 7.2e-7 with it (fp32, |logits| ~ 1.5).
 LOGITS_ATOL = 1e-5
-
-
-@pytest.fixture(scope="session")
-def megatron_ground_truth(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Path:
-    """Directory of per-case, per-rank JSON records written by one torchrun launch.
-
-    Each session records into a temporary directory of its own (pytest's
-    ``tmp_path_factory``; ``--basetemp DIR`` keeps it where you want it), never a
-    directory shared between sessions.
-    """
-    out = tmp_path_factory.mktemp("megatron_cpu_ground_truth")
-    run_torchrun(WORKER, ["--out", str(out)], nproc=WORLD, timeout_s=600, cwd=REPO)
-    return out
 
 
 # ------------------------------------------------------------------ helpers

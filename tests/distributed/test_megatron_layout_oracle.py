@@ -1,7 +1,7 @@
 """megatron_layout against what real Megatron-Core GPTModels hold on every rank.
 
 The records come from one torchrun launch of real Megatron-Core on CPU (the
-``megatron_ground_truth`` fixture of ``test_megatron_cpu``); this module predicts
+``megatron_ground_truth`` fixture of ``tests/distributed/conftest.py``); this module predicts
 every rank's parameter names and shapes (and expert placement) with our pure layout
 and requires exact agreement.
 """
@@ -16,7 +16,6 @@ from areal_fn.allocation import ParallelDims
 from areal_fn.megatron_layout import megatron_layout
 from areal_fn.model import model_from_hf_config
 from areal_fn.pipeline import StagePlan
-from tests.distributed.test_megatron_cpu import megatron_ground_truth  # noqa: F401 - fixture
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.xdist_group("megatron_cpu")]
 
@@ -64,7 +63,7 @@ def _records(root: Path, case: str, world: int) -> list[dict[str, Any]]:
     return [json.loads((root / case / f"rank{r}.json").read_text()) for r in range(world)]
 
 
-def test_every_rank_holds_what_megatron_layout_predicts(megatron_ground_truth: Path) -> None:  # noqa: F811
+def test_every_rank_holds_what_megatron_layout_predicts(megatron_ground_truth: Path) -> None:
     root = megatron_ground_truth
     checked = 0
     for case in _cases(root):
@@ -131,7 +130,7 @@ def test_every_rank_holds_what_megatron_layout_predicts(megatron_ground_truth: P
     assert checked >= 4 * 20, checked
 
 
-def test_our_meshes_give_megatron_parallel_state_groups(megatron_ground_truth: Path) -> None:  # noqa: F811
+def test_our_meshes_give_megatron_parallel_state_groups(megatron_ground_truth: Path) -> None:
     """MegatronMeshes(dims).dense/.expert groups equal the groups parallel_state built."""
     from areal_fn.megatron_layout import MegatronMeshes
 

@@ -72,12 +72,6 @@ CASES = [
         r"^cp=2: an inference layout takes d, t, p only; use cp=1$",
     ),
     (
-        "megatron dense model with expert tensor parallelism",
-        lambda: megatron_layout(spec(Q7), ParallelDims(dp=2, etp=2)),
-        r"^etp=2 given for dense model qwen2 without experts; use etp=1 \(expert tensor "
-        r"parallelism shards expert weights only\)$",
-    ),
-    (
         "megatron census of a dense model with experts",
         lambda: megatron_census(spec(Q7), ParallelDims(dp=2, ep=2)),
         r"^ep=2 given for dense model qwen2 without experts; use ep=1 \(expert "

@@ -53,10 +53,13 @@ def test_a_skipped_folder_and_a_skipped_module_fail_the_guarded_run(tmp_path: Pa
     assert "tests/laws: 2 test functions defined, 2 reported, 2 test items" in guarded.stdout
 
 
-def test_the_guard_passes_when_everything_ran(tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers", [[], ["-n", "2", "--dist", "loadgroup"]], ids=["1", "xdist"])
+def test_the_guard_passes_when_everything_ran(tmp_path: Path, workers: list[str]) -> None:
     _tree(tmp_path, ini="[pytest]\nnorecursedirs = .* __pycache__\n")
-    (tmp_path / "tests" / "oracles" / "test_oracles.py").write_text("def test_d():\n    pass\n")
-    guarded = _run(tmp_path, "--check-collection")
+    (tmp_path / "tests" / "oracles" / "test_oracles.py").write_text(
+        "import pytest\n\n@pytest.mark.xdist_group('g')\ndef test_d():\n    pass\n"
+    )
+    guarded = _run(tmp_path, "--check-collection", *workers)
     assert guarded.returncode == 0, guarded.stdout
     assert "tests/dist: 1 test functions defined, 1 reported, 2 test items" in guarded.stdout
 
@@ -78,7 +81,10 @@ def test_definitions_are_read_from_the_source(tmp_path: Path) -> None:
     assert defined == {"tests/x": ["tests/x/test_m.py::test_f", "tests/x/test_m.py::TestK::test_g"]}
     assert folder_of("tests/x/test_m.py::test_f[1-2]") == "tests/x"
     assert folder_of("tests/test_top.py::test_f") == "tests"
-    assert missing_tests(defined, ["tests/x/test_m.py::test_f[3]"]) == {
+    assert missing_tests(defined, ["tests/x/test_m.py::TestK::test_g@group"]) == {
+        "tests/x": ["tests/x/test_m.py::test_f"]
+    }
+    assert missing_tests(defined, ["tests/x/test_m.py::test_f[3]@group"]) == {
         "tests/x": ["tests/x/test_m.py::TestK::test_g"]
     }
 
@@ -86,3 +92,27 @@ def test_definitions_are_read_from_the_source(tmp_path: Path) -> None:
 @pytest.mark.parametrize("folder", ["laws", "oracles", "invalid", "distributed"])
 def test_every_folder_of_this_repository_defines_tests(folder: str) -> None:
     assert defined_tests(REPO / "tests").get(f"tests/{folder}"), folder
+
+
+def test_an_xdist_group_runs_on_one_worker(tmp_path: Path) -> None:
+    """``--dist loadgroup`` keeps each ``xdist_group`` on one worker (the torchrun tests
+    share one launch per group through module fixtures). pytest 9.2 with pytest-xdist
+    3.8 silently spreads a group over the workers; constraints.txt keeps pytest below."""
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    (tmp_path / "tests").mkdir()
+    body = ["import os", "import pytest", "", "pytestmark = [pytest.mark.xdist_group('g')]", ""]
+    for i in range(6):
+        body += [
+            f"def test_{i}(tmp_path_factory):",
+            f"    with open({str(tmp_path / 'workers.txt')!r}, 'a') as f:",
+            "        f.write(os.environ['PYTEST_XDIST_WORKER'] + '\\n')",
+            "",
+        ]
+    (tmp_path / "tests" / "test_g.py").write_text("\n".join(body))
+    (tmp_path / "tests" / "test_free.py").write_text(
+        "\n".join(f"def test_free_{i}():\n    pass\n" for i in range(6))
+    )
+    run = _run(tmp_path, "-n", "2", "--dist", "loadgroup")
+    assert run.returncode == 0, run.stdout
+    workers = (tmp_path / "workers.txt").read_text().split()
+    assert len(workers) == 6 and len(set(workers)) == 1, workers
