@@ -17,7 +17,6 @@ from areal_fn.cli import main
 from areal_fn.errors import LayoutError
 from areal_fn.fsdp2_layout import fsdp2_layout
 from areal_fn.inference_layout import inference_layout
-from areal_fn.megatron_layout import megatron_layout
 from areal_fn.model import ModelSpec, model_from_hf_config
 from areal_fn.strategy_check import check_strategy
 
