@@ -41,7 +41,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench
 
 golden: $(STAMP)
-	$(BIN)/python -m areal_fn.golden specs/golden
+	$(BIN)/python -m tools.golden specs/golden
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -9,32 +9,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .allocation import Backend, Component
-from .allocation_parse import parse_allocation
-from .component_layout import layout_for
-from .errors import SpecError
-from .layout import Layout
-from .model import ModelSpec, model_from_hf_config
+from areal_fn.errors import SpecError
+from areal_fn.layouts.layout import Layout
+from areal_fn.layouts.layout_for import layout_for
+from areal_fn.model.demo import DEMO_CONFIG as DEMO_CONFIG
+from areal_fn.model.spec import ModelSpec, model_from_hf_config
+from areal_fn.runtime.console import text_console as text_console
+from areal_fn.strategy.allocation import Backend, Component
+from areal_fn.strategy.parse import parse_allocation
 
 if TYPE_CHECKING:
-    from rich.console import Console
-
-#: The tiny Qwen2-architecture model the demo trains (random weights, no download).
-DEMO_CONFIG: dict[str, object] = {
-    "architectures": ["Qwen2ForCausalLM"],
-    "model_type": "qwen2",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 256,
-    "max_position_embeddings": 512,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-    "tie_word_embeddings": False,
-    "torch_dtype": "float32",
-}
+    pass
 
 
 def _model(arg: str) -> ModelSpec:
@@ -42,19 +27,6 @@ def _model(arg: str) -> ModelSpec:
         return model_from_hf_config(DEMO_CONFIG)
     builtin = Path(__file__).resolve().parent.parent / "specs" / "models" / f"{arg}.json"
     return model_from_hf_config(builtin if not Path(arg).exists() and builtin.exists() else arg)
-
-
-def text_console(**kwargs: Any) -> "Console":
-    """The console every ``areal-fn`` table and line goes through: it prints text as is.
-
-    Names, paths and allocation strings come from the user, so rich's markup
-    (``megatron[actor]``, ``out[bold]``) and emoji codes (``a:cat:b``) are not
-    interpreted; styling is explicit (``rich.text.Text``). Lines are not folded at the
-    terminal width, so a printed path stays one line that can be copied.
-    """
-    from rich.console import Console
-
-    return Console(markup=False, emoji=False, soft_wrap=True, **kwargs)
 
 
 def _human(n: float) -> str:
@@ -96,9 +68,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from rich.table import Table
     from rich.text import Text
 
-    from .memory import PrecisionPolicy, estimate_memory
-    from .strategy_check import check_strategy
-    from .tensor_spec import DTYPE_BYTES
+    from areal_fn.model.tensor_spec import DTYPE_BYTES
+    from areal_fn.plans.memory import PrecisionPolicy, estimate_memory
+    from areal_fn.strategy.check import check_strategy
 
     console = text_console()
     model = _model(args.config)
@@ -151,8 +123,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 )
             console.print(table)
         if comp.backend is Backend.MEGATRON:
-            from .megatron_layout import default_stages
-            from .pipeline import megatron_layout_string, split_evenly
+            from areal_fn.layouts.megatron import default_stages
+            from areal_fn.pipeline.partition import megatron_layout_string, split_evenly
 
             try:
                 stages = default_stages(model, comp.dims)
@@ -177,8 +149,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _pictures(console: "Any", model: ModelSpec, comp: Component, layout: Layout, out: Path) -> None:
-    from .runtime.pictures import bar_chart_png, rank_grid_png, write
-    from .tensor_spec import DTYPE_BYTES
+    from areal_fn.model.tensor_spec import DTYPE_BYTES
+    from areal_fn.runtime.pictures import bar_chart_png, rank_grid_png, write
 
     mesh = layout.meshes[0]
     rows = mesh.sizes[0]
@@ -195,9 +167,9 @@ def _pictures(console: "Any", model: ModelSpec, comp: Component, layout: Layout,
     name = str(comp).replace(":", "-").replace("|", "_").replace("(", "").replace(")", "")
     paths = [write(out / f"{name}.ranks.png", rank_grid_png(rows, cols, stage_of, bytes_of))]
     if comp.backend is Backend.MEGATRON:
-        from .megatron_layout import default_stages
-        from .pipeline import StagePlan, split_evenly
-        from .pipeline_costs import param_costs
+        from areal_fn.layouts.megatron import default_stages
+        from areal_fn.pipeline.costs import param_costs
+        from areal_fn.pipeline.partition import StagePlan, split_evenly
 
         try:
             lengths = default_stages(model, comp.dims).stage_lengths
@@ -221,7 +193,7 @@ def _pictures(console: "Any", model: ModelSpec, comp: Component, layout: Layout,
 def _suggest(console: "Any", model: ModelSpec, args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    from .advisor import suggest_strategy
+    from areal_fn.plans.advisor import suggest_strategy
 
     if args.device_memory is None:
         raise SpecError("--suggest needs --device-memory (e.g. 80GB)")
@@ -242,7 +214,7 @@ def _suggest(console: "Any", model: ModelSpec, args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
-    from .runtime.convert_io import convert_back, convert_to_local
+    from areal_fn.runtime.hf.convert import convert_back, convert_to_local
 
     console = text_console()
     if args.to_hf:
@@ -263,19 +235,19 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_checkpoint_inspect(args: argparse.Namespace) -> int:
-    from .runtime.checkpoint import cmd_checkpoint_inspect as run
+    from areal_fn.runtime.checkpoint.api import cmd_checkpoint_inspect as run
 
     return run(args)
 
 
 def cmd_checkpoint_export_hf(args: argparse.Namespace) -> int:
-    from .runtime.checkpoint import cmd_checkpoint_export_hf as run
+    from areal_fn.runtime.checkpoint.api import cmd_checkpoint_export_hf as run
 
     return run(args)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .runtime.demo import run_demo
+    from areal_fn.runtime.demo.driver import run_demo
 
     return run_demo(steps=args.steps, workdir=args.workdir)
 

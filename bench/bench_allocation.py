@@ -10,8 +10,8 @@ included, dims in random order with explicit 1s now and then.
 import random
 import time
 
-from areal_fn.allocation import Allocation
-from areal_fn.allocation_parse import parse_allocation
+from areal_fn.strategy.allocation import Allocation
+from areal_fn.strategy.parse import parse_allocation
 
 N_STRINGS = 10_000
 _POW2 = (1, 1, 1, 2, 2, 4, 8)
@@ -97,7 +97,7 @@ def bench_model_specs() -> list[tuple[str, float, int, int]]:
     import time
     from pathlib import Path
 
-    from areal_fn.model import model_from_hf_config
+    from areal_fn.model.spec import model_from_hf_config
 
     out = []
     for path in sorted((Path(__file__).resolve().parents[1] / "specs" / "models").glob("*.json")):

@@ -8,7 +8,7 @@ process group: the offline form of the same code path).
 
 Timed, one process, same run, same bytes:
 
-- save: :func:`areal_fn.runtime.checkpoint.save_checkpoint` (DCP files, every file
+- save: :func:`areal_fn.runtime.checkpoint.api.save_checkpoint` (DCP files, every file
   fsync'ed and hashed, manifest, atomic commit) against ``torch.save`` of each rank's
   ``{name: tensor}`` dict into one file per rank, then ``fsync`` (same durability);
 - load, same strategy: :func:`load_checkpoint` into preallocated local tensors, with
@@ -34,12 +34,12 @@ from typing import Any
 
 import torch
 
-from areal_fn.allocation_parse import parse_allocation
 from areal_fn.cli import layout_for
-from areal_fn.convert import to_megatron
-from areal_fn.layout import Layout
-from areal_fn.model import ModelSpec, load_hf_config, model_from_hf_config
-from areal_fn.runtime.checkpoint import RankState, load_checkpoint, save_checkpoint
+from areal_fn.layouts.layout import Layout
+from areal_fn.model.spec import ModelSpec, load_hf_config, model_from_hf_config
+from areal_fn.plans.convert import to_megatron
+from areal_fn.runtime.checkpoint.api import RankState, load_checkpoint, save_checkpoint
+from areal_fn.strategy.parse import parse_allocation
 
 LAYERS = 2
 SAVE_REPEATS = 2

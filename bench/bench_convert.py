@@ -13,7 +13,7 @@ Three ways to produce the same local tensors (checked bitwise equal), best of
 - ``ours``: :func:`iter_to_megatron` over :meth:`HfCheckpoint.read` (memory-mapped
   slices: only the rows/columns a rank holds are read);
 - ``ours, mmap views``: the same over zero-copy memory-mapped views of the shards
-  (:func:`~areal_fn.runtime.convert_io.read_local`): each byte is copied once;
+  (:func:`~areal_fn.runtime.hf.convert.read_local`): each byte is copied once;
 - ``naive``: materialise each full logical tensor (the whole fused ``linear_qkv``, the
   whole padded embedding, ...) from whole canonical tensors, then chunk it for the rank
   (for all ranks: build it once, chunk it for every rank);
@@ -42,15 +42,15 @@ from pathlib import Path
 
 import torch
 
-from areal_fn.allocation import ParallelDims
-from areal_fn.box import Box
-from areal_fn.convert import iter_to_megatron
-from areal_fn.layout import Layout, LogicalTensor
-from areal_fn.megatron_layout import megatron_layout
-from areal_fn.model import ModelSpec, model_from_hf_config
-from areal_fn.placement import Placement, Shard, StridedShard
-from areal_fn.runtime.convert_io import read_local
-from areal_fn.runtime.hf_io import HfCheckpoint, write_hf_checkpoint
+from areal_fn.layouts.layout import Layout, LogicalTensor
+from areal_fn.layouts.megatron import megatron_layout
+from areal_fn.model.spec import ModelSpec, model_from_hf_config
+from areal_fn.plans.convert import iter_to_megatron
+from areal_fn.runtime.hf.convert import read_local
+from areal_fn.runtime.hf.io import HfCheckpoint, write_hf_checkpoint
+from areal_fn.sharding.box import Box
+from areal_fn.sharding.placement import Placement, Shard, StridedShard
+from areal_fn.strategy.allocation import ParallelDims
 
 QWEN25_15B: dict[str, object] = {
     "model_type": "qwen2",

@@ -8,10 +8,10 @@ and the per-(shape, sharding, rank) geometry cache). Process CPU time, one core.
 import time
 from pathlib import Path
 
-from areal_fn.allocation import ParallelDims
-from areal_fn.megatron_layout import megatron_layout
-from areal_fn.model import model_from_hf_config
-from areal_fn.pipeline import split_evenly
+from areal_fn.layouts.megatron import megatron_layout
+from areal_fn.model.spec import model_from_hf_config
+from areal_fn.pipeline.partition import split_evenly
+from areal_fn.strategy.allocation import ParallelDims
 
 SPECS = Path(__file__).resolve().parents[1] / "specs" / "models"
 

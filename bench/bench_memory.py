@@ -3,7 +3,7 @@
 For every config in ``specs/models``: the busiest rank's memory (GiB) under a few
 FSDP2 and Megatron strategies (bf16 weights, fp32 gradients, fp32 master weights and
 Adam states; one 4,096-token sequence per micro-batch with full recompute), then
-:func:`areal_fn.advisor.suggest_strategy`'s top three on 8 and on 64 devices of
+:func:`areal_fn.plans.advisor.suggest_strategy`'s top three on 8 and on 64 devices of
 80 GiB. Megatron stages: the even split, or when ``pp`` does not divide the layers the
 first stages one layer longer. The tables in ``docs/memory.md`` are this output.
 
@@ -12,14 +12,14 @@ first stages one layer longer. The tables in ``docs/memory.md`` are this output.
 
 from pathlib import Path
 
-from areal_fn.advisor import suggest_strategy
-from areal_fn.allocation import Backend
-from areal_fn.allocation_parse import parse_allocation
-from areal_fn.census import fsdp2_census, megatron_census
 from areal_fn.errors import PlanError
-from areal_fn.memory import GIB, ActivationModel, PrecisionPolicy, estimate_memory
-from areal_fn.model import ModelSpec, model_from_hf_config
-from areal_fn.pipeline import split_evenly
+from areal_fn.model.spec import ModelSpec, model_from_hf_config
+from areal_fn.pipeline.partition import split_evenly
+from areal_fn.plans.advisor import suggest_strategy
+from areal_fn.plans.census import fsdp2_census, megatron_census
+from areal_fn.plans.memory import GIB, ActivationModel, PrecisionPolicy, estimate_memory
+from areal_fn.strategy.allocation import Backend
+from areal_fn.strategy.parse import parse_allocation
 
 SPECS = Path(__file__).resolve().parent.parent / "specs" / "models"
 POLICY = PrecisionPolicy.bf16_mixed()

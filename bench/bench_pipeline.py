@@ -1,6 +1,6 @@
 """Pipeline partition: exact search vs the O(S * L^2) dynamic program, and real models.
 
-Part 1 times :func:`areal_fn.pipeline.partition_pipeline` against the dynamic program
+Part 1 times :func:`areal_fn.pipeline.partition.partition_pipeline` against the dynamic program
 AReaL describes (stages x end layer x start layer, each cell the best bottleneck of the
 prefix), written here twice: plainly in Python, as AReaL ships it, and vectorised with
 numpy (same O(S * L^2) work, a harder baseline). Both solve the identical problem
@@ -25,9 +25,9 @@ from pathlib import Path
 import attrs
 import numpy as np
 
-from areal_fn.model import ModelSpec, model_from_hf_config
-from areal_fn.pipeline import Objective, StagePlan, partition_pipeline, split_evenly
-from areal_fn.pipeline_costs import CostModel, LayerCosts, flop_costs, memory_costs, param_costs
+from areal_fn.model.spec import ModelSpec, model_from_hf_config
+from areal_fn.pipeline.costs import CostModel, LayerCosts, flop_costs, memory_costs, param_costs
+from areal_fn.pipeline.partition import Objective, StagePlan, partition_pipeline, split_evenly
 
 ROOT = Path(__file__).resolve().parent.parent
 

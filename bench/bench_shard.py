@@ -3,12 +3,12 @@
 For each sharding, times (best of ``REPEATS`` alternating rounds, one process, all 8
 ranks' local tensors):
 
-- ``shard``: :func:`areal_fn.shard.shard` for every rank, against the split
+- ``shard``: :func:`areal_fn.sharding.shard.shard` for every rank, against the split
   ``distribute_tensor`` performs, hand-written: per mesh axis in order (each
   intermediate once), ``torch.chunk`` (``Shard``) or ``torch.chunk`` of every
   ``torch.chunk`` block then ``torch.cat`` (``StridedShard``), made contiguous at the
   end as ``shard`` returns it;
-- ``unshard``: :func:`areal_fn.shard.unshard` of those locals, against ``torch.cat``
+- ``unshard``: :func:`areal_fn.sharding.shard.unshard` of those locals, against ``torch.cat``
   of the same locals in the reverse order (the same full tensor).
 
 Both sides produce bitwise-equal results (checked). Run: ``python -m bench shard``.
@@ -20,10 +20,10 @@ from collections.abc import Callable
 
 import torch
 
-from areal_fn.mesh import Mesh
-from areal_fn.placement import Shard, StridedShard
-from areal_fn.shard import shard, unshard
-from areal_fn.sharding import Sharding
+from areal_fn.sharding.mesh import Mesh
+from areal_fn.sharding.placement import Shard, StridedShard
+from areal_fn.sharding.shard import shard, unshard
+from areal_fn.sharding.sharding import Sharding
 
 SIDE = 16384  # [16384, 16384] float32 = 1 GiB
 REPEATS = 5

@@ -5,9 +5,9 @@ layers, bf16, random values; tied embeddings), trainer ``fsdp:d2`` on ranks 0-1,
 inference ``sglang:t2`` on ranks 2-3. Two ways to bring the trained weights to the
 inference ranks, each timed best of ``REPEATS`` (barrier to barrier, wall time):
 
-- **planned**: :func:`~areal_fn.transfer.plan_transfers` from the FSDP2 layout to the
+- **planned**: :func:`~areal_fn.plans.transfer.plan_transfers` from the FSDP2 layout to the
   inference layout, bucketed (``BUCKET_MB``), executed by
-  :func:`~areal_fn.runtime.sync.send_and_receive`: each inference rank receives
+  :func:`~areal_fn.runtime.sync.executor.send_and_receive`: each inference rank receives
   exactly its shard, from both trainer ranks at once, staged and committed atomically;
 - **gather + broadcast** (the scheme AReaL ships): for every parameter, the trainer
   ranks all-gather it (``DTensor.full_tensor()``), rank 0 broadcasts the full tensor to
@@ -46,12 +46,12 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from areal_fn.allocation import ParallelDims  # noqa: E402
-from areal_fn.fsdp2_layout import fsdp2_layout  # noqa: E402
-from areal_fn.inference_layout import inference_layout  # noqa: E402
-from areal_fn.model import ModelSpec, model_from_hf_config  # noqa: E402
-from areal_fn.transfer import BucketPlan, Transfer, TransferPlan, bucket, plan_transfers  # noqa: E402
-from areal_fn.transfer_bound import transfer_lower_bound  # noqa: E402
+from areal_fn.layouts.fsdp2 import fsdp2_layout  # noqa: E402
+from areal_fn.layouts.inference import inference_layout  # noqa: E402
+from areal_fn.model.spec import ModelSpec, model_from_hf_config  # noqa: E402
+from areal_fn.plans.transfer import BucketPlan, Transfer, TransferPlan, bucket, plan_transfers  # noqa: E402
+from areal_fn.plans.transfer_bound import transfer_lower_bound  # noqa: E402
+from areal_fn.strategy.allocation import ParallelDims  # noqa: E402
 
 MODEL = ROOT / "specs" / "models" / "Qwen2.5-0.5B.json"
 BIG = ROOT / "specs" / "models" / "Qwen3-235B-A22B.json"
@@ -88,8 +88,8 @@ def _worker(out: Path) -> None:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from areal_fn.runtime.fsdp2 import materialize_local
-    from areal_fn.runtime.sync import SyncGroup, send_and_receive
+    from areal_fn.runtime.engines.fsdp2_apply import materialize_local
+    from areal_fn.runtime.sync.executor import SyncGroup, send_and_receive
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
     rank = dist.get_rank()
@@ -227,8 +227,8 @@ def _sync_part() -> None:
 
 
 def _planning_part() -> None:
-    from areal_fn.megatron_layout import megatron_layout
-    from areal_fn.pipeline import split_evenly
+    from areal_fn.layouts.megatron import megatron_layout
+    from areal_fn.pipeline.partition import split_evenly
 
     spec = model_from_hf_config(json.loads(BIG.read_text()))
     t0 = time.perf_counter()

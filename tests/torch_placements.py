@@ -10,9 +10,9 @@ from torch.distributed.tensor import Replicate as TReplicate
 from torch.distributed.tensor import Shard as TShard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from areal_fn.placement import Partial, Placement, Replicate, Shard, StridedShard
-from areal_fn.runtime.fsdp2 import torch_placement, torch_placements
-from areal_fn.sharding import Sharding, dim_segments
+from areal_fn.runtime.engines.fsdp2_apply import torch_placement, torch_placements
+from areal_fn.sharding.placement import Partial, Placement, Replicate, Shard, StridedShard
+from areal_fn.sharding.sharding import Sharding, dim_segments
 
 
 def to_torch(p: Placement) -> TPlacement:

@@ -2,5 +2,5 @@
 
 Modules here perform effects (``torch.distributed``, files, environment). Nothing is
 imported eagerly: import the submodule you need, e.g.
-``from areal_fn.runtime import megatron_cpu``.
+``from areal_fn.runtime.megatron import cpu``.
 """

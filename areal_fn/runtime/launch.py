@@ -23,7 +23,7 @@ from pathlib import Path
 
 import attrs
 
-from ..typecheck import beartype
+from areal_fn.typecheck import beartype
 
 __all__ = ["LaunchError", "LaunchResult", "free_port", "run_torchrun"]
 

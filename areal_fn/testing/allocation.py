@@ -10,7 +10,7 @@ import string
 from hypothesis import strategies as st
 from hypothesis.strategies import SearchStrategy
 
-from ..allocation import Allocation, Backend, Component, ParallelDims, divisors
+from areal_fn.strategy.allocation import Allocation, Backend, Component, ParallelDims, divisors
 
 __all__ = ["allocations", "component_names", "components", "parallel_dims"]
 

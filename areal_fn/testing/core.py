@@ -5,9 +5,9 @@ import math
 import torch
 from hypothesis import strategies as st
 
-from ..mesh import Mesh
-from ..placement import Partial, Placement, Replicate, Shard, StridedShard
-from ..sharding import Sharding
+from areal_fn.sharding.mesh import Mesh
+from areal_fn.sharding.placement import Partial, Placement, Replicate, Shard, StridedShard
+from areal_fn.sharding.sharding import Sharding
 
 AXIS_NAMES = ("dp", "tp", "pp", "cp", "ep", "dp_shard", "dp_replicate", "etp")
 

@@ -4,18 +4,18 @@ from typing import TYPE_CHECKING
 
 from hypothesis import strategies as st
 
-from ..box import Box
-from ..layout import FusionPiece, Layout, LogicalTensor
-from ..mesh import Mesh
-from ..placement import Replicate
-from ..tensor_spec import TensorSpec
+from areal_fn.layouts.layout import FusionPiece, Layout, LogicalTensor
+from areal_fn.model.tensor_spec import TensorSpec
+from areal_fn.sharding.box import Box
+from areal_fn.sharding.mesh import Mesh
+from areal_fn.sharding.placement import Replicate
 
 if TYPE_CHECKING:
-    from ..allocation import ParallelDims
-    from ..model import ModelSpec
+    from areal_fn.model.spec import ModelSpec
+    from areal_fn.strategy.allocation import ParallelDims
 import itertools
 
-from .core import meshes, shardings
+from areal_fn.testing.core import meshes, shardings
 
 #: A family: canonical tensors sharing ``cols`` and ``groups`` (like q, k, v of one layer).
 Family = tuple[tuple[TensorSpec, ...], int, int]
@@ -130,7 +130,7 @@ def megatron_dims_for(
     experts, PP x VPP at most the layers)."""
     import math
 
-    from ..allocation import ParallelDims
+    from areal_fn.strategy.allocation import ParallelDims
 
     dense = [model.intermediate_size] if any(not m for m in model.moe_layers) else []
     g = math.gcd(model.num_attention_heads, model.num_key_value_heads, *dense)
@@ -154,8 +154,8 @@ def megatron_dims_for(
 @st.composite
 def megatron_layouts_for(draw: st.DrawFn, model: "ModelSpec", *, max_world: int = 16) -> Layout:
     """A Megatron layout of ``model`` with random degrees, naming and an uneven stage split."""
-    from ..megatron_layout import megatron_layout
-    from ..pipeline import StagePlan
+    from areal_fn.layouts.megatron import megatron_layout
+    from areal_fn.pipeline.partition import StagePlan
 
     dims = draw(megatron_dims_for(model, max_world=max_world))
     k = dims.pp * dims.vpp
@@ -197,8 +197,8 @@ def inference_dims_for(
     from ``min_pp`` to the layers; ``min_pp`` must be at most the layers)."""
     import math
 
-    from ..allocation import ParallelDims
-    from ..strategy_rules import engine_padded_vocab
+    from areal_fn.strategy.allocation import ParallelDims
+    from areal_fn.strategy.rules import engine_padded_vocab
 
     nkv = model.num_key_value_heads
     sizes = [model.num_attention_heads, engine_padded_vocab(model.vocab_size)]

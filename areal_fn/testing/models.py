@@ -1,7 +1,7 @@
-"""Hypothesis strategies for HF model configs and :class:`~areal_fn.model.ModelSpec`.
+"""Hypothesis strategies for HF model configs and :class:`~areal_fn.model.spec.ModelSpec`.
 
 :func:`hf_configs` draws tiny ``config.json`` dicts that are valid by construction for
-:func:`~areal_fn.model.model_from_hf_config` *and* for transformers (heads are drawn as
+:func:`~areal_fn.model.spec.model_from_hf_config` *and* for transformers (heads are drawn as
 ``num_key_value_heads * group``, ``head_dim`` is drawn even, MoE top-k is drawn inside
 ``1..num_experts``); optional keys are sometimes omitted so family defaults get
 exercised. Everything shrinks towards one layer, one head, small sizes and omitted keys.
@@ -9,9 +9,9 @@ exercised. Everything shrinks towards one layer, one head, small sizes and omitt
 
 from hypothesis import strategies as st
 
-from ..families import FAMILIES
-from ..families import family as _family
-from ..model import ModelSpec, model_from_hf_config
+from areal_fn.model.families import FAMILIES
+from areal_fn.model.families import family as _family
+from areal_fn.model.spec import ModelSpec, model_from_hf_config
 
 #: Every family name, sorted.
 FAMILY_NAMES: tuple[str, ...] = tuple(sorted(FAMILIES))

@@ -7,14 +7,14 @@ is 1 when there is one stage, and stage lengths come from distinct cut points.
 import attrs
 from hypothesis import strategies as st
 
-from ..pipeline import StagePlan
+from areal_fn.pipeline.partition import StagePlan
 
 __all__ = ["PipelineProblem", "layer_costs", "pipeline_problems", "stage_plans"]
 
 
 @attrs.frozen(kw_only=True)
 class PipelineProblem:
-    """The inputs of one :func:`~areal_fn.pipeline.partition_pipeline` call."""
+    """The inputs of one :func:`~areal_fn.pipeline.partition.partition_pipeline` call."""
 
     costs: tuple[float, ...]
     num_stages: int

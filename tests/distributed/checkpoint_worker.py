@@ -34,7 +34,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from areal_fn.errors import CheckpointError  # noqa: E402
-from areal_fn.runtime.checkpoint import (  # noqa: E402
+from areal_fn.runtime.checkpoint.api import (  # noqa: E402
     RankState,
     list_checkpoints,
     load_checkpoint,

@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from areal_fn.runtime.checkpoint import RankState, load_checkpoint, save_checkpoint  # noqa: E402
+from areal_fn.runtime.checkpoint.api import RankState, load_checkpoint, save_checkpoint  # noqa: E402
 from tests.distributed.checkpoint_worker_util import (  # noqa: E402
     blank_state,
     layout,

@@ -29,21 +29,21 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from areal_fn.allocation import ParallelDims  # noqa: E402
-from areal_fn.convert import to_megatron  # noqa: E402
-from areal_fn.megatron_layout import megatron_layout  # noqa: E402
-from areal_fn.model import ModelSpec  # noqa: E402
-from areal_fn.runtime.checkpoint import (  # noqa: E402
+from areal_fn.layouts.megatron import megatron_layout  # noqa: E402
+from areal_fn.layouts.vocab import padded_vocab_size  # noqa: E402
+from areal_fn.model.spec import ModelSpec  # noqa: E402
+from areal_fn.plans.convert import to_megatron  # noqa: E402
+from areal_fn.runtime.checkpoint.api import (  # noqa: E402
     export_megatron_checkpoint,
     import_megatron_checkpoint,
 )
-from areal_fn.runtime.megatron_build import (  # noqa: E402
+from areal_fn.runtime.megatron.build import (  # noqa: E402
     MegatronSizes,
     build_gpt_model,
     megatron_session,
     transformer_config,
 )
-from areal_fn.vocab import padded_vocab_size  # noqa: E402
+from areal_fn.strategy.allocation import ParallelDims  # noqa: E402
 from tests.distributed.checkpoint_worker_util import bits, model  # noqa: E402
 
 SPEC = model(torch_dtype="float32", tie_word_embeddings=False)

@@ -1,6 +1,6 @@
 """Shared by the checkpoint tests: a tiny model, canonical truth, per-rank local states.
 
-Local states are built by :func:`areal_fn.convert.to_megatron` from random canonical
+Local states are built by :func:`areal_fn.plans.convert.to_megatron` from random canonical
 weights (bfloat16) and synthetic Adam moments (float32), so the tests do not depend on
 the FSDP2 / Megatron engines. ``salt`` makes different "steps" hold different values.
 """
@@ -12,13 +12,13 @@ from pathlib import Path
 
 import torch
 
-from areal_fn.allocation_parse import parse_allocation
-from areal_fn.cli import DEMO_CONFIG
-from areal_fn.component_layout import layout_for
-from areal_fn.convert import to_megatron
-from areal_fn.layout import Layout
-from areal_fn.model import ModelSpec, model_from_hf_config
-from areal_fn.runtime.checkpoint import RankState
+from areal_fn.layouts.layout import Layout
+from areal_fn.layouts.layout_for import layout_for
+from areal_fn.model.demo import DEMO_CONFIG
+from areal_fn.model.spec import ModelSpec, model_from_hf_config
+from areal_fn.plans.convert import to_megatron
+from areal_fn.runtime.checkpoint.api import RankState
+from areal_fn.strategy.parse import parse_allocation
 
 #: qwen2 (q/k/v biases), vocab 250 (Megatron pads it), tied embeddings (Megatron's last
 #: pipeline stage holds a copy: replicas to deduplicate), bfloat16 parameters.

@@ -38,11 +38,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from areal_fn.allocation import ParallelDims
-from areal_fn.convert import to_hf, to_megatron
-from areal_fn.megatron_layout import megatron_layout
-from areal_fn.model import ModelSpec, model_from_hf_config
-from areal_fn.runtime.megatron_build import (
+from areal_fn.layouts.megatron import megatron_layout
+from areal_fn.model.spec import ModelSpec, model_from_hf_config
+from areal_fn.plans.convert import to_hf, to_megatron
+from areal_fn.runtime.megatron.build import (
     MegatronSizes,
     build_model_chunks,
     forward_logits,
@@ -52,6 +51,7 @@ from areal_fn.runtime.megatron_build import (
     pipeline_forward_logits,
     transformer_config,
 )
+from areal_fn.strategy.allocation import ParallelDims
 
 # ----------------------------------------------------------------- families
 
@@ -200,7 +200,7 @@ def _hf_reference(
     family: str, spec: ModelSpec, input_ids: torch.Tensor, cache: dict[str, Any]
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
     """Canonical tensors (every rank) and HF logits (rank 0), built once per family."""
-    from areal_fn.families.hf_memory import hf_state_to_canonical
+    from areal_fn.model.hf_memory import hf_state_to_canonical
 
     if family not in cache:
         payload: list[Any] = [None]
@@ -438,7 +438,7 @@ def run_case(
             export_s = time.perf_counter() - t0
             replicas = _replica_mismatches(dict(enumerate(states)), layout, exported)
             path = tmp / record["case"]
-            from areal_fn.runtime.hf_io import write_hf_checkpoint
+            from areal_fn.runtime.hf.io import write_hf_checkpoint
 
             write_hf_checkpoint(path, exported, model=spec, max_shard_bytes=256 << 10)
             model = transformers.AutoModelForCausalLM.from_pretrained(

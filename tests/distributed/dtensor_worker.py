@@ -52,10 +52,10 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from areal_fn.mesh import Mesh  # noqa: E402
-from areal_fn.placement import Partial, Placement, Replicate, Shard, StridedShard  # noqa: E402
-from areal_fn.shard import shard, unshard  # noqa: E402
-from areal_fn.sharding import Sharding, local_shape  # noqa: E402
+from areal_fn.sharding.mesh import Mesh  # noqa: E402
+from areal_fn.sharding.placement import Partial, Placement, Replicate, Shard, StridedShard  # noqa: E402
+from areal_fn.sharding.shard import shard, unshard  # noqa: E402
+from areal_fn.sharding.sharding import Sharding, local_shape  # noqa: E402
 from tests.torch_placements import (  # noqa: E402
     from_torch_all,
     gather_safe,

@@ -3,7 +3,7 @@
 Launched once by ``tests/distributed/test_fsdp2_layout_oracle.py`` with 4 ranks (gloo, CPU).
 Every rank builds the same tiny transformers models (seeded, then every parameter
 overwritten with seeded random values so norms and biases are not constant), keeps a
-full copy, applies :func:`areal_fn.runtime.fsdp2.apply_fsdp2` and compares what it
+full copy, applies :func:`areal_fn.runtime.engines.fsdp2_apply.apply_fsdp2` and compares what it
 holds with what the pure layout predicts. Checks never raise (a rank that raised would
 leave the others waiting in a collective): they record, and ``<out>/rank<r>.json`` gets
 counts, failures, the placements real FSDP2 produced and measured differences.
@@ -48,13 +48,11 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from areal_fn.allocation_parse import parse_allocation  # noqa: E402
-from areal_fn.families.hf_memory import hf_state_to_canonical  # noqa: E402
-from areal_fn.fsdp2_layout import Fsdp2Options, fsdp2_layout  # noqa: E402
-from areal_fn.layout import Layout  # noqa: E402
-from areal_fn.mesh import Mesh  # noqa: E402
-from areal_fn.model import ModelSpec, model_from_hf_config  # noqa: E402
-from areal_fn.runtime.fsdp2 import (  # noqa: E402
+from areal_fn.layouts.fsdp2 import Fsdp2Options, fsdp2_layout  # noqa: E402
+from areal_fn.layouts.layout import Layout  # noqa: E402
+from areal_fn.model.hf_memory import hf_state_to_canonical  # noqa: E402
+from areal_fn.model.spec import ModelSpec, model_from_hf_config  # noqa: E402
+from areal_fn.runtime.engines.fsdp2_apply import (  # noqa: E402
     Fsdp2RunOptions,
     ReplicateParallel,
     apply_fsdp2,
@@ -65,8 +63,10 @@ from areal_fn.runtime.fsdp2 import (  # noqa: E402
     torch_placements,
     tp_plan,
 )
-from areal_fn.shard import shard  # noqa: E402
-from areal_fn.sharding import Sharding  # noqa: E402
+from areal_fn.sharding.mesh import Mesh  # noqa: E402
+from areal_fn.sharding.shard import shard  # noqa: E402
+from areal_fn.sharding.sharding import Sharding  # noqa: E402
+from areal_fn.strategy.parse import parse_allocation  # noqa: E402
 from tests.torch_placements import from_torch  # noqa: E402
 
 WORLD = 4

@@ -39,16 +39,16 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from areal_fn.allocation_parse import parse_allocation  # noqa: E402
-from areal_fn.convert import to_hf  # noqa: E402
-from areal_fn.families.hf_memory import hf_state_to_canonical  # noqa: E402
-from areal_fn.fsdp2_layout import Fsdp2Options  # noqa: E402
-from areal_fn.model import ModelSpec, model_from_hf_config  # noqa: E402
-from areal_fn.pipeline import StagePlan  # noqa: E402
-from areal_fn.runtime.engine_fsdp2 import Fsdp2Engine, build_hf_model  # noqa: E402
-from areal_fn.runtime.engine_megatron import MegatronEngine  # noqa: E402
-from areal_fn.runtime.engines import AdamWConfig, split_rows  # noqa: E402
-from areal_fn.runtime.fsdp2 import Fsdp2RunOptions  # noqa: E402
+from areal_fn.layouts.fsdp2 import Fsdp2Options  # noqa: E402
+from areal_fn.model.hf_memory import hf_state_to_canonical  # noqa: E402
+from areal_fn.model.spec import ModelSpec, model_from_hf_config  # noqa: E402
+from areal_fn.pipeline.partition import StagePlan  # noqa: E402
+from areal_fn.plans.convert import to_hf  # noqa: E402
+from areal_fn.runtime.engines.common import AdamWConfig, split_rows  # noqa: E402
+from areal_fn.runtime.engines.fsdp2 import Fsdp2Engine, build_hf_model  # noqa: E402
+from areal_fn.runtime.engines.fsdp2_apply import Fsdp2RunOptions  # noqa: E402
+from areal_fn.runtime.engines.megatron import MegatronEngine  # noqa: E402
+from areal_fn.strategy.parse import parse_allocation  # noqa: E402
 
 WORLD = 4
 BATCH, SEQ = 8, 16

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from areal_fn.runtime.megatron_build import (
+from areal_fn.runtime.megatron.build import (
     MegatronSizes,
     build_model_chunks,
     forward_logits,

@@ -4,7 +4,7 @@ Run under ``torchrun --nproc-per-node 1``. A tiny Llama with Llama 3.1's rope sc
 (``rope_type`` llama3, factor 8, Megatron's fixed low/high frequency factors and
 original context 8192) and ``head_dim`` 16, so that some rotary frequencies are scaled,
 some smoothed and some left alone: the transformers model (the FSDP2 engine's builder)
-and :class:`~areal_fn.runtime.engine_megatron.MegatronEngine` loaded with the same
+and :class:`~areal_fn.runtime.engines.megatron.MegatronEngine` loaded with the same
 canonical weights give their log-probs; so does the transformers model without rope
 scaling (to show the check can tell). (Megatron without the scaling would match that one instead.) A yarn config must be refused before any
 Megatron state is built. Writes one JSON record to ``--out``.
@@ -23,12 +23,12 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from areal_fn.allocation import ParallelDims  # noqa: E402
 from areal_fn.errors import LayoutError  # noqa: E402
-from areal_fn.families.hf_memory import hf_state_to_canonical  # noqa: E402
-from areal_fn.model import model_from_hf_config  # noqa: E402
-from areal_fn.runtime.engine_fsdp2 import build_hf_model  # noqa: E402
-from areal_fn.runtime.engine_megatron import MegatronEngine  # noqa: E402
+from areal_fn.model.hf_memory import hf_state_to_canonical  # noqa: E402
+from areal_fn.model.spec import model_from_hf_config  # noqa: E402
+from areal_fn.runtime.engines.fsdp2 import build_hf_model  # noqa: E402
+from areal_fn.runtime.engines.megatron import MegatronEngine  # noqa: E402
+from areal_fn.strategy.allocation import ParallelDims  # noqa: E402
 
 LLAMA3 = {
     "model_type": "llama",

@@ -8,7 +8,7 @@ Sections, in order (each needs the ranks alive that the previous ones left):
 
 ``split``
     trainer ``fsdp:d2`` on ranks 0-1 (a tiny Qwen2 under :func:`apply_fsdp2`), inference
-    ``t2`` on ranks 2-3 (:mod:`areal_fn.runtime.tp_engine`, different initial weights).
+    ``t2`` on ranks 2-3 (:mod:`areal_fn.runtime.engines.tp`, different initial weights).
     The inference model's local tensors are checked against
     ``inference_layout(..., vocab_multiple=1)`` (names, shapes, contents). One AdamW
     step, then sync v1 over :meth:`SyncGroup.from_world`: bytes, bitwise weights, logits
@@ -50,28 +50,28 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from areal_fn.allocation import ParallelDims  # noqa: E402
-from areal_fn.fsdp2_layout import fsdp2_layout  # noqa: E402
-from areal_fn.inference_layout import inference_layout  # noqa: E402
-from areal_fn.layout import Layout  # noqa: E402
-from areal_fn.model import ModelSpec, model_from_hf_config  # noqa: E402
-from areal_fn.runtime import tp_engine  # noqa: E402
-from areal_fn.runtime.fsdp2 import (  # noqa: E402
+from areal_fn.layouts.fsdp2 import fsdp2_layout  # noqa: E402
+from areal_fn.layouts.inference import inference_layout  # noqa: E402
+from areal_fn.layouts.layout import Layout  # noqa: E402
+from areal_fn.model.spec import ModelSpec, model_from_hf_config  # noqa: E402
+from areal_fn.model.tensor_spec import DTYPE_BYTES  # noqa: E402
+from areal_fn.plans.transfer import BucketPlan, bucket, plan_transfers  # noqa: E402
+from areal_fn.plans.transfer_bound import transfer_lower_bound  # noqa: E402
+from areal_fn.runtime.engines import tp as tp_engine  # noqa: E402
+from areal_fn.runtime.engines.fsdp2_apply import (  # noqa: E402
     apply_fsdp2,
     export_canonical,
     init_mesh,
     materialize_local,
 )
-from areal_fn.runtime.sync import (  # noqa: E402
+from areal_fn.runtime.sync.executor import (  # noqa: E402
     SyncError,
     SyncGroup,
     SyncReport,
     open_store,
     send_and_receive,
 )
-from areal_fn.tensor_spec import DTYPE_BYTES  # noqa: E402
-from areal_fn.transfer import BucketPlan, bucket, plan_transfers  # noqa: E402
-from areal_fn.transfer_bound import transfer_lower_bound  # noqa: E402
+from areal_fn.strategy.allocation import ParallelDims  # noqa: E402
 
 WORLD = 4
 #: untied, with q/k/v biases; heads, KV heads, MLP width and vocabulary divisible by 2.

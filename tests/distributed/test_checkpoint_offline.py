@@ -18,10 +18,9 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-import areal_fn.runtime.checkpoint_dcp as ckpt_dcp  # noqa: E402
-from areal_fn.box import Box  # noqa: E402
+import areal_fn.runtime.checkpoint.dcp as ckpt_dcp  # noqa: E402
 from areal_fn.errors import CheckpointError  # noqa: E402
-from areal_fn.runtime.checkpoint import (  # noqa: E402
+from areal_fn.runtime.checkpoint.api import (  # noqa: E402
     CheckpointReader,
     RankState,
     cmd_checkpoint_inspect,
@@ -30,7 +29,8 @@ from areal_fn.runtime.checkpoint import (  # noqa: E402
     load_checkpoint,
     save_checkpoint,
 )
-from areal_fn.runtime.hf_io import HfCheckpoint  # noqa: E402
+from areal_fn.runtime.hf.io import HfCheckpoint  # noqa: E402
+from areal_fn.sharding.box import Box  # noqa: E402
 from tests.distributed.checkpoint_worker_util import (  # noqa: E402
     bits,
     blank_state,
@@ -141,7 +141,7 @@ def test_torch_dcp_tools_read_it_as_a_plain_dcp_checkpoint(saved, tmp_path):
     """The storage is standard DCP: torch's own converter yields the canonical tensors."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from areal_fn.runtime.checkpoint import resolve_checkpoint
+    from areal_fn.runtime.checkpoint.api import resolve_checkpoint
 
     dcp_to_torch_save(resolve_checkpoint(saved), tmp_path / "full.pt")
     full = torch.load(tmp_path / "full.pt", weights_only=False)
@@ -151,7 +151,10 @@ def test_torch_dcp_tools_read_it_as_a_plain_dcp_checkpoint(saved, tmp_path):
 
 
 def test_megatron_export_then_import_is_bitwise(saved, tmp_path):
-    from areal_fn.runtime.checkpoint import export_megatron_checkpoint, import_megatron_checkpoint
+    from areal_fn.runtime.checkpoint.api import (
+        export_megatron_checkpoint,
+        import_megatron_checkpoint,
+    )
 
     out = export_megatron_checkpoint(
         CheckpointReader(saved), SPEC, tmp_path / "mcore", vocab_size_padded=256
@@ -170,7 +173,7 @@ def test_hf_files_are_saved_verified_and_exported_unchanged(tmp_path, capsys):
     """Saved with hf=, export-hf gives back the model directory's config.json (eos list,
     token ids, unknown keys; its very bytes), tokenizer and generation config."""
     from areal_fn.cli import main
-    from areal_fn.runtime.checkpoint import (
+    from areal_fn.runtime.checkpoint.api import (
         HfFiles,
         checkpoint_hf_files,
         read_hf_files,
@@ -226,7 +229,7 @@ def test_hf_files_are_saved_verified_and_exported_unchanged(tmp_path, capsys):
 
 
 def test_hf_files_of_another_model_are_refused(tmp_path):
-    from areal_fn.runtime.checkpoint import HfFiles
+    from areal_fn.runtime.checkpoint.api import HfFiles
     from tests.distributed.checkpoint_worker_util import CONFIG
 
     lay = layout(SPEC, "fsdp:d2")

@@ -47,7 +47,7 @@ def test_cli_bad_input_is_one_line(capsys):
 def test_a_dying_rank_fails_the_job_fast_and_is_named(where, capsys, tmp_path):
     import time
 
-    from areal_fn.runtime.demo import MIN_STEPS, run_demo
+    from areal_fn.runtime.demo.driver import MIN_STEPS, run_demo
 
     rank = where.split(":")[0]
     start = time.perf_counter()

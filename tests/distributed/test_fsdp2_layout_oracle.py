@@ -1,7 +1,7 @@
 """Real FSDP2 (+TP, +HSDP) on transformers models against ``fsdp2_layout``'s predictions.
 
 One ``torchrun --nproc-per-node 4`` launch (``fsdp2_worker.py``) applies
-:func:`areal_fn.runtime.fsdp2.apply_fsdp2` to tiny qwen2 / qwen3 / llama (tied and
+:func:`areal_fn.runtime.engines.fsdp2_apply.apply_fsdp2` to tiny qwen2 / qwen3 / llama (tied and
 untied, with biases) models under ``fsdp:d4``, ``fsdp:d2t2``, HSDP 2x2 and ``fsdp:t4``,
 and to a qwen3_moe model under ``fsdp:d4`` and ``fsdp:d2t2``, and records, for every
 parameter on every rank, whether the DTensor it holds matches the layout (mesh,
@@ -174,7 +174,7 @@ def test_logits_match_unsharded_model(records: list[dict[str, Any]]) -> None:
 def test_tp_plan_follows_the_layout() -> None:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    from areal_fn.runtime.fsdp2 import ReplicateParallel, tp_plan
+    from areal_fn.runtime.engines.fsdp2_apply import ReplicateParallel, tp_plan
 
     spec, layout = worker.layout_for("llama_untied", "d2t2")
     plan = tp_plan(worker.build_model(spec, seed=0), layout)
@@ -202,14 +202,14 @@ def test_tp_plan_follows_the_layout() -> None:
 
 
 def test_run_options_reject_unknown_dtypes() -> None:
-    from areal_fn.runtime.fsdp2 import Fsdp2RunOptions
+    from areal_fn.runtime.engines.fsdp2_apply import Fsdp2RunOptions
 
     with pytest.raises(SpecError, match=r"param_dtype=.fp8. is not one of"):
         Fsdp2RunOptions(param_dtype="fp8")
 
 
 def test_tp_plan_refuses_a_layout_of_another_model() -> None:
-    from areal_fn.runtime.fsdp2 import tp_plan
+    from areal_fn.runtime.engines.fsdp2_apply import tp_plan
 
     spec, _ = worker.layout_for("qwen2", "d2t2")
     _, other = worker.layout_for("qwen3", "d2t2")

@@ -2,9 +2,9 @@
 
 One ``torchrun --nproc-per-node 4`` launch (``grad_worker.py``) runs, for tiny qwen2,
 qwen3 and tied llama models, one optimizer step (AdamW, fixed lr, fp32, gradients clipped
-to norm 0.5) of :class:`~areal_fn.runtime.engine_fsdp2.Fsdp2Engine` under ``fsdp:d4``,
+to norm 0.5) of :class:`~areal_fn.runtime.engines.fsdp2.Fsdp2Engine` under ``fsdp:d4``,
 ``fsdp:d2t2`` (also with activation checkpointing and CPU offload) and HSDP (dp 4 = 2 replicas x 2 shards), and of
-:class:`~areal_fn.runtime.engine_megatron.MegatronEngine` under ``megatron:d2t2``,
+:class:`~areal_fn.runtime.engines.megatron.MegatronEngine` under ``megatron:d2t2``,
 ``d2p2``, ``t2p2``, ``d2p2v2`` (interleaved) and an uneven ``d2p2`` split (1 + 3
 layers), each from the same canonical weights (``load_canonical``) on the same global
 batch split evenly over the data-parallel ranks, against a single-process step of the
@@ -30,21 +30,21 @@ if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("tra
 
 import torch
 
-from areal_fn.allocation import ParallelDims
 from areal_fn.errors import LayoutError, SpecError
-from areal_fn.fsdp2_layout import Fsdp2Options, fsdp2_layout
-from areal_fn.megatron_layout import megatron_layout
-from areal_fn.model import model_from_hf_config
-from areal_fn.pipeline import StagePlan
-from areal_fn.runtime.engine_megatron import pipeline_layout_string
-from areal_fn.runtime.engines import (
+from areal_fn.layouts.fsdp2 import Fsdp2Options, fsdp2_layout
+from areal_fn.layouts.megatron import megatron_layout
+from areal_fn.model.spec import model_from_hf_config
+from areal_fn.pipeline.partition import StagePlan
+from areal_fn.runtime.engines.common import (
     AdamWConfig,
     canonical_multiplicity,
     next_token_targets,
     norm_weights,
     split_rows,
 )
+from areal_fn.runtime.engines.megatron import pipeline_layout_string
 from areal_fn.runtime.launch import run_torchrun
+from areal_fn.strategy.allocation import ParallelDims
 from tests.distributed import grad_worker as worker
 
 WORKER = Path(__file__).with_name("grad_worker.py")
@@ -190,10 +190,10 @@ def test_adamw_config_is_validated() -> None:
 
 
 def test_partial_placements_have_no_norm() -> None:
-    from areal_fn.layout import Layout, LogicalTensor
-    from areal_fn.mesh import Mesh
-    from areal_fn.placement import Partial
-    from areal_fn.sharding import Sharding
+    from areal_fn.layouts.layout import Layout, LogicalTensor
+    from areal_fn.sharding.mesh import Mesh
+    from areal_fn.sharding.placement import Partial
+    from areal_fn.sharding.sharding import Sharding
 
     spec = _spec("qwen2")
     t = spec.tensors[0]

@@ -392,7 +392,7 @@ def test_sharded_state_dict_keys_and_offsets(megatron_ground_truth: Path) -> Non
 def test_redirections_are_opt_in_idempotent_and_reversible() -> None:
     import torch
 
-    from areal_fn.runtime import megatron_cpu
+    from areal_fn.runtime.megatron import cpu as megatron_cpu
 
     assert not megatron_cpu.is_enabled()
     from megatron.core.pipeline_parallel import schedules
@@ -463,14 +463,14 @@ def test_redirections_are_opt_in_idempotent_and_reversible() -> None:
 )
 def test_megatron_sizes_errors(call: Any, message: str) -> None:
     from areal_fn import LayoutError
-    from areal_fn.runtime.megatron_build import MegatronSizes
+    from areal_fn.runtime.megatron.build import MegatronSizes
 
     with pytest.raises(LayoutError, match=message):
         call(MegatronSizes)
 
 
 def test_megatron_sizes_defaults() -> None:
-    from areal_fn.runtime.megatron_build import MegatronSizes
+    from areal_fn.runtime.megatron.build import MegatronSizes
 
     sizes = MegatronSizes(tp=2, pp=2, vpp=1)
     assert (sizes.vpp, sizes.expert_tp, sizes.dp(8)) == (None, 2, 2)

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from areal_fn.allocation import ParallelDims
-from areal_fn.megatron_layout import megatron_layout
-from areal_fn.model import model_from_hf_config
-from areal_fn.pipeline import StagePlan
+from areal_fn.layouts.megatron import megatron_layout
+from areal_fn.model.spec import model_from_hf_config
+from areal_fn.pipeline.partition import StagePlan
+from areal_fn.strategy.allocation import ParallelDims
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.xdist_group("megatron_cpu")]
 
@@ -132,7 +132,7 @@ def test_every_rank_holds_what_megatron_layout_predicts(megatron_ground_truth: P
 
 def test_our_meshes_give_megatron_parallel_state_groups(megatron_ground_truth: Path) -> None:
     """MegatronMeshes(dims).dense/.expert groups equal the groups parallel_state built."""
-    from areal_fn.megatron_layout import MegatronMeshes
+    from areal_fn.layouts.megatron import MegatronMeshes
 
     root = megatron_ground_truth
     axes = {

@@ -2,7 +2,7 @@
 
 One ``torchrun --nproc-per-node 1`` launch (``rope_worker.py``): a tiny Llama with
 Llama 3.1's rope scaling gives the same log-probs under
-:class:`~areal_fn.runtime.engine_megatron.MegatronEngine` as the transformers model
+:class:`~areal_fn.runtime.engines.megatron.MegatronEngine` as the transformers model
 (which the FSDP2 engine builds); without the scaling transformers differs clearly, so
 the comparison can tell. A yarn config is refused by the engine. Without a launch:
 what ``rope_kwargs`` gives GPTModel for the published configs, and its refusals.
@@ -42,8 +42,8 @@ def test_megatron_engine_applies_llama3_rope_scaling(tmp_path: Path) -> None:
 def test_published_rope_scaling_is_what_gpt_model_is_given(name: str) -> None:
     import attrs
 
-    from areal_fn.model import model_from_hf_config
-    from areal_fn.runtime.megatron_build import rope_kwargs
+    from areal_fn.model.spec import model_from_hf_config
+    from areal_fn.runtime.megatron.build import rope_kwargs
 
     spec = model_from_hf_config(REPO / "specs" / "models" / f"{name}.json")
     factor = dict(spec.rope_scaling).get("factor")
@@ -81,7 +81,7 @@ def test_published_rope_scaling_is_what_gpt_model_is_given(name: str) -> None:
 )
 def test_rope_scaling_gpt_model_cannot_apply_is_refused(rope_scaling: object, message: str) -> None:
     from areal_fn.errors import LayoutError
-    from areal_fn.runtime.megatron_build import rope_kwargs
+    from areal_fn.runtime.megatron.build import rope_kwargs
 
     with pytest.raises(LayoutError, match=message):
         rope_kwargs({"rope_scaling": rope_scaling})

@@ -1,10 +1,10 @@
-"""Weight sync (:mod:`areal_fn.runtime.sync`): the executor against the plan's semantics.
+"""Weight sync (:mod:`areal_fn.runtime.sync.executor`): the executor against the plan's semantics.
 
 Two kinds of tests:
 
 - **in-process** (fast): the members of a sync are threads of this process, each with
   its own gloo process group over one ``HashStore``. The executor's result must equal
-  :func:`~areal_fn.transfer_apply.apply_transfers` (the plan's reference semantics)
+  :func:`~areal_fn.plans.transfer_apply.apply_transfers` (the plan's reference semantics)
   bitwise; faults (a stalled sender, another version, other dtypes, a missing
   tensor) must raise ``SyncError``/``PlanError`` on every member and leave every live
   tensor as it was; a renewed group must then sync.
@@ -25,19 +25,19 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from areal_fn.allocation import ParallelDims
-from areal_fn.convert import to_megatron
 from areal_fn.errors import PlanError
-from areal_fn.fsdp2_layout import fsdp2_layout
-from areal_fn.inference_layout import inference_layout
-from areal_fn.layout import Layout
-from areal_fn.megatron_layout import megatron_layout
-from areal_fn.model import model_from_hf_config
-from areal_fn.runtime.fsdp2 import materialize_local
-from areal_fn.runtime.sync import SyncError, SyncGroup, SyncReport, send_and_receive
-from areal_fn.transfer import BucketPlan, bucket, plan_transfers
-from areal_fn.transfer_apply import apply_transfers
-from areal_fn.transfer_bound import transfer_lower_bound
+from areal_fn.layouts.fsdp2 import fsdp2_layout
+from areal_fn.layouts.inference import inference_layout
+from areal_fn.layouts.layout import Layout
+from areal_fn.layouts.megatron import megatron_layout
+from areal_fn.model.spec import model_from_hf_config
+from areal_fn.plans.convert import to_megatron
+from areal_fn.plans.transfer import BucketPlan, bucket, plan_transfers
+from areal_fn.plans.transfer_apply import apply_transfers
+from areal_fn.plans.transfer_bound import transfer_lower_bound
+from areal_fn.runtime.engines.fsdp2_apply import materialize_local
+from areal_fn.runtime.sync.executor import SyncError, SyncGroup, SyncReport, send_and_receive
+from areal_fn.strategy.allocation import ParallelDims
 from tests.distributed import sync_worker as worker
 
 SPEC = model_from_hf_config(
@@ -269,7 +269,7 @@ def test_one_group_carries_successive_versions() -> None:
 def test_megatron_pipeline_to_inference_through_fused_pieces() -> None:
     """Megatron t2p2 (fused ``linear_qkv``/``linear_fc1``, padded vocabulary) -> SGLang t2.
 
-    The sources are what :func:`~areal_fn.convert.to_megatron` gives each rank; no
+    The sources are what :func:`~areal_fn.plans.convert.to_megatron` gives each rank; no
     conversion runs on the way: the plan's pieces do it.
     """
     case = Case(

@@ -8,9 +8,9 @@ raise ``SpecError``.
 
 import pytest
 
-from areal_fn.allocation import Allocation, Backend, Component, ParallelDims
-from areal_fn.allocation_parse import parse_allocation
 from areal_fn.errors import ParseError, SpecError
+from areal_fn.strategy.allocation import Allocation, Backend, Component, ParallelDims
+from areal_fn.strategy.parse import parse_allocation
 
 FSDP4 = Component(backend=Backend.FSDP, dims=ParallelDims(dp=4))
 SGLANG2 = Component(backend=Backend.SGLANG, dims=ParallelDims(dp=2))

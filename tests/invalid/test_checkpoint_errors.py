@@ -25,19 +25,17 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from areal_fn.box import Box  # noqa: E402
-from areal_fn.checkpoint_plan import (  # noqa: E402
+from areal_fn.errors import CheckpointError  # noqa: E402
+from areal_fn.layouts.layout import FusionPiece, Layout, LogicalTensor  # noqa: E402
+from areal_fn.model.tensor_spec import TensorSpec  # noqa: E402
+from areal_fn.plans.checkpoint import (  # noqa: E402
     CheckpointManifest,
     Chunk,
     SavedTensor,
     optimizer_spec,
     plan_save,
 )
-from areal_fn.errors import CheckpointError  # noqa: E402
-from areal_fn.layout import FusionPiece, Layout, LogicalTensor  # noqa: E402
-from areal_fn.mesh import Mesh  # noqa: E402
-from areal_fn.placement import Replicate  # noqa: E402
-from areal_fn.runtime.checkpoint import (  # noqa: E402
+from areal_fn.runtime.checkpoint.api import (  # noqa: E402
     CheckpointReader,
     RankState,
     export_megatron_checkpoint,
@@ -45,8 +43,10 @@ from areal_fn.runtime.checkpoint import (  # noqa: E402
     load_checkpoint,
     save_checkpoint,
 )
-from areal_fn.sharding import Sharding  # noqa: E402
-from areal_fn.tensor_spec import TensorSpec  # noqa: E402
+from areal_fn.sharding.box import Box  # noqa: E402
+from areal_fn.sharding.mesh import Mesh  # noqa: E402
+from areal_fn.sharding.placement import Replicate  # noqa: E402
+from areal_fn.sharding.sharding import Sharding  # noqa: E402
 from tests.distributed.checkpoint_worker_util import (  # noqa: E402
     blank_state,
     layout,
@@ -320,7 +320,7 @@ def mcore_import_not_megatron(root: Path) -> Any:
 
 
 def mcore_moe(root: Path) -> Any:
-    from areal_fn.model import model_from_hf_config
+    from areal_fn.model.spec import model_from_hf_config
 
     moe = model_from_hf_config(REPO / "specs" / "models" / "Qwen3-30B-A3B.json")
     return export_megatron_checkpoint({}, moe, root.parent / "moe")
@@ -631,7 +631,7 @@ def test_export_hf_onto_a_full_disk_is_one_line_and_leaves_nothing(
     saved, tmp_path, capsys, monkeypatch
 ):
     """``areal-fn checkpoint export-hf`` when the disk fills: exit 2, one line, no output."""
-    import areal_fn.runtime.hf_io as hf_io
+    import areal_fn.runtime.hf.io as hf_io
     from areal_fn.cli import main
 
     real = hf_io.save_file

@@ -5,7 +5,7 @@ import re
 import pytest
 
 from areal_fn.cli import main
-from areal_fn.runtime import demo
+from areal_fn.runtime.demo import driver as demo
 
 
 @pytest.fixture(autouse=True)

@@ -10,15 +10,15 @@ import pathlib
 
 import pytest
 
-from areal_fn.allocation import ParallelDims
-from areal_fn.allocation_parse import parse_allocation
-from areal_fn.census import fsdp2_census, megatron_census
 from areal_fn.cli import main
 from areal_fn.errors import LayoutError
-from areal_fn.fsdp2_layout import fsdp2_layout
-from areal_fn.inference_layout import inference_layout
-from areal_fn.model import ModelSpec, model_from_hf_config
-from areal_fn.strategy_check import check_strategy
+from areal_fn.layouts.fsdp2 import fsdp2_layout
+from areal_fn.layouts.inference import inference_layout
+from areal_fn.model.spec import ModelSpec, model_from_hf_config
+from areal_fn.plans.census import fsdp2_census, megatron_census
+from areal_fn.strategy.allocation import ParallelDims
+from areal_fn.strategy.check import check_strategy
+from areal_fn.strategy.parse import parse_allocation
 
 SPECS = pathlib.Path(__file__).resolve().parents[2] / "specs" / "models"
 

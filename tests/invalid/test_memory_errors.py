@@ -5,13 +5,13 @@ from pathlib import Path
 
 import pytest
 
-from areal_fn.advisor import Hardware, suggest_strategy
-from areal_fn.allocation import ParallelDims
-from areal_fn.census import Census, TensorGroup, fsdp2_census, megatron_census
 from areal_fn.errors import LayoutError, PlanError, SpecError
-from areal_fn.inference_layout import inference_layout
-from areal_fn.megatron_layout import megatron_layout
-from areal_fn.memory import (
+from areal_fn.layouts.inference import inference_layout
+from areal_fn.layouts.megatron import megatron_layout
+from areal_fn.model.spec import ModelSpec, model_from_hf_config
+from areal_fn.plans.advisor import Hardware, suggest_strategy
+from areal_fn.plans.census import Census, TensorGroup, fsdp2_census, megatron_census
+from areal_fn.plans.memory import (
     GIB,
     ActivationModel,
     PrecisionPolicy,
@@ -20,10 +20,10 @@ from areal_fn.memory import (
     estimate_rows,
     local_param_bytes,
 )
-from areal_fn.mesh import Mesh
-from areal_fn.model import ModelSpec, model_from_hf_config
-from areal_fn.placement import Replicate, Shard
-from areal_fn.sharding import Sharding
+from areal_fn.sharding.mesh import Mesh
+from areal_fn.sharding.placement import Replicate, Shard
+from areal_fn.sharding.sharding import Sharding
+from areal_fn.strategy.allocation import ParallelDims
 
 SPECS = Path(__file__).resolve().parents[2] / "specs" / "models"
 ACT = ActivationModel(micro_batch_size=1, seq_len=128)

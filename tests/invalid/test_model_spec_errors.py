@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from areal_fn.errors import ConversionError, SpecError, UnsupportedConfigError
-from areal_fn.families.hf_memory import canonical_to_hf_state, hf_state_to_canonical
-from areal_fn.model import model_from_hf_config
-from areal_fn.vocab import padded_vocab_size
+from areal_fn.layouts.vocab import padded_vocab_size
+from areal_fn.model.hf_memory import canonical_to_hf_state, hf_state_to_canonical
+from areal_fn.model.spec import model_from_hf_config
 
 BASE: dict[str, dict[str, object]] = {
     "llama": {

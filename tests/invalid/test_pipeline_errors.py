@@ -5,9 +5,15 @@ from pathlib import Path
 import pytest
 
 from areal_fn.errors import PlanError
-from areal_fn.model import model_from_hf_config
-from areal_fn.pipeline import Objective, StagePlan, module_names, partition_pipeline, split_evenly
-from areal_fn.pipeline_costs import LayerCosts, megatron_moe_layers, param_costs, partition_model
+from areal_fn.model.spec import model_from_hf_config
+from areal_fn.pipeline.costs import LayerCosts, megatron_moe_layers, param_costs, partition_model
+from areal_fn.pipeline.partition import (
+    Objective,
+    StagePlan,
+    module_names,
+    partition_pipeline,
+    split_evenly,
+)
 
 SPECS = Path(__file__).resolve().parents[2] / "specs" / "models"
 DENSE = model_from_hf_config(SPECS / "Qwen2.5-0.5B.json")

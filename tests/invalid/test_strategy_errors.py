@@ -4,10 +4,10 @@ import pathlib
 
 import pytest
 
-from areal_fn.allocation_parse import parse_allocation
 from areal_fn.errors import LayoutError
-from areal_fn.model import model_from_hf_config
-from areal_fn.strategy_check import check_strategy
+from areal_fn.model.spec import model_from_hf_config
+from areal_fn.strategy.check import check_strategy
+from areal_fn.strategy.parse import parse_allocation
 
 SPECS = pathlib.Path(__file__).resolve().parents[2] / "specs" / "models"
 

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from areal_fn.advisor import Suggestion, suggest_strategy
-from areal_fn.allocation import Backend
-from areal_fn.allocation_parse import parse_allocation
-from areal_fn.golden import layout_for
-from areal_fn.memory import GIB, ActivationModel, PrecisionPolicy, estimate_memory
-from areal_fn.model import ModelSpec, model_from_hf_config
+from areal_fn.model.spec import ModelSpec, model_from_hf_config
+from areal_fn.plans.advisor import Suggestion, suggest_strategy
+from areal_fn.plans.memory import GIB, ActivationModel, PrecisionPolicy, estimate_memory
+from areal_fn.strategy.allocation import Backend
+from areal_fn.strategy.parse import parse_allocation
+from tools.golden import layout_for
 
 SPECS = Path(__file__).resolve().parents[2] / "specs" / "models"
 GB80 = 80 * GIB

@@ -6,14 +6,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from areal_fn.allocation import Allocation, Backend, Component, ParallelDims
-from areal_fn.allocation_parse import parse_allocation
 from areal_fn.errors import ParseError
+from areal_fn.strategy.allocation import Allocation, Backend, Component, ParallelDims
+from areal_fn.strategy.parse import parse_allocation
 from areal_fn.testing.allocation import allocations, components, parallel_dims
 
-#: What `from areal_fn.allocation import *` brings into scope, for eval(repr(x)).
+#: What `from areal_fn.strategy.allocation import *` brings into scope, for eval(repr(x)).
 NAMESPACE: dict[str, object] = {}
-exec("from areal_fn.allocation import *", NAMESPACE)
+exec("from areal_fn.strategy.allocation import *", NAMESPACE)
 
 GRAMMAR_ALPHABET = "dtpcevsglanmfx:+|()[]0123456789_ "
 POINTER = re.compile(r"\A {4}(?P<pad> *)\^\Z")

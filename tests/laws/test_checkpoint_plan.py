@@ -16,9 +16,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from areal_fn.allocation import ParallelDims
-from areal_fn.box import Box
-from areal_fn.checkpoint_plan import (
+from areal_fn.errors import CheckpointError
+from areal_fn.layouts.fsdp2 import fsdp2_layout
+from areal_fn.layouts.layout import Layout
+from areal_fn.model.tensor_spec import TensorSpec
+from areal_fn.plans.checkpoint import (
     CheckpointManifest,
     Chunk,
     FileDigest,
@@ -32,10 +34,8 @@ from areal_fn.checkpoint_plan import (
     plan_load,
     plan_save,
 )
-from areal_fn.errors import CheckpointError
-from areal_fn.fsdp2_layout import fsdp2_layout
-from areal_fn.layout import Layout
-from areal_fn.tensor_spec import TensorSpec
+from areal_fn.sharding.box import Box
+from areal_fn.strategy.allocation import ParallelDims
 from areal_fn.testing.layouts import fused_layouts, layout_pairs, megatron_layouts_for
 from areal_fn.testing.models import model_specs
 

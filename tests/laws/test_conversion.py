@@ -4,13 +4,13 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from areal_fn.allocation import ParallelDims
-from areal_fn.convert import mapping_reader, to_hf, to_megatron
 from areal_fn.errors import ConversionError
-from areal_fn.fsdp2_layout import fsdp2_layout
-from areal_fn.inference_layout import inference_layout
-from areal_fn.shard import as_bytes
-from areal_fn.tensor_spec import torch_dtype
+from areal_fn.layouts.fsdp2 import fsdp2_layout
+from areal_fn.layouts.inference import inference_layout
+from areal_fn.model.tensor_spec import torch_dtype
+from areal_fn.plans.convert import mapping_reader, to_hf, to_megatron
+from areal_fn.sharding.shard import as_bytes
+from areal_fn.strategy.allocation import ParallelDims
 from areal_fn.testing.layouts import megatron_layouts_for
 from areal_fn.testing.models import model_specs
 

@@ -1,4 +1,4 @@
-"""Golden layouts: re-render every case of ``areal_fn.golden.CASES`` and diff it.
+"""Golden layouts: re-render every case of ``tools.golden.CASES`` and diff it.
 
 A mismatch prints a unified diff (first lines) and the command that regenerates the
 files; regenerate only when the layout change is intended, and review the diff.
@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from areal_fn.allocation import ParallelDims
 from areal_fn.errors import SpecError
-from areal_fn.golden import CASES, REGENERATE, golden_ranks, render_case, render_layout
-from areal_fn.megatron_layout import megatron_layout
-from areal_fn.model import model_from_hf_config
+from areal_fn.layouts.megatron import megatron_layout
+from areal_fn.model.spec import model_from_hf_config
+from areal_fn.strategy.allocation import ParallelDims
+from tools.golden import CASES, REGENERATE, golden_ranks, render_case, render_layout
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = ROOT / "specs" / "models"

@@ -13,11 +13,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from areal_fn.allocation import ParallelDims
-from areal_fn.convert import to_megatron
-from areal_fn.inference_layout import inference_layout
-from areal_fn.layout import Layout
-from areal_fn.model import ModelSpec, model_from_hf_config
+from areal_fn.layouts.inference import inference_layout
+from areal_fn.layouts.layout import Layout
+from areal_fn.model.spec import ModelSpec, model_from_hf_config
+from areal_fn.plans.convert import to_megatron
+from areal_fn.strategy.allocation import ParallelDims
 from areal_fn.testing.models import hf_configs
 
 SPECS = Path(__file__).resolve().parents[2] / "specs" / "models"

@@ -5,8 +5,8 @@ import math
 import torch
 from hypothesis import given
 
-from areal_fn.layout import Layout
-from areal_fn.placement import Partial, Replicate
+from areal_fn.layouts.layout import Layout
+from areal_fn.sharding.placement import Partial, Replicate
 from areal_fn.testing.layouts import fused_layouts
 
 
@@ -54,7 +54,7 @@ def test_canonical_elements_covered_once_per_replica(layout):
 @given(fused_layouts())
 def test_materialised_local_tensors_hold_canonical_data(layout):
     """Filling local tensors from pieces equals sharding the fused logical tensor."""
-    from areal_fn.shard import shard
+    from areal_fn.sharding.shard import shard
 
     g = torch.Generator().manual_seed(0)
     canon = {c.name: torch.randn(c.shape, generator=g) for c in layout.canonical}

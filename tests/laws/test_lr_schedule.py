@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from areal_fn.errors import SpecError
-from areal_fn.runtime.engines import AdamWConfig, LRSchedule
+from areal_fn.runtime.engines.common import AdamWConfig, LRSchedule
 
 
 def test_constant_by_default():

@@ -18,13 +18,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from areal_fn.allocation import ParallelDims, divisors
-from areal_fn.census import CensusIndex, census_of, fsdp2_census, megatron_census
 from areal_fn.errors import LayoutError
-from areal_fn.fsdp2_layout import fsdp2_layout
-from areal_fn.inference_layout import inference_layout
-from areal_fn.megatron_layout import default_stages, megatron_layout
-from areal_fn.memory import (
+from areal_fn.layouts.fsdp2 import fsdp2_layout
+from areal_fn.layouts.inference import inference_layout
+from areal_fn.layouts.megatron import default_stages, megatron_layout
+from areal_fn.model.spec import ModelSpec, model_from_hf_config
+from areal_fn.model.tensor_spec import DTYPE_BYTES
+from areal_fn.pipeline.partition import split_evenly
+from areal_fn.plans.census import CensusIndex, census_of, fsdp2_census, megatron_census
+from areal_fn.plans.memory import (
     ActivationModel,
     MemoryReport,
     Optimizer,
@@ -33,10 +35,8 @@ from areal_fn.memory import (
     estimate_rows,
     local_param_bytes,
 )
-from areal_fn.model import ModelSpec, model_from_hf_config
-from areal_fn.pipeline import split_evenly
-from areal_fn.placement import Partial, Replicate
-from areal_fn.tensor_spec import DTYPE_BYTES
+from areal_fn.sharding.placement import Partial, Replicate
+from areal_fn.strategy.allocation import ParallelDims, divisors
 from areal_fn.testing.layouts import fused_layouts
 from areal_fn.testing.models import model_specs
 

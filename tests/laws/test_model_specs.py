@@ -10,12 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from areal_fn.box import Box
-from areal_fn.families.hf_memory import hf_memory_view
-from areal_fn.model import ModelSpec, load_hf_config, model_from_hf_config
-from areal_fn.tensor_spec import TensorSpec
+from areal_fn.layouts.vocab import padded_vocab_size, vocab_padding
+from areal_fn.model.hf_memory import hf_memory_view
+from areal_fn.model.spec import ModelSpec, load_hf_config, model_from_hf_config
+from areal_fn.model.tensor_spec import TensorSpec
+from areal_fn.sharding.box import Box
 from areal_fn.testing.models import FAMILY_NAMES, hf_configs, model_specs
-from areal_fn.vocab import padded_vocab_size, vocab_padding
 
 SPECS = Path(__file__).resolve().parents[2] / "specs" / "models"
 

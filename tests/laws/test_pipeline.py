@@ -13,22 +13,22 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from areal_fn.model import model_from_hf_config
-from areal_fn.pipeline import (
-    Objective,
-    StagePlan,
-    megatron_layout_string,
-    module_names,
-    partition_pipeline,
-    split_evenly,
-)
-from areal_fn.pipeline_costs import (
+from areal_fn.model.spec import model_from_hf_config
+from areal_fn.pipeline.costs import (
     LayerCosts,
     flop_costs,
     megatron_moe_layers,
     memory_costs,
     param_costs,
     partition_model,
+)
+from areal_fn.pipeline.partition import (
+    Objective,
+    StagePlan,
+    megatron_layout_string,
+    module_names,
+    partition_pipeline,
+    split_evenly,
 )
 from areal_fn.testing.pipeline import PipelineProblem, layer_costs, pipeline_problems, stage_plans
 
@@ -428,8 +428,8 @@ def test_layer_costs_strategy_is_valid(costs: tuple[float, ...]) -> None:
 
 def test_plan_plugs_into_megatron_layout() -> None:
     """``megatron_layout(stages=plan)`` puts every layer where ``plan.locate`` says."""
-    from areal_fn.allocation import ParallelDims
-    from areal_fn.megatron_layout import megatron_layout
+    from areal_fn.layouts.megatron import megatron_layout
+    from areal_fn.strategy.allocation import ParallelDims
 
     spec = model_from_hf_config(SPECS / "Qwen2.5-0.5B.json")
     plan = partition_model(spec, 4, vpp=2, cost_model=functools.partial(flop_costs, seq_len=2048))

@@ -7,10 +7,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from areal_fn.errors import SpecError
-from areal_fn.mesh import Mesh
-from areal_fn.placement import Replicate, Shard, StridedShard
-from areal_fn.render import rank_grid
-from areal_fn.sharding import Sharding, local_boxes
+from areal_fn.sharding.mesh import Mesh
+from areal_fn.sharding.placement import Replicate, Shard, StridedShard
+from areal_fn.sharding.render import rank_grid
+from areal_fn.sharding.sharding import Sharding, local_boxes
 from areal_fn.testing import meshes, shardings
 
 

@@ -25,7 +25,7 @@ from areal_fn import (
     to_partition_spec,
     unshard,
 )
-from areal_fn.shard import as_bytes
+from areal_fn.sharding.shard import as_bytes
 from areal_fn.testing import meshes, shapes, sharded_shapes, shardings, tensors
 
 NS = {

@@ -15,16 +15,16 @@ from pathlib import Path
 import attrs
 import pytest
 
-from areal_fn.advisor import suggest_strategy
-from areal_fn.allocation import Backend, Component, ParallelDims
-from areal_fn.census import fsdp2_census, megatron_census
 from areal_fn.errors import LayoutError, SpecError
-from areal_fn.fsdp2_layout import fsdp2_layout
-from areal_fn.inference_layout import inference_layout
-from areal_fn.megatron_layout import megatron_layout
-from areal_fn.memory import GIB, ActivationModel
-from areal_fn.model import ModelSpec, model_from_hf_config
-from areal_fn.strategy_check import check_component
+from areal_fn.layouts.fsdp2 import fsdp2_layout
+from areal_fn.layouts.inference import inference_layout
+from areal_fn.layouts.megatron import megatron_layout
+from areal_fn.model.spec import ModelSpec, model_from_hf_config
+from areal_fn.plans.advisor import suggest_strategy
+from areal_fn.plans.census import fsdp2_census, megatron_census
+from areal_fn.plans.memory import GIB, ActivationModel
+from areal_fn.strategy.allocation import Backend, Component, ParallelDims
+from areal_fn.strategy.check import check_component
 
 SPECS = Path(__file__).resolve().parents[2] / "specs" / "models"
 ALL = sorted(p.stem for p in SPECS.glob("*.json"))

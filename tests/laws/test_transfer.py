@@ -5,13 +5,13 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from areal_fn.box import Box
-from areal_fn.layout import Layout
-from areal_fn.tensor_spec import DTYPE_BYTES
+from areal_fn.layouts.layout import Layout
+from areal_fn.model.tensor_spec import DTYPE_BYTES
+from areal_fn.plans.transfer import bucket, plan_transfers
+from areal_fn.plans.transfer_apply import apply_transfers
+from areal_fn.plans.transfer_bound import required_bytes, transfer_lower_bound, union_numel
+from areal_fn.sharding.box import Box
 from areal_fn.testing.layouts import layout_pairs
-from areal_fn.transfer import bucket, plan_transfers
-from areal_fn.transfer_apply import apply_transfers
-from areal_fn.transfer_bound import required_bytes, transfer_lower_bound, union_numel
 
 
 def materialise(
@@ -195,7 +195,7 @@ def test_sources_are_balanced_across_replicas(replicas, dst_world, rows_per_dst)
     """A fully replicated source serving a row-sharded destination: every replica
     sends the same bytes (to within one destination shard)."""
     from areal_fn import Box, Mesh, Replicate, Shard, Sharding, TensorSpec
-    from areal_fn.layout import FusionPiece, LogicalTensor
+    from areal_fn.layouts.layout import FusionPiece, LogicalTensor
 
     rows, cols = dst_world * rows_per_dst, 3
     spec = TensorSpec(name="w", shape=(rows, cols), dtype="float32")
@@ -232,7 +232,7 @@ def test_plans_between_real_framework_layouts_reproduce_the_destination(data):
     """FSDP2 (stacked MoE experts), Megatron (fused, padded, pipelined) and inference
     layouts of random tiny models: executing the plan gives exactly the destination."""
     from areal_fn import ParallelDims, fsdp2_layout, inference_layout
-    from areal_fn.convert import to_megatron
+    from areal_fn.plans.convert import to_megatron
     from areal_fn.testing.layouts import megatron_layouts_for
     from areal_fn.testing.models import model_specs
 
@@ -287,7 +287,7 @@ def test_buckets_smaller_than_an_expert_piece_keep_fsdp2_stacked_experts_intact(
     """FSDP2 stacks experts (``mlp.experts.gate_up_proj [E, 2I, H]``): a split must cut the
     local dim that carries the canonical dim, not the expert axis in front of it."""
     from areal_fn import ParallelDims, fsdp2_layout, inference_layout, model_from_hf_config
-    from areal_fn.convert import to_megatron
+    from areal_fn.plans.convert import to_megatron
 
     model = model_from_hf_config(TINY_MOE)
     a = fsdp2_layout(model, ParallelDims(dp=2))
@@ -323,7 +323,7 @@ TINY_TIED_LLAMA = {
 def _sync_tied_head(model, src, dst):  # type: ignore[no-untyped-def]
     """Execute the plan src -> dst; return each last-stage rank's ``lm_head.weight`` with
     the embedding rows it must hold (from its pieces)."""
-    from areal_fn.convert import to_megatron
+    from areal_fn.plans.convert import to_megatron
 
     g = torch.Generator().manual_seed(7)
     canon = {t.name: torch.randn(t.shape, generator=g) for t in model.tensors}

@@ -84,8 +84,8 @@ def test_checkpoint_inspect_and_export(tmp_path, capsys):
     import transformers
 
     from areal_fn import ParallelDims, fsdp2_layout, model_from_hf_config, to_megatron
-    from areal_fn.cli import DEMO_CONFIG
-    from areal_fn.runtime.checkpoint import RankState, save_checkpoint
+    from areal_fn.model.demo import DEMO_CONFIG
+    from areal_fn.runtime.checkpoint.api import RankState, save_checkpoint
 
     model = model_from_hf_config(DEMO_CONFIG)
     layout = fsdp2_layout(model, ParallelDims(dp=2, tp=2))

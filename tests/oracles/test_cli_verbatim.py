@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from areal_fn import ParallelDims, fsdp2_layout, model_from_hf_config, to_megatron
-from areal_fn.cli import DEMO_CONFIG, main
-from areal_fn.runtime.checkpoint import RankState, save_checkpoint
-from areal_fn.runtime.hf_io import write_hf_checkpoint
+from areal_fn.cli import main
+from areal_fn.model.demo import DEMO_CONFIG
+from areal_fn.runtime.checkpoint.api import RankState, save_checkpoint
+from areal_fn.runtime.hf.io import write_hf_checkpoint
 
 MODEL = model_from_hf_config(DEMO_CONFIG)
 

@@ -1,4 +1,4 @@
-"""``areal-fn convert`` and :mod:`areal_fn.runtime.convert_io` on real checkpoints.
+"""``areal-fn convert`` and :mod:`areal_fn.runtime.hf.convert` on real checkpoints.
 
 A tiny transformers model is saved with ``save_pretrained``; the CLI converts it to
 per-rank files, :func:`convert_back` turns those into an HF checkpoint again, and
@@ -24,15 +24,15 @@ from safetensors import SafetensorError, safe_open
 
 from areal_fn.cli import main
 from areal_fn.errors import ConversionError
-from areal_fn.model import model_from_hf_config
-from areal_fn.runtime.convert_io import (
+from areal_fn.model.spec import model_from_hf_config
+from areal_fn.runtime.hf.convert import (
     ConvertSummary,
     convert_back,
     convert_to_local,
     rank_file,
     read_local,
 )
-from areal_fn.runtime.hf_io import HfCheckpoint, write_hf_checkpoint
+from areal_fn.runtime.hf.io import HfCheckpoint, write_hf_checkpoint
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "qwen2": dict(
@@ -445,8 +445,8 @@ def test_cli_onto_a_full_disk_says_one_line_and_leaves_nothing(
     monkeypatch: pytest.MonkeyPatch,
     case: str,
 ) -> None:
-    import areal_fn.runtime.convert_io as convert_io
-    import areal_fn.runtime.hf_io as hf_io
+    import areal_fn.runtime.hf.convert as convert_io
+    import areal_fn.runtime.hf.io as hf_io
 
     src, _ = saved["qwen2"]
     out = tmp_path / "out"
@@ -482,7 +482,7 @@ def test_cli_onto_a_full_disk_says_one_line_and_leaves_nothing(
 def test_write_into_a_read_only_place_says_so(
     saved: dict[str, tuple[Path, Any]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import areal_fn.runtime.hf_io as hf_io
+    import areal_fn.runtime.hf.io as hf_io
 
     def save_file(tensors: Any, filename: str, metadata: Any = None) -> None:
         raise PermissionError(errno.EACCES, "Permission denied", filename)

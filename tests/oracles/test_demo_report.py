@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from areal_fn.cli import main
-from areal_fn.runtime import demo
+from areal_fn.runtime.demo import driver as demo
 from areal_fn.runtime.launch import LaunchResult
 
 
@@ -82,7 +82,7 @@ def test_an_empty_temporary_directory_is_removed_and_said(monkeypatch, capsys):
 
 
 def _title(results, *, complete):
-    from areal_fn.runtime.demo_worker import summary_title
+    from areal_fn.runtime.demo.worker import summary_title
 
     return summary_title(results, complete=complete, seconds=1.5)
 

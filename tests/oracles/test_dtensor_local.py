@@ -34,10 +34,10 @@ from torch.distributed.tensor import Replicate as TReplicate
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from areal_fn.mesh import Mesh
-from areal_fn.placement import Partial, Replicate, Shard, StridedShard
-from areal_fn.shard import shard, unshard
-from areal_fn.sharding import Sharding, dim_segments, local_boxes, local_shape
+from areal_fn.sharding.mesh import Mesh
+from areal_fn.sharding.placement import Partial, Replicate, Shard, StridedShard
+from areal_fn.sharding.shard import shard, unshard
+from areal_fn.sharding.sharding import Sharding, dim_segments, local_boxes, local_shape
 from areal_fn.testing import meshes, shapes, shardings
 from tests.torch_placements import gather_safe as to_gather_safe
 from tests.torch_placements import split_is_nested, to_torch, to_torch_all

@@ -7,9 +7,9 @@ import torch
 import transformers
 
 from areal_fn import Box, ConversionError, ParallelDims, megatron_layout, model_from_hf_config
-from areal_fn.convert import to_hf, to_megatron
-from areal_fn.families.hf_memory import canonical_to_hf_state, hf_state_to_canonical
-from areal_fn.runtime.hf_io import HfCheckpoint, write_hf_checkpoint
+from areal_fn.model.hf_memory import canonical_to_hf_state, hf_state_to_canonical
+from areal_fn.plans.convert import to_hf, to_megatron
+from areal_fn.runtime.hf.io import HfCheckpoint, write_hf_checkpoint
 
 CONFIGS = {
     "qwen2": dict(
@@ -154,7 +154,7 @@ def test_carried_files_are_checked_before_anything_is_written(tmp_path, files, c
 
 
 def test_read_hf_files_needs_a_config(tmp_path):
-    from areal_fn.runtime.hf_files import read_hf_files
+    from areal_fn.runtime.hf.files import read_hf_files
 
     with pytest.raises(
         ConversionError, match=r"has no config.json; an HF model directory needs one"

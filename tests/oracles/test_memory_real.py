@@ -26,13 +26,13 @@ from typing import Any
 import pytest
 import torch
 
-from areal_fn.allocation import ParallelDims
-from areal_fn.fsdp2_layout import fsdp2_layout
-from areal_fn.megatron_layout import megatron_layout
-from areal_fn.memory import Optimizer, PrecisionPolicy, estimate_memory, local_param_bytes
-from areal_fn.model import model_from_hf_config
-from areal_fn.tensor_spec import torch_dtype
-from areal_fn.vocab import padded_vocab_size
+from areal_fn.layouts.fsdp2 import fsdp2_layout
+from areal_fn.layouts.megatron import megatron_layout
+from areal_fn.layouts.vocab import padded_vocab_size
+from areal_fn.model.spec import model_from_hf_config
+from areal_fn.model.tensor_spec import torch_dtype
+from areal_fn.plans.memory import Optimizer, PrecisionPolicy, estimate_memory, local_param_bytes
+from areal_fn.strategy.allocation import ParallelDims
 
 transformers = pytest.importorskip("transformers")
 
@@ -233,7 +233,7 @@ def test_megatron_parameters_and_grad_buffer_match_the_estimate():
             DistributedDataParallelConfig,
         )
 
-        from areal_fn.runtime.megatron_build import (
+        from areal_fn.runtime.megatron.build import (
             MegatronSizes,
             build_model_chunks,
             megatron_session,

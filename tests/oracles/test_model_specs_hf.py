@@ -4,7 +4,7 @@ Facts pinned here (transformers 5, safetensors):
 - ``save_pretrained`` writes Qwen3-MoE experts one tensor per expert
   (``mlp.experts.{e}.{gate,up,down}_proj.weight``), although the model holds them fused.
 - A safetensors file lists its tensors sorted by name; our canonical order is the
-  state-dict order (see ``areal_fn.model``), compared against ``model.state_dict()``.
+  state-dict order (see ``areal_fn.model.spec``), compared against ``model.state_dict()``.
 - Tied models write no ``lm_head.weight``.
 """
 
@@ -17,9 +17,9 @@ import torch
 from hypothesis import given, settings
 from safetensors import safe_open
 
-from areal_fn.families.hf_memory import canonical_to_hf_state, hf_memory_view, hf_state_to_canonical
-from areal_fn.model import ModelSpec, model_from_hf_config
-from areal_fn.tensor_spec import torch_dtype
+from areal_fn.model.hf_memory import canonical_to_hf_state, hf_memory_view, hf_state_to_canonical
+from areal_fn.model.spec import ModelSpec, model_from_hf_config
+from areal_fn.model.tensor_spec import torch_dtype
 from areal_fn.testing.models import hf_configs
 
 transformers = pytest.importorskip("transformers")

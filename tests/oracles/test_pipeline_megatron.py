@@ -16,9 +16,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from areal_fn.model import model_from_hf_config
-from areal_fn.pipeline import StagePlan, megatron_layout_string, partition_pipeline
-from areal_fn.pipeline_costs import flop_costs, megatron_moe_layers, partition_model
+from areal_fn.model.spec import model_from_hf_config
+from areal_fn.pipeline.costs import flop_costs, megatron_moe_layers, partition_model
+from areal_fn.pipeline.partition import StagePlan, megatron_layout_string, partition_pipeline
 from areal_fn.testing.pipeline import stage_plans
 
 ps = pytest.importorskip("megatron.core.parallel_state")

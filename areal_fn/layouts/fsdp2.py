@@ -1,0 +1,153 @@
+"""FSDP2 (+ DTensor TP, + HSDP) layouts of a transformers model.
+
+Names are the transformers 5 parameter names (``model.named_parameters()``: MoE
+experts stacked as ``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` and ``down_proj``; tied
+``lm_head`` is the embedding and not listed twice). The mesh is the one torch builds,
+row-major: ``dp_replicate`` (HSDP replicas, only when > 1), ``dp_shard`` (FSDP shards
+over data x context parallel ranks), ``tp`` (only when > 1). The ``cp`` ranks are
+folded into ``dp_shard``: the FSDP2 engine runs them as extra data-parallel ranks
+(Ulysses sequence parallelism, which ``c`` is reserved for, is not built yet).
+``pp``, ``ep``, ``etp`` and ``vpp`` must be 1.
+
+TP plan by role (like AReaL's): q/k/v/gate/up and ``lm_head`` column-wise
+(``Shard(0)``), o/down row-wise (``Shard(1)``, their biases replicated), embeddings
+row-wise over the vocabulary (``Shard(0)``; ``tp_embeddings=False`` replicates them),
+norms, q/k norms, router and stacked experts replicated. FSDP2 then shards dim 0 of
+every parameter over ``dp_shard``; on a dim that TP already shards it produces
+``StridedShard(0, split_factor=tp)`` (right-to-left sharding), elsewhere ``Shard(0)``.
+"""
+
+import attrs
+
+from areal_fn.errors import LayoutError
+from areal_fn.layouts.layout import FusionPiece, Layout, LogicalTensor
+from areal_fn.model.hf_memory import hf_memory_view
+from areal_fn.model.spec import ModelSpec
+from areal_fn.sharding.mesh import Mesh
+from areal_fn.sharding.placement import Placement, Replicate, Shard, StridedShard
+from areal_fn.sharding.sharding import Sharding
+from areal_fn.strategy.allocation import ParallelDims
+from areal_fn.strategy.rules import check_dims
+from areal_fn.typecheck import beartype
+
+_COLWISE = (
+    "q_proj.weight",
+    "k_proj.weight",
+    "v_proj.weight",
+    "q_proj.bias",
+    "k_proj.bias",
+    "v_proj.bias",
+    "gate_proj.weight",
+    "up_proj.weight",
+    "gate_proj.bias",
+    "up_proj.bias",
+)
+_ROWWISE = ("o_proj.weight", "down_proj.weight")
+
+
+@attrs.frozen(kw_only=True)
+class Fsdp2Options:
+    """Choices that change an FSDP2 layout. ``hsdp_replicas`` must divide ``dp``."""
+
+    hsdp_replicas: int = 1
+    tp_embeddings: bool = True
+
+
+def fsdp2_mesh(dims: ParallelDims, options: Fsdp2Options) -> Mesh:
+    """The mesh of the parameters' DTensors."""
+    if dims.dp % options.hsdp_replicas:
+        raise LayoutError(
+            f"hsdp_replicas={options.hsdp_replicas} does not divide dp={dims.dp}; HSDP splits the data-parallel "
+            f"ranks into replicas x shards, use hsdp_replicas in {[d for d in range(1, dims.dp + 1) if dims.dp % d == 0]}"
+        )
+    axes: dict[str, int] = {}
+    if options.hsdp_replicas > 1:
+        axes["dp_replicate"] = options.hsdp_replicas
+    axes["dp_shard"] = dims.dp // options.hsdp_replicas * dims.cp
+    if dims.tp > 1:
+        axes["tp"] = dims.tp
+    return Mesh.of(**axes)
+
+
+def tp_placement(name: str, options: Fsdp2Options) -> Placement:
+    """The TP placement of a parameter by its role (its name's suffix)."""
+    if name.endswith(_COLWISE) and ".experts." not in name:
+        return Shard(dim=0)
+    if name.endswith(_ROWWISE) and ".experts." not in name:
+        return Shard(dim=1)
+    if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+        return Shard(dim=0) if options.tp_embeddings else Replicate()
+    return Replicate()
+
+
+def fsdp2_sharding(
+    name: str, shape: tuple[int, ...], dims: ParallelDims, mesh: Mesh, options: Fsdp2Options
+) -> Sharding:
+    """The sharding FSDP2 (+TP) gives parameter ``name`` of ``shape`` on ``mesh``.
+
+    ``LayoutError`` when FSDP2 would store the parameter unlike its own placements: a
+    TP row-sharded dim not divisible by ``tp`` over more than two FSDP shards.
+    """
+    tp = tp_placement(name, options)
+    dp_shard = mesh.axis_size("dp_shard")
+    row_tp = isinstance(tp, Shard) and tp.dim == 0 and dims.tp > 1
+    if row_tp and shape[0] % dims.tp and dp_shard > 2:
+        raise LayoutError(
+            f"{name}: dim 0 of size {shape[0]} is not divisible by tp={dims.tp}, and FSDP2 over "
+            f"dp_shard={dp_shard} (> 2) then stores shards its own placements (StridedShard) do not "
+            "describe; pad the dim to a multiple of tp, use tp_embeddings=False for the vocabulary, or "
+            "keep dp_shard <= 2"
+        )
+    placements: list[Placement] = []
+    if "dp_replicate" in mesh.names:
+        placements.append(Replicate())
+    placements.append(StridedShard(dim=0, split_factor=dims.tp) if row_tp else Shard(dim=0))
+    if "tp" in mesh.names:
+        placements.append(tp)
+    return Sharding(mesh=mesh, placements=tuple(placements))
+
+
+@beartype
+def fsdp2_layout(
+    model: ModelSpec, dims: ParallelDims, *, options: Fsdp2Options = Fsdp2Options()
+) -> Layout:
+    """Every rank's parameters under FSDP2 (+TP, +HSDP) for the ``fsdp`` component ``dims``.
+
+    ``dims`` takes ``dp``, ``tp`` and ``cp``; ``LayoutError`` for ``pp``, ``ep``, ``etp``
+    or ``vpp`` other than 1 (FSDP2 has no pipeline stages and does not split experts:
+    use :func:`~areal_fn.layouts.megatron.megatron_layout`) and for degrees the model
+    does not divide (:func:`~areal_fn.strategy.rules.check_dims`). ``cp`` ranks are
+    FSDP shards like ``dp`` ranks (``dp_shard = dp/hsdp_replicas * cp``): the FSDP2
+    engine runs them as data parallelism until Ulysses sequence parallelism is built.
+    """
+    check_dims(
+        model,
+        "fsdp2",
+        dims,
+        tp_embeddings=options.tp_embeddings,
+        hsdp_replicas=options.hsdp_replicas,
+    )
+    mesh = fsdp2_mesh(dims, options)
+    tensors = []
+    for mt in hf_memory_view(model):
+        if model.tie_word_embeddings and mt.name == "lm_head.weight":
+            continue  # the same Parameter as the embedding
+        sharding = fsdp2_sharding(mt.name, mt.shape, dims, mesh, options)
+        fusion = tuple(
+            FusionPiece(
+                canonical=p.canonical, canonical_box=p.canonical_box, logical_box=p.memory_box
+            )
+            for p in mt.pieces
+        )
+        tensors.append(
+            LogicalTensor(
+                name=mt.name,
+                shape=mt.shape,
+                dtype=mt.dtype,
+                fusion=fusion,
+                sharding=sharding,
+            )
+        )
+    return Layout(
+        kind="fsdp2", world_size=mesh.size, canonical=model.tensors, tensors=tuple(tensors)
+    )

@@ -1,0 +1,142 @@
+"""Inference-engine layouts (SGLang, vLLM): tensor parallel shards of HF weights.
+
+The engines load HF checkpoint names and shard them at load time; weight updates
+(`update_weights_from_distributed`) send HF names, so the layout is over canonical
+names. Rules (both engines):
+
+- ``q_proj``, ``gate_proj``, ``up_proj`` (+ biases), experts' gate/up: column-wise,
+  ``Shard(0)``; ``o_proj``, ``down_proj``, experts' down: row-wise, ``Shard(1)``.
+- ``k_proj`` / ``v_proj``: when ``tp <= num_key_value_heads`` each rank holds
+  ``kv/tp`` whole heads (``Shard(0)``); when ``tp`` exceeds them (it must then be a
+  multiple), ``tp`` factors into ``tp_kv = kv`` x ``tp_rep = tp/kv``: rank ``r`` holds
+  KV head ``r // tp_rep`` and each head is replicated on ``tp_rep`` ranks.
+- ``embed_tokens`` / ``lm_head``: the vocabulary is padded to a multiple of 64
+  (``DEFAULT_VOCAB_PADDING_SIZE``) and split evenly (``Shard(0)``); padding rows hold
+  no weights.
+- norms, q/k norms and the MoE router are replicated.
+- pipeline stages (``p``): layer ``i`` on stage ``s`` by an even split, the first
+  ``L % pp`` stages one layer longer; embeddings on stage 0, final norm and head on the
+  last.
+- tied embeddings (``tie_word_embeddings``) with ``p > 1``: the last stage also holds
+  the embedding, as its output layer: a tensor ``lm_head.weight`` made of
+  ``model.embed_tokens.weight``, padded and split over TP exactly like the embedding
+  (vLLM builds ``embed_tokens`` on the last rank too and ties its ``ParallelLMHead``
+  to it; SGLang's Qwen2/Qwen3 build a ``ParallelLMHead`` there and load
+  ``model.embed_tokens.weight`` into it). With ``p = 1`` the engines use the
+  embedding itself as the head: one tensor. Sources: ``docs/inference.md``.
+
+Degrees: ``d``, ``t``, ``p``; anything else is refused
+(:func:`~areal_fn.strategy.rules.check_dims`).
+
+Mesh: ``(dp, pp, tp)``, replicas outermost; ``tp`` varies fastest.
+"""
+
+from areal_fn.layouts.layout import FusionPiece, Layout, LogicalTensor
+from areal_fn.model.spec import ModelSpec, layer_of
+from areal_fn.sharding.box import Box
+from areal_fn.sharding.mesh import Mesh
+from areal_fn.sharding.placement import Placement, Replicate, Shard
+from areal_fn.sharding.sharding import Sharding
+from areal_fn.strategy.allocation import ParallelDims
+from areal_fn.strategy.rules import VOCAB_PADDING, check_dims, engine_padded_vocab
+from areal_fn.typecheck import beartype
+
+__all__ = ["VOCAB_PADDING", "inference_layout", "layer_stage"]
+
+
+def layer_stage(layer: int, num_layers: int, pp: int) -> int:
+    q, extra = divmod(num_layers, pp)
+    bounds = [0]
+    for s in range(pp):
+        bounds.append(bounds[-1] + q + (s < extra))
+    for s in range(pp):
+        if bounds[s] <= layer < bounds[s + 1]:
+            return s
+    raise AssertionError("layer out of range")
+
+
+@beartype
+def inference_layout(
+    model: ModelSpec, dims: ParallelDims, *, vocab_multiple: int = VOCAB_PADDING
+) -> Layout:
+    """Every rank's weights in an SGLang / vLLM deployment of ``dims`` (``d``, ``t``, ``p``).
+
+    ``vocab_multiple`` is the engines' vocabulary padding (64); 1 means unpadded, as a
+    plain DTensor tensor-parallel model holds it.
+    """
+    check_dims(model, "inference", dims, vocab_multiple=vocab_multiple)
+    tp, nkv = dims.tp, model.num_key_value_heads
+    mesh = Mesh.of(dp=dims.dp, pp=dims.pp, tp=tp)
+    kv_mesh = mesh.split("tp", tp_kv=min(tp, nkv), tp_rep=max(1, tp // nkv))
+    tensors = []
+    vpad = engine_padded_vocab(model.vocab_size, vocab_multiple)
+    for spec in model.tensors:
+        name, shape = spec.name, spec.shape
+        layer = layer_of(name)
+        if layer is not None:
+            stage = layer_stage(layer, model.num_layers, dims.pp)
+        elif name.startswith("model.embed_tokens"):
+            stage = 0
+        else:
+            stage = dims.pp - 1
+        fusion = (
+            FusionPiece(canonical=name, canonical_box=Box.full(shape), logical_box=Box.full(shape)),
+        )
+        lshape = shape
+        placement: Placement = Replicate()
+        m = mesh
+        if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            lshape = (vpad, shape[1])
+            placement = Shard(dim=0)
+        elif name.endswith(("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")):
+            m = kv_mesh
+            placement = Shard(dim=0)
+        elif name.endswith(
+            (
+                "q_proj.weight",
+                "q_proj.bias",
+                "gate_proj.weight",
+                "up_proj.weight",
+                "gate_proj.bias",
+                "up_proj.bias",
+            )
+        ):
+            placement = Shard(dim=0)
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            placement = Shard(dim=1)
+        placements: tuple[Placement, ...]
+        if m is kv_mesh:
+            placements = (Replicate(), Replicate(), placement, Replicate())
+        else:
+            placements = (Replicate(), Replicate(), placement)
+        tensors.append(
+            LogicalTensor(
+                name=name,
+                shape=lshape,
+                dtype=model.dtype,
+                fusion=fusion,
+                sharding=Sharding(mesh=m, placements=placements),
+                present=(("pp", stage),),
+            )
+        )
+    if model.tie_word_embeddings and dims.pp > 1:
+        # the last stage's output layer: a copy of the embedding the engines hold there
+        hidden = model.hidden_size
+        rows = Box(ranges=((0, model.vocab_size), (0, hidden)))
+        tensors.append(
+            LogicalTensor(
+                name="lm_head.weight",
+                shape=(vpad, hidden),
+                dtype=model.dtype,
+                fusion=(
+                    FusionPiece(
+                        canonical="model.embed_tokens.weight", canonical_box=rows, logical_box=rows
+                    ),
+                ),
+                sharding=Sharding(mesh=mesh, placements=(Replicate(), Replicate(), Shard(dim=0))),
+                present=(("pp", dims.pp - 1),),
+            )
+        )
+    return Layout(
+        kind="inference", world_size=mesh.size, canonical=model.tensors, tensors=tuple(tensors)
+    )

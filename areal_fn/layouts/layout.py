@@ -1,0 +1,381 @@
+"""Layouts: every rank's local tensors as pieces of canonical tensors.
+
+A layout is a tuple of :class:`LogicalTensor`. A logical tensor is the tensor a
+framework holds before sharding (possibly fused and padded: Megatron's
+``linear_qkv``, ``linear_fc1 = [gate; up]``, a vocab-padded embedding), described by
+a *fusion map* (which box of which canonical tensor sits at which logical box;
+uncovered logical regions are padding), and a :class:`~areal_fn.sharding.sharding.Sharding`
+of it over a mesh of the whole world, plus optional *presence* constraints (a
+pipeline stage's tensors exist only on ranks with that ``pp`` coordinate).
+
+``Layout.local_tensors(rank)`` composes the two: each local tensor is a list of
+:class:`Piece` (canonical name, canonical box, local box), padding pieces having no
+canonical source. Everything else (conversion, transfer plans, checkpoints, memory)
+is geometry on these pieces.
+"""
+
+import functools
+from collections.abc import Iterable, Mapping, Sequence
+
+import attrs
+
+from areal_fn.errors import LayoutError
+from areal_fn.model.tensor_spec import TensorSpec, dtype_name
+from areal_fn.sharding.box import Box
+from areal_fn.sharding.mesh import Mesh
+from areal_fn.sharding.placement import Replicate
+from areal_fn.sharding.sharding import Sharding, check_sharding, local_pieces, local_shape
+from areal_fn.typecheck import beartype
+
+
+@functools.lru_cache(maxsize=4096)
+def _boxes_match(canonical: Box, logical: Box) -> bool:
+    extra = logical.ndim - canonical.ndim
+    return (
+        extra >= 0
+        and logical.shape[extra:] == canonical.shape
+        and all(s == 1 for s in logical.shape[:extra])
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _fits(shape: tuple[int, ...], box: Box) -> bool:
+    return Box.full(shape).contains(box)
+
+
+@attrs.frozen(kw_only=True)
+class FusionPiece:
+    """Canonical box ``canonical_box`` of tensor ``canonical`` sits at ``logical_box``."""
+
+    canonical: str
+    canonical_box: Box
+    logical_box: Box
+
+    def __attrs_post_init__(self) -> None:
+        if not _boxes_match(self.canonical_box, self.logical_box):
+            raise LayoutError(
+                f"fusion piece of {self.canonical!r}: canonical box {self.canonical_box} has shape "
+                f"{self.canonical_box.shape} but logical box {self.logical_box} has shape "
+                f"{self.logical_box.shape}; they must match element for element (a logical box may "
+                "only add leading dims of extent 1, like a stacked expert)"
+            )
+
+    @property
+    def stacked_dims(self) -> int:
+        """Leading logical dims (of extent 1) the canonical tensor does not have."""
+        return self.logical_box.ndim - self.canonical_box.ndim
+
+
+@attrs.frozen(kw_only=True)
+class Piece:
+    """Part of a local tensor: ``canonical_box`` of ``canonical`` at ``local_box``.
+
+    ``local_box`` may have extra leading dims of extent 1 (stacked experts): the data
+    maps by reshape.
+
+    ``canonical is None`` marks padding (no canonical source; zero on load, dropped on
+    export).
+    """
+
+    canonical: str | None
+    canonical_box: Box | None
+    local_box: Box
+
+    @property
+    def is_padding(self) -> bool:
+        return self.canonical is None
+
+    def local_of(self, box: Box) -> Box:
+        """The local box holding canonical sub-box ``box`` (which this piece must contain)."""
+        if self.canonical_box is None:
+            raise LayoutError("a padding piece holds no canonical data")
+        k = self.local_box.ndim - self.canonical_box.ndim
+        shifted = box.shift(
+            tuple(
+                lo - c
+                for lo, c in zip(self.local_box.start[k:], self.canonical_box.start, strict=True)
+            )
+        )
+        return Box._trusted(self.local_box.ranges[:k] + shifted.ranges)
+
+
+@attrs.frozen(kw_only=True)
+class LocalTensor:
+    """One tensor as a rank holds it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    pieces: tuple[Piece, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def _presence(
+    value: "Mapping[str, int] | Iterable[tuple[str, int]]",
+) -> tuple[tuple[str, int], ...]:
+    pairs = tuple(value.items()) if isinstance(value, Mapping) else tuple(value)
+    return tuple((str(a), int(c)) for a, c in pairs)
+
+
+def _ints(value: Iterable[int]) -> tuple[int, ...]:
+    return tuple(value)
+
+
+def _fusion(value: Iterable[FusionPiece]) -> tuple[FusionPiece, ...]:
+    return tuple(value)
+
+
+def _specs(value: Iterable[TensorSpec]) -> tuple[TensorSpec, ...]:
+    return tuple(value)
+
+
+def _logical(value: "Iterable[LogicalTensor]") -> "tuple[LogicalTensor, ...]":
+    return tuple(value)
+
+
+@attrs.frozen(kw_only=True)
+class LogicalTensor:
+    """A framework tensor: name, shape, dtype, fusion map, sharding and presence."""
+
+    name: str
+    shape: tuple[int, ...] = attrs.field(converter=_ints)
+    dtype: str = attrs.field(converter=dtype_name)
+    fusion: tuple[FusionPiece, ...] = attrs.field(converter=_fusion)
+    sharding: Sharding
+    present: tuple[tuple[str, int], ...] = attrs.field(default=(), converter=_presence)
+
+    def __attrs_post_init__(self) -> None:
+        for f in self.fusion:
+            if not _fits(self.shape, f.logical_box):
+                raise LayoutError(
+                    f"{self.name}: fusion piece of {f.canonical!r} at {f.logical_box} lies outside the "
+                    f"logical shape {self.shape}"
+                )
+        try:
+            check_sharding(self.shape, self.sharding)
+        except Exception as e:
+            raise LayoutError(f"{self.name}: {e}") from None
+        mesh = self.sharding.mesh
+        for axis, c in self.present:
+            if axis not in mesh.names or not 0 <= c < mesh.axis_size(axis):
+                raise LayoutError(
+                    f"{self.name}: presence constraint {axis}={c} does not fit {mesh}; use an axis of the "
+                    "mesh and a coordinate inside it"
+                )
+            placement = self.sharding.placements[mesh.axis_index(axis)]
+            if not isinstance(placement, Replicate):
+                raise LayoutError(
+                    f"{self.name}: presence constraint {axis}={c} is on an axis placed {placement}; a tensor "
+                    f"present at one coordinate of {axis!r} must be Replicate() on it"
+                )
+
+    @property
+    def is_padded(self) -> bool:
+        return sum(f.logical_box.numel for f in self.fusion) < Box.full(self.shape).numel
+
+    def is_present(self, rank: int) -> bool:
+        if not self.present:
+            return True
+        mesh = self.sharding.mesh
+        coords = mesh.coords(rank)
+        return all(coords[mesh.axis_index(a)] == c for a, c in self.present)
+
+    def local(self, rank: int) -> LocalTensor | None:
+        """This tensor as ``rank`` holds it, or None where it is absent."""
+        if not self.is_present(rank):
+            return None
+        return _local(self, self.sharding.mesh.coords(rank))
+
+
+@functools.lru_cache(maxsize=65536)
+def _local_geometry(
+    shape: tuple[int, ...], sharding: Sharding, rank: int
+) -> tuple[tuple[int, ...], tuple[tuple[Box, Box], ...]]:
+    return local_shape(shape, sharding, rank), local_pieces(shape, sharding, rank)
+
+
+def _local(t: LogicalTensor, coords: tuple[int, ...]) -> LocalTensor:
+    rank = t.sharding.mesh.rank(coords)
+    fusion_geometry = tuple((f.canonical_box, f.logical_box) for f in t.fusion)
+    lshape, template = _local_template(t.shape, t.sharding, rank, fusion_geometry)
+    names = [f.canonical for f in t.fusion]
+    pieces = tuple(
+        Piece(canonical=None if i < 0 else names[i], canonical_box=cbox, local_box=lbox)
+        for i, cbox, lbox in template
+    )
+    return LocalTensor(name=t.name, shape=lshape, dtype=t.dtype, pieces=pieces)
+
+
+@functools.lru_cache(maxsize=65536)
+def _local_template(
+    shape: tuple[int, ...],
+    sharding: Sharding,
+    rank: int,
+    fusion: tuple[tuple[Box, Box], ...],
+) -> tuple[tuple[int, ...], tuple[tuple[int, Box | None, Box], ...]]:
+    """One rank's pieces of a logical tensor, by fusion index (-1: padding).
+
+    Keyed by geometry only, so tensors that differ in names alone (a layer's experts,
+    a model's layers) share the work.
+    """
+    lshape, geometry = _local_geometry(shape, sharding, rank)
+    out: list[tuple[int, Box | None, Box]] = []
+    for gbox, lbox in geometry:
+        to_local = tuple(lo - g for lo, g in zip(lbox.start, gbox.start, strict=True))
+        covered = 0
+        for index, (fcbox, flbox) in enumerate(fusion):
+            inter = gbox.intersect(flbox)
+            if inter is None:
+                continue
+            covered += inter.numel
+            k = flbox.ndim - fcbox.ndim
+            inner = Box._trusted(inter.ranges[k:]) if k else inter
+            cbox = inner.shift(
+                tuple(c - lo for c, lo in zip(fcbox.start, flbox.start[k:], strict=True))
+            )
+            out.append((index, cbox, inter.shift(to_local)))
+        if covered < gbox.numel:
+            for pad in _subtract(gbox, [flbox for _, flbox in fusion]):
+                out.append((-1, None, pad.shift(to_local)))
+    return lshape, tuple(out)
+
+
+def _subtract(box: Box, holes: Sequence[Box]) -> list[Box]:
+    """``box`` minus the union of ``holes``, as disjoint boxes."""
+    parts = [box]
+    for h in holes:
+        nxt: list[Box] = []
+        for p in parts:
+            inter = p.intersect(h)
+            if inter is None:
+                nxt.append(p)
+                continue
+            # split p around inter, dim by dim
+            rest = p
+            for d in range(p.ndim):
+                (lo, hi), (ilo, ihi) = rest.ranges[d], inter.ranges[d]
+                if lo < ilo:
+                    nxt.append(_with_range(rest, d, (lo, ilo)))
+                if ihi < hi:
+                    nxt.append(_with_range(rest, d, (ihi, hi)))
+                rest = _with_range(rest, d, (ilo, ihi))
+        parts = nxt
+    return parts
+
+
+def _with_range(box: Box, d: int, r: tuple[int, int]) -> Box:
+    ranges = list(box.ranges)
+    ranges[d] = r
+    return Box._trusted(tuple(ranges))
+
+
+def _check_tensors(_inst: object, _attr: object, tensors: tuple[LogicalTensor, ...]) -> None:
+    names: set[str] = set()
+    for t in tensors:
+        if t.name in names and not t.present:
+            raise LayoutError(
+                f"layout has tensor {t.name!r} twice without presence constraints to tell them apart"
+            )
+        names.add(t.name)
+
+
+@attrs.frozen(kw_only=True, slots=False)
+class Layout:
+    """Every rank's local tensors, as logical tensors over one world of ranks.
+
+    ``canonical`` lists the canonical tensors the layout draws from (the model), in
+    checkpoint order; ``kind`` names the framework (``fsdp2``, ``megatron``, ``sglang``...).
+    """
+
+    kind: str
+    world_size: int
+    canonical: tuple[TensorSpec, ...] = attrs.field(converter=_specs)
+    tensors: tuple[LogicalTensor, ...] = attrs.field(converter=_logical, validator=_check_tensors)
+
+    def __attrs_post_init__(self) -> None:
+        for t in self.tensors:
+            if t.sharding.mesh.size != self.world_size:
+                raise LayoutError(
+                    f"{t.name}: its mesh {t.sharding.mesh} has {t.sharding.mesh.size} ranks, the layout "
+                    f"{self.world_size}; every tensor's mesh must cover the whole world"
+                )
+        known = {c.name: c for c in self.canonical}
+        for t in self.tensors:
+            for f in t.fusion:
+                spec = known.get(f.canonical)
+                if spec is None:
+                    raise LayoutError(
+                        f"{t.name}: fusion piece names {f.canonical!r}, which is not a canonical tensor"
+                    )
+                if not _fits(spec.shape, f.canonical_box):
+                    raise LayoutError(
+                        f"{t.name}: fusion piece box {f.canonical_box} lies outside {f.canonical!r} of shape {spec.shape}"
+                    )
+
+    @property
+    def meshes(self) -> tuple[Mesh, ...]:
+        out: list[Mesh] = []
+        for t in self.tensors:
+            if t.sharding.mesh not in out:
+                out.append(t.sharding.mesh)
+        return tuple(out)
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.world_size:
+            raise LayoutError(
+                f"rank={rank} is outside this {self.kind} layout of {self.world_size} ranks"
+            )
+
+    @beartype
+    def local_tensors(self, rank: int) -> tuple[LocalTensor, ...]:
+        """The local tensors ``rank`` holds, in layout order."""
+        self._check_rank(rank)
+        found: list[int] = []
+        for (mesh, present), indices in self._by_presence.items():
+            if not present:
+                found.extend(indices)
+                continue
+            coords = mesh.coords(rank)
+            if all(coords[mesh.axis_index(a)] == c for a, c in present):
+                found.extend(indices)
+        found.sort()
+        return tuple(
+            _local(self.tensors[i], self.tensors[i].sharding.mesh.coords(rank)) for i in found
+        )
+
+    @functools.cached_property
+    def _by_presence(self) -> dict[tuple[Mesh, tuple[tuple[str, int], ...]], list[int]]:
+        index: dict[tuple[Mesh, tuple[tuple[str, int], ...]], list[int]] = {}
+        for i, t in enumerate(self.tensors):
+            index.setdefault((t.sharding.mesh, t.present), []).append(i)
+        return index
+
+    @functools.cached_property
+    def _by_name(self) -> dict[str, LogicalTensor]:
+        out: dict[str, LogicalTensor] = {}
+        for t in self.tensors:
+            out.setdefault(t.name, t)
+        return out
+
+    def tensor(self, name: str) -> LogicalTensor:
+        """The first logical tensor called ``name``."""
+        t = self._by_name.get(name)
+        if t is not None:
+            return t
+        raise LayoutError(f"layout has no tensor {name!r}")
+
+    def holders(self, canonical: str) -> tuple[tuple[int, str, Piece], ...]:
+        """Every (rank, local tensor name, piece) holding part of ``canonical``."""
+        out = []
+        for r in range(self.world_size):
+            for lt in self.local_tensors(r):
+                for p in lt.pieces:
+                    if p.canonical == canonical:
+                        out.append((r, lt.name, p))
+        return tuple(out)

@@ -1,0 +1,35 @@
+"""Megatron's vocabulary padding rule.
+
+Megatron pads the embedding and output layer to a multiple of
+``make_vocab_size_divisible_by * tensor_model_parallel_size`` (its
+``_vocab_size_with_padding``: round ``vocab_size`` up to that multiple; a vocabulary
+already on a multiple is not padded). The padded rows have no canonical source: they
+are pieces of padding in a layout, never checkpoint data.
+"""
+
+from areal_fn.errors import SpecError
+from areal_fn.typecheck import beartype
+
+
+@beartype
+def padded_vocab_size(vocab_size: int, *, tp: int, divisible_by: int = 128) -> int:
+    """``vocab_size`` rounded up to a multiple of ``divisible_by * tp`` (Megatron's rule).
+
+    >>> padded_vocab_size(151936, tp=8)  # 151936 = 148.375 * 1024
+    152576
+    >>> padded_vocab_size(128256, tp=1)  # 128256 = 1002 * 128: no padding
+    128256
+    >>> padded_vocab_size(128256, tp=8)
+    129024
+    """
+    for name, value in (("vocab_size", vocab_size), ("tp", tp), ("divisible_by", divisible_by)):
+        if isinstance(value, bool) or value < 1:
+            raise SpecError(f"padded_vocab_size: {name}={value!r} must be an int >= 1")
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+@beartype
+def vocab_padding(vocab_size: int, *, tp: int, divisible_by: int = 128) -> int:
+    """Number of padding rows Megatron adds: ``padded_vocab_size(...) - vocab_size``."""
+    return padded_vocab_size(vocab_size, tp=tp, divisible_by=divisible_by) - vocab_size

@@ -1,0 +1,1 @@
+"""Model specs: canonical tensors from an HF config, one declarative module per family, the HF in-memory view."""

@@ -1,0 +1,128 @@
+"""Model families: one small data module per Hugging Face ``model_type``.
+
+A family is a :class:`Family` record, not a subclass: it says which ``config.json`` keys
+are required, which optional keys default to what (the transformers 5 defaults), which
+bias flags the config controls, which architecture fields the family fixes, and, for
+MoE families, how transformers fuses per-expert checkpoint tensors in memory.
+:func:`areal_fn.model.spec.model_from_hf_config` interprets these records; nothing here
+reads files or imports torch.
+
+Supported ``model_type``: see :data:`FAMILIES`.
+"""
+
+from collections.abc import Iterable
+from typing import Literal
+
+import attrs
+
+from areal_fn.errors import SpecError
+from areal_fn.typecheck import beartype
+
+#: How a config class switches sliding-window attention on (see :class:`Family`).
+SlidingWindow = Literal["absent", "max_window_layers", "all_layers"]
+
+
+def _strs(value: Iterable[str]) -> tuple[str, ...]:
+    return tuple(value)
+
+
+def _pairs(value: object) -> tuple[tuple[str, object], ...]:
+    return tuple((str(k), v) for k, v in value)  # type: ignore[attr-defined]
+
+
+@attrs.frozen(kw_only=True)
+class FusedExperts:
+    """One in-memory tensor that stacks per-expert checkpoint tensors.
+
+    In memory (transformers 5) the tensor ``model.layers.{i}.{name}`` has shape
+    ``[num_experts, *fused_shape]``; expert ``e``'s slice concatenates the checkpoint
+    tensors ``model.layers.{i}.{part.format(e=e)}`` along ``concat_dim`` (a dim of the
+    per-expert tensor), in the order of ``parts``.
+    """
+
+    name: str
+    parts: tuple[str, ...] = attrs.field(converter=_strs)
+    concat_dim: int = 0
+
+
+def _fused_tuple(value: Iterable[FusedExperts]) -> tuple[FusedExperts, ...]:
+    return tuple(value)
+
+
+@attrs.frozen(kw_only=True)
+class Family:
+    """How one ``model_type`` maps ``config.json`` keys to a :class:`~areal_fn.model.spec.ModelSpec`.
+
+    - ``required``: config keys that must be present (``null`` counts as absent).
+    - ``defaults``: optional config keys and the value used when absent, equal to the
+      transformers 5 config-class default.
+    - ``bias_flags``: config key -> ModelSpec bias fields it switches on together.
+    - ``fixed``: ModelSpec fields whose value the family fixes (e.g. Qwen2 always has
+      q/k/v biases and no o_proj bias).
+    - ``head_dim_required``: ``head_dim`` must be given explicitly (Qwen3: transformers
+      would otherwise use 128, not ``hidden_size // num_attention_heads``).
+    - ``hidden_divisible_by_heads``: ``hidden_size % num_attention_heads == 0`` is checked
+      even when ``head_dim`` is explicit (transformers' ``LlamaConfig`` rejects it).
+    - ``moe`` and ``fused_experts``: the family has routed experts and transformers 5
+      keeps them fused in memory as described.
+    - ``hidden_act``: the one MLP activation the family models (SwiGLU with ``silu``);
+      a config asking for another is refused.
+    - ``sliding_window``: how the config class switches sliding-window attention on,
+      which no family models (a config that turns it on for some layer is refused):
+      ``"absent"``: the class has none, so a non-null ``sliding_window`` (which
+      transformers would ignore) is refused; ``"max_window_layers"``: with
+      ``use_sliding_window`` true and ``sliding_window`` not null, the layers that
+      ``layer_types`` marks ``"sliding_attention"`` (default: those with index
+      ``>= max_window_layers``) slide; ``"all_layers"``: with ``use_sliding_window``
+      true and ``sliding_window`` not null, every layer slides.
+    """
+
+    model_type: str
+    architecture: str
+    required: tuple[str, ...] = attrs.field(converter=_strs)
+    defaults: tuple[tuple[str, object], ...] = attrs.field(converter=_pairs)
+    bias_flags: tuple[tuple[str, tuple[str, ...]], ...] = attrs.field(
+        converter=lambda v: tuple((k, tuple(f)) for k, f in v)
+    )
+    fixed: tuple[tuple[str, object], ...] = attrs.field(converter=_pairs)
+    head_dim_required: bool = False
+    hidden_divisible_by_heads: bool = False
+    moe: bool = False
+    fused_experts: tuple[FusedExperts, ...] = attrs.field(default=(), converter=_fused_tuple)
+    hidden_act: str = "silu"
+    sliding_window: SlidingWindow = attrs.field(
+        default="absent",
+        validator=attrs.validators.in_(("absent", "max_window_layers", "all_layers")),
+    )
+
+    def default(self, key: str) -> object:
+        for k, v in self.defaults:
+            if k == key:
+                return v
+        raise KeyError(key)
+
+    def has_default(self, key: str) -> bool:
+        return any(k == key for k, _ in self.defaults)
+
+
+def _registry() -> dict[str, Family]:
+    from areal_fn.model.families import llama, qwen2, qwen3, qwen3_moe
+
+    fams = (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY)
+    return {f.model_type: f for f in sorted(fams, key=lambda f: f.model_type)}
+
+
+#: Every supported family, keyed by ``model_type`` (sorted).
+FAMILIES: dict[str, Family] = _registry()
+
+
+@beartype
+def family(model_type: str) -> Family:
+    """The family of ``model_type``; a :class:`SpecError` naming the supported set otherwise."""
+    try:
+        return FAMILIES[model_type]
+    except KeyError:
+        raise SpecError(
+            f"model_type={model_type!r} is not supported; supported model types are "
+            f"{sorted(FAMILIES)}; add a family module under areal_fn/model/families/ for it"
+        ) from None

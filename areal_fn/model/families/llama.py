@@ -1,0 +1,35 @@
+"""Llama (Llama 3.x): GQA, optional attention/MLP biases, tied or untied embeddings.
+
+transformers' ``LlamaConfig`` rejects ``hidden_size % num_attention_heads != 0`` even
+when ``head_dim`` is explicit, so this family checks it too.
+"""
+
+from areal_fn.model.families import Family
+
+FAMILY = Family(
+    model_type="llama",
+    architecture="LlamaForCausalLM",
+    required=(
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "vocab_size",
+    ),
+    defaults=(
+        ("num_key_value_heads", None),  # None -> num_attention_heads
+        ("head_dim", None),  # None -> hidden_size // num_attention_heads
+        ("tie_word_embeddings", False),
+        ("attention_bias", False),
+        ("mlp_bias", False),
+        ("rms_norm_eps", 1e-6),
+        ("rope_theta", 10000.0),
+        ("max_position_embeddings", 2048),
+    ),
+    bias_flags=(
+        ("attention_bias", ("qkv_bias", "o_bias")),
+        ("mlp_bias", ("mlp_bias",)),
+    ),
+    fixed=(("qk_norm", False),),
+    hidden_divisible_by_heads=True,
+)

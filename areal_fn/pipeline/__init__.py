@@ -1,0 +1,1 @@
+"""Pipeline partitions: the exact min-max partition, VPP balancing, cost models, Megatron layout strings."""

@@ -1,0 +1,325 @@
+"""Per-layer cost models for pipeline partitioning, computed from a :class:`ModelSpec`.
+
+A cost model is any function ``ModelSpec -> LayerCosts`` (:data:`CostModel`): bind its
+options with ``functools.partial`` and hand it to :func:`partition_model`. Three are
+provided:
+
+- :func:`param_costs`: parameters per layer, what AReaL balances (counted from the
+  architecture; equal to the canonical tensors' numels);
+- :func:`memory_costs`: bytes of parameters with their gradient and optimizer state,
+  plus the activations one micro-batch keeps for the backward pass;
+- :func:`flop_costs`: training FLOPs (forward + backward) of one micro-batch; the
+  attention term grows with the sequence length.
+
+**Which layers are MoE.** By default the spec's own ``moe_layers`` (read from the HF
+config, where ``decoder_sparse_step=N`` makes layer ``i`` sparse when
+``(i + 1) % N == 0``). A Megatron-Core model configured with ``moe_layer_freq`` builds
+other layers: an int ``N`` makes layer ``i`` MoE when ``i % N == 0`` (layers 0, N, 2N,
+...); a list gives one 0/1 per layer. Pass ``moe_layer_freq=`` to cost the model
+Megatron will build (:func:`megatron_moe_layers`). The two conventions disagree for
+every ``N > 1``; mixing them (reading Megatron's ``moe_layer_freq`` with HF's rule) puts
+the heavy layers in the wrong places.
+
+**Embedding and head.** ``LayerCosts.embedding`` goes to the first chunk,
+``LayerCosts.head`` (final norm, output projection, loss) to the last. With tied
+embeddings Megatron still allocates the output weight on the last stage when
+``pp > 1``, so the head's parameters are counted either way.
+"""
+
+import math
+from collections.abc import Callable, Sequence
+from typing import TypeAlias
+
+import attrs
+import numpy as np
+
+from areal_fn.errors import PlanError
+from areal_fn.model.spec import ModelSpec
+from areal_fn.pipeline.partition import StagePlan, partition_pipeline
+from areal_fn.typecheck import beartype
+
+__all__ = [
+    "CostModel",
+    "LayerCosts",
+    "flop_costs",
+    "megatron_moe_layers",
+    "memory_costs",
+    "param_costs",
+    "partition_model",
+]
+
+
+def _floats(value: object) -> tuple[float, ...]:
+    if isinstance(value, str) or not isinstance(value, Sequence):
+        raise PlanError(f"LayerCosts.layers={value!r} must be a sequence of numbers")
+    out = tuple(float(v) for v in value)
+    for i, v in enumerate(out):
+        if not 0.0 < v < math.inf:
+            raise PlanError(
+                f"LayerCosts.layers[{i}]={v!r} must be a positive finite number; a layer "
+                "always costs something"
+            )
+    if not out:
+        raise PlanError("LayerCosts.layers is empty; give one cost per decoder layer")
+    return out
+
+
+def _check_extra(inst: object, attr: "attrs.Attribute[float]", value: float) -> None:
+    if not 0.0 <= value < math.inf:
+        raise PlanError(f"LayerCosts.{attr.name}={value!r} must be finite and >= 0")
+
+
+def _check_unit(inst: object, attr: object, value: str) -> None:
+    if not isinstance(value, str) or not value:
+        raise PlanError(f"LayerCosts.unit={value!r} must name the unit, e.g. 'flops'")
+
+
+@attrs.frozen(kw_only=True)
+class LayerCosts:
+    """Cost of every decoder layer (layer order) and of the embedding and head."""
+
+    layers: tuple[float, ...] = attrs.field(converter=_floats)
+    embedding: float = attrs.field(converter=float, validator=_check_extra)
+    head: float = attrs.field(converter=float, validator=_check_extra)
+    unit: str = attrs.field(validator=_check_unit)
+
+    @property
+    def total(self) -> float:
+        return math.fsum((*self.layers, self.embedding, self.head))
+
+
+#: A cost model: the costs of a model's layers. Bind options with ``functools.partial``.
+CostModel: TypeAlias = Callable[[ModelSpec], LayerCosts]
+
+
+@beartype
+def megatron_moe_layers(num_layers: int, moe_layer_freq: int | Sequence[int]) -> tuple[bool, ...]:
+    """The layers Megatron-Core builds as MoE for ``moe_layer_freq``.
+
+    An int ``N >= 1``: layer ``i`` is MoE when ``i % N == 0``. A list: one 0/1 (or bool)
+    per layer, 1 meaning MoE.
+    """
+    if isinstance(moe_layer_freq, bool):
+        raise PlanError(f"moe_layer_freq={moe_layer_freq!r} must be an int >= 1 or a list of 0/1")
+    if isinstance(moe_layer_freq, int):
+        if moe_layer_freq < 1:
+            raise PlanError(
+                f"moe_layer_freq={moe_layer_freq} must be >= 1 (one MoE layer every N layers, "
+                "starting at layer 0); pass a list of 0/1 per layer for other patterns"
+            )
+        return tuple(i % moe_layer_freq == 0 for i in range(num_layers))
+    pattern = tuple(moe_layer_freq)
+    if len(pattern) != num_layers or any(p not in (0, 1) for p in pattern):
+        raise PlanError(
+            f"moe_layer_freq list has {len(pattern)} entries {list(pattern)[:8]}...; it needs "
+            f"one 0/1 per layer (num_layers={num_layers}), 1 meaning an MoE layer"
+        )
+    return tuple(bool(p) for p in pattern)
+
+
+def _moe_flags(spec: ModelSpec, moe_layer_freq: int | Sequence[int] | None) -> tuple[bool, ...]:
+    if moe_layer_freq is None:
+        return spec.moe_layers
+    if spec.num_experts < 1:
+        raise PlanError(
+            f"moe_layer_freq={moe_layer_freq!r} given for a dense {spec.model_type} model "
+            "(num_experts=0); drop moe_layer_freq or use an MoE model"
+        )
+    return megatron_moe_layers(spec.num_layers, moe_layer_freq)
+
+
+def _check_ep(spec: ModelSpec, expert_parallel: int) -> None:
+    if expert_parallel < 1:
+        raise PlanError(f"expert_parallel={expert_parallel} must be >= 1")
+    if spec.num_experts and spec.num_experts % expert_parallel:
+        ok = [d for d in range(1, spec.num_experts + 1) if spec.num_experts % d == 0]
+        raise PlanError(
+            f"expert_parallel={expert_parallel} does not divide num_experts="
+            f"{spec.num_experts}; every expert-parallel rank holds the same number of "
+            f"experts, use expert_parallel in {ok}"
+        )
+
+
+def _attn_params(spec: ModelSpec) -> int:
+    h, q, kv = spec.hidden_size, spec.num_attention_heads * spec.head_dim, 0
+    kv = spec.num_key_value_heads * spec.head_dim
+    n = h * q + 2 * h * kv + q * h
+    n += (q + 2 * kv) * spec.qkv_bias + h * spec.o_bias + 2 * spec.head_dim * spec.qk_norm
+    return n + 2 * h  # input and post-attention norms
+
+
+def _mlp_params(spec: ModelSpec, moe: bool, expert_parallel: int) -> int:
+    h = spec.hidden_size
+    if moe:
+        experts = spec.num_experts // expert_parallel
+        return experts * 3 * h * spec.moe_intermediate_size + spec.num_experts * h
+    inter = spec.intermediate_size
+    return 3 * h * inter + (2 * inter + h) * spec.mlp_bias
+
+
+def _layer_params(
+    spec: ModelSpec, moe_layer_freq: int | Sequence[int] | None, expert_parallel: int
+) -> list[int]:
+    _check_ep(spec, expert_parallel)
+    attn = _attn_params(spec)
+    return [attn + _mlp_params(spec, m, expert_parallel) for m in _moe_flags(spec, moe_layer_freq)]
+
+
+@beartype
+def param_costs(
+    spec: ModelSpec,
+    *,
+    moe_layer_freq: int | Sequence[int] | None = None,
+    expert_parallel: int = 1,
+) -> LayerCosts:
+    """Parameters per layer on one pipeline rank (experts divided by ``expert_parallel``).
+
+    Embedding: ``vocab * hidden``; head: final norm plus ``vocab * hidden`` output
+    weight (also when tied, see the module docstring).
+    """
+    h, v = spec.hidden_size, spec.vocab_size
+    return LayerCosts(
+        layers=tuple(float(n) for n in _layer_params(spec, moe_layer_freq, expert_parallel)),
+        embedding=float(v * h),
+        head=float(v * h + h),
+        unit="params",
+    )
+
+
+def _check_tokens(micro_batch_size: int, seq_len: int) -> int:
+    for name, value in (("micro_batch_size", micro_batch_size), ("seq_len", seq_len)):
+        if value < 1:
+            raise PlanError(f"{name}={value} must be >= 1")
+    return micro_batch_size * seq_len
+
+
+def _activation_bytes_per_token(spec: ModelSpec, moe: bool, dtype_bytes: float) -> float:
+    """Activations one token keeps in one layer for the backward pass (no recomputation,
+    flash attention: no sequence-squared term; softmax statistics in fp32)."""
+    h = spec.hidden_size
+    q = spec.num_attention_heads * spec.head_dim
+    kv = spec.num_key_value_heads * spec.head_dim
+    # norm input, qkv input, q/k/v, attention output (o_proj input), second norm input
+    elems = h + h + q + 2 * kv + q + h
+    fp32 = spec.num_attention_heads  # log-sum-exp per head
+    if moe:
+        k, inter = spec.num_experts_per_tok, spec.moe_intermediate_size
+        elems += h + k * (h + 3 * inter + h)  # router input; per routed copy in/gate/up/act/out
+        fp32 += spec.num_experts  # router logits
+    else:
+        elems += h + 3 * spec.intermediate_size  # mlp input; gate, up, down input
+    return elems * dtype_bytes + fp32 * 4.0
+
+
+@beartype
+def memory_costs(
+    spec: ModelSpec,
+    *,
+    micro_batch_size: int,
+    seq_len: int,
+    in_flight: int = 1,
+    bytes_per_param: float = 18.0,
+    activation_bytes: float = 2.0,
+    moe_layer_freq: int | Sequence[int] | None = None,
+    expert_parallel: int = 1,
+) -> LayerCosts:
+    """Bytes per layer: parameters times ``bytes_per_param`` (default 18: bf16 weight,
+    fp32 gradient, fp32 master weight and two Adam moments) plus the activations of
+    ``in_flight`` micro-batches of ``micro_batch_size x seq_len`` tokens (elements of
+    ``activation_bytes`` each). Per pipeline rank before tensor/context parallelism.
+
+    Head activations: final-norm and output inputs plus the logits in bf16 and fp32 for
+    the loss, ``vocab`` wide per token (often the largest single activation).
+    """
+    tokens = _check_tokens(micro_batch_size, seq_len) * in_flight
+    if (
+        in_flight < 1
+        or not 0.0 < bytes_per_param < math.inf
+        or not 0.0 < activation_bytes < math.inf
+    ):
+        raise PlanError(
+            f"in_flight={in_flight}, bytes_per_param={bytes_per_param}, activation_bytes="
+            f"{activation_bytes}: each must be positive"
+        )
+    params = _layer_params(spec, moe_layer_freq, expert_parallel)
+    flags = _moe_flags(spec, moe_layer_freq)
+    layers = tuple(
+        p * bytes_per_param + tokens * _activation_bytes_per_token(spec, m, activation_bytes)
+        for p, m in zip(params, flags, strict=True)
+    )
+    h, v = spec.hidden_size, spec.vocab_size
+    return LayerCosts(
+        layers=layers,
+        embedding=v * h * bytes_per_param + tokens * h * activation_bytes,
+        head=(v * h + h) * bytes_per_param
+        + tokens * (2 * h * activation_bytes + v * (activation_bytes + 4.0)),
+        unit="bytes",
+    )
+
+
+@beartype
+def flop_costs(
+    spec: ModelSpec,
+    *,
+    seq_len: int,
+    micro_batch_size: int = 1,
+    causal: bool = True,
+    moe_layer_freq: int | Sequence[int] | None = None,
+) -> LayerCosts:
+    """Training FLOPs (forward + backward = 3 x forward) of one micro-batch per layer.
+
+    Matrix multiplies count 2 FLOPs per multiply-add: the projections, the dense MLP or
+    the router plus ``num_experts_per_tok`` experts per token, and attention scores and
+    values: ``4 * heads * head_dim`` per (query, key) pair, over ``seq_len * (seq_len +
+    1) / 2`` pairs per sequence when ``causal`` (else ``seq_len**2``). Norms, rotary and
+    element-wise ops are left out. Embedding: 0 (a gather); head: the output projection.
+    """
+    tokens = _check_tokens(micro_batch_size, seq_len)
+    h = spec.hidden_size
+    q = spec.num_attention_heads * spec.head_dim
+    kv = spec.num_key_value_heads * spec.head_dim
+    proj = 2 * (h * q + 2 * h * kv + q * h) * tokens
+    pairs = seq_len * (seq_len + 1) // 2 if causal else seq_len * seq_len
+    attn = 4 * q * pairs * micro_batch_size
+    dense = 2 * 3 * h * spec.intermediate_size * tokens
+    moe = (
+        2
+        * (h * spec.num_experts + spec.num_experts_per_tok * 3 * h * spec.moe_intermediate_size)
+        * tokens
+    )
+    layers = tuple(
+        3.0 * (proj + attn + (moe if m else dense)) for m in _moe_flags(spec, moe_layer_freq)
+    )
+    return LayerCosts(
+        layers=layers,
+        embedding=0.0,
+        head=3.0 * 2 * h * spec.vocab_size * tokens,
+        unit="flops",
+    )
+
+
+@beartype
+def partition_model(
+    spec: ModelSpec,
+    num_stages: int,
+    *,
+    vpp: int = 1,
+    cost_model: CostModel = param_costs,
+    balance_ranks: bool = True,
+) -> StagePlan:
+    """:func:`partition_pipeline` of ``spec``'s layers under ``cost_model``; the
+    embedding cost goes to the first chunk, the head's to the last."""
+    costs = cost_model(spec)
+    if len(costs.layers) != spec.num_layers:
+        raise PlanError(
+            f"cost model gave {len(costs.layers)} layer costs for a model with num_layers="
+            f"{spec.num_layers}; it must cost every decoder layer once"
+        )
+    return partition_pipeline(
+        np.asarray(costs.layers, dtype=np.float64),
+        num_stages,
+        vpp=vpp,
+        first_extra=costs.embedding,
+        last_extra=costs.head,
+        balance_ranks=balance_ranks,
+    )

@@ -1,0 +1,214 @@
+"""Conversion = materialising a layout's pieces from canonical tensors, and back.
+
+``to_megatron`` (any layout, not only Megatron's) builds one rank's local tensors
+from canonical (HF) tensors; ``to_hf`` writes every rank's local tensors back into
+canonical tensors. Both are exact: pieces copy bytes, padding is zero on the way in
+and dropped on the way out. Streaming forms take a *reader* (``read(name, box)``)
+so that only the slices a rank needs are ever loaded, and yield one tensor at a time.
+"""
+
+from collections.abc import Callable, Iterator, Mapping
+
+import torch
+from torch import Tensor
+
+from areal_fn.errors import ConversionError
+from areal_fn.layouts.layout import Layout, LocalTensor, Piece
+from areal_fn.model.tensor_spec import TensorSpec, torch_dtype
+from areal_fn.sharding.box import Box
+from areal_fn.typecheck import beartype
+
+#: ``read(canonical_name, box) -> tensor of box.shape``.
+Reader = Callable[[str, Box], Tensor]
+
+
+def mapping_reader(canonical: Mapping[str, Tensor]) -> Reader:
+    """A reader over in-memory canonical tensors."""
+
+    def read(name: str, box: Box) -> Tensor:
+        return canonical[name][box.slices()]
+
+    return read
+
+
+def check_canonical(
+    canonical: Mapping[str, Tensor], specs: tuple[TensorSpec, ...], *, allow_missing: bool = False
+) -> None:
+    """Raise ``ConversionError`` listing missing, extra and mis-shaped tensors."""
+    want = {s.name: s for s in specs}
+    missing = [n for n in want if n not in canonical]
+    extra = sorted(n for n in canonical if n not in want)
+    shapes = [
+        f"{n}: got {tuple(canonical[n].shape)}, expected {want[n].shape}"
+        for n in want
+        if n in canonical and tuple(canonical[n].shape) != want[n].shape
+    ]
+    problems = []
+    if missing and not allow_missing:
+        problems.append(
+            f"missing {len(missing)}: {missing[:8]}{' ...' if len(missing) > 8 else ''}"
+        )
+    if extra:
+        problems.append(f"unexpected {len(extra)}: {extra[:8]}{' ...' if len(extra) > 8 else ''}")
+    if shapes:
+        problems.append(f"mis-shaped {len(shapes)}: {shapes[:8]}")
+    if problems:
+        raise ConversionError(
+            "canonical tensors do not match the model: "
+            + "; ".join(problems)
+            + ". Nothing is dropped, added or "
+            "reshaped silently: fix the checkpoint or pass the model it belongs to"
+        )
+
+
+def materialize(local: LocalTensor, read: Reader, *, dtype: torch.dtype | None = None) -> Tensor:
+    """One local tensor from its pieces (padding zero).
+
+    Without ``dtype`` the result keeps the canonical tensors' dtype (they must agree:
+    nothing is cast silently); with ``dtype`` it is cast explicitly.
+    """
+    reads = [
+        (p, read(p.canonical, p.canonical_box))
+        for p in local.pieces
+        if p.canonical is not None and p.canonical_box is not None
+    ]
+    dtypes = {src.dtype for _, src in reads}
+    if dtype is None and len(dtypes) > 1:
+        raise ConversionError(
+            f"{local.name} fuses canonical tensors of several dtypes {sorted(map(str, dtypes))}; pass dtype= to cast explicitly"
+        )
+    target = dtype or (dtypes.pop() if dtypes else torch_dtype(local.dtype))
+    out = torch.zeros(local.shape, dtype=target)
+    for p, src in reads:
+        assert p.canonical_box is not None
+        region = out[p.local_box.slices()]
+        if tuple(src.shape) != p.canonical_box.shape:
+            raise ConversionError(
+                f"reader returned shape {tuple(src.shape)} for {p.canonical}{p.canonical_box}, expected "
+                f"{p.canonical_box.shape}"
+            )
+        region.copy_(src.reshape(region.shape))
+    return out
+
+
+@beartype
+def iter_to_megatron(
+    source: "Mapping[str, Tensor] | Reader",
+    layout: Layout,
+    rank: int,
+    *,
+    dtype: torch.dtype | None = None,
+) -> Iterator[tuple[str, Tensor]]:
+    """Yield ``rank``'s local tensors one by one (name, tensor), in layout order.
+
+    Tensors keep the canonical dtype unless ``dtype`` asks for a cast.
+    """
+    if isinstance(source, Mapping):
+        check_canonical(source, layout.canonical)
+        read = mapping_reader(source)
+    else:
+        read = source
+    for lt in layout.local_tensors(rank):
+        yield lt.name, materialize(lt, read, dtype=dtype)
+
+
+@beartype
+def to_megatron(
+    source: "Mapping[str, Tensor] | Reader",
+    layout: Layout,
+    rank: int,
+    *,
+    dtype: torch.dtype | None = None,
+) -> dict[str, Tensor]:
+    """``rank``'s local state dict under ``layout`` from canonical tensors (no cast unless ``dtype``)."""
+    return dict(iter_to_megatron(source, layout, rank, dtype=dtype))
+
+
+def _check_locals(states: Mapping[int, Mapping[str, Tensor]], layout: Layout) -> None:
+    problems = []
+    missing_ranks = [r for r in range(layout.world_size) if r not in states]
+    if missing_ranks:
+        problems.append(f"no state for ranks {missing_ranks}")
+    for r in sorted(states):
+        if not 0 <= r < layout.world_size:
+            problems.append(f"rank {r} is outside the layout's {layout.world_size} ranks")
+            continue
+        want = {lt.name: lt for lt in layout.local_tensors(r)}
+        have = states[r]
+        miss = [n for n in want if n not in have]
+        extra = sorted(n for n in have if n not in want)
+        bad = [
+            f"{n} {tuple(have[n].shape)} != {want[n].shape}"
+            for n in want
+            if n in have and tuple(have[n].shape) != want[n].shape
+        ]
+        if miss:
+            problems.append(f"rank {r} misses {miss[:5]}")
+        if extra:
+            problems.append(f"rank {r} has unexpected {extra[:5]}")
+        if bad:
+            problems.append(f"rank {r} mis-shaped {bad[:5]}")
+    if problems:
+        raise ConversionError(
+            f"local states do not match the {layout.kind} layout: " + "; ".join(problems)
+        )
+
+
+@beartype
+def iter_to_hf(
+    states: Mapping[int, Mapping[str, Tensor]],
+    layout: Layout,
+    *,
+    check_replicas: bool = False,
+) -> Iterator[tuple[str, Tensor]]:
+    """Yield canonical tensors one by one, in checkpoint order, from every rank's state.
+
+    Each element comes from the first rank holding it (rank order); with
+    ``check_replicas`` every other copy is compared bitwise and a difference raises
+    ``ConversionError`` naming the tensor and ranks.
+    """
+    _check_locals(states, layout)
+    holders: dict[str, list[tuple[int, str, Piece]]] = {}
+    for r in range(layout.world_size):
+        for lt in layout.local_tensors(r):
+            for p in lt.pieces:
+                if p.canonical is not None:
+                    holders.setdefault(p.canonical, []).append((r, lt.name, p))
+    for spec in layout.canonical:
+        hs = holders.get(spec.name, [])
+        out_dtype = states[hs[0][0]][hs[0][1]].dtype if hs else torch_dtype(spec.dtype)
+        out = torch.empty(spec.shape, dtype=out_dtype)
+        written = torch.zeros(spec.shape, dtype=torch.bool)
+        for r, name, p in hs:
+            assert p.canonical_box is not None
+            cbox, lbox = p.canonical_box, p.local_box
+            src = states[r][name][lbox.slices()].reshape(cbox.shape)
+            region = out[cbox.slices()]
+            seen = written[cbox.slices()]
+            if check_replicas and bool(seen.any()):
+                a = region[seen].contiguous()
+                b = src.to(region.dtype)[seen].contiguous()
+                if not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):
+                    raise ConversionError(
+                        f"{spec.name}{cbox}: rank {r} ({name}) disagrees with an earlier replica"
+                    )
+            fresh = ~seen
+            if bool(fresh.all()):
+                region.copy_(src)
+            else:
+                region.copy_(torch.where(fresh, src.to(region.dtype), region))
+            seen.fill_(True)
+        if not bool(written.all()):
+            raise ConversionError(
+                f"{spec.name}: {int((~written).sum())} of {written.numel()} elements are held by no rank of the "
+                f"{layout.kind} layout; cannot export a partial tensor"
+            )
+        yield spec.name, out
+
+
+@beartype
+def to_hf(
+    states: Mapping[int, Mapping[str, Tensor]], layout: Layout, *, check_replicas: bool = False
+) -> dict[str, Tensor]:
+    """Canonical (HF checkpoint) tensors from every rank's local state dict."""
+    return dict(iter_to_hf(states, layout, check_replicas=check_replicas))

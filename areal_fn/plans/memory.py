@@ -1,0 +1,579 @@
+"""Per-rank memory of a layout: exact model state, estimated activations.
+
+:func:`estimate_memory` returns a :class:`MemoryReport` with one row per rank.
+
+**Exact part** (what the runtime allocates for the layout, from shape arithmetic on
+the layout's logical tensors, padding rows included):
+
+- ``params`` = sum over the rank's local tensors of ``numel * bytes(param_dtype)``
+  (:func:`local_param_bytes` is the same sum, written plainly, for oracles);
+- ``grads`` = the same numels times ``bytes(grad_dtype)``;
+- ``optimizer`` = per optimizer element ``bytes(master_dtype)`` when the policy keeps
+  master weights, plus ``states * bytes(state_dtype)`` (Adam: 2 moments, SGD with
+  momentum: 1, plain SGD: 0), plus one 0-d fp32 ``step`` tensor (4 bytes) per local
+  tensor for Adam, as ``torch.optim.Adam``/``AdamW`` keep it.
+
+  Which elements carry optimizer state depends on the layout's ``kind``:
+  ``fsdp2`` (and any other training layout): every local element (the optimizer
+  steps the local shards). ``megatron`` with ``distributed_optimizer=True``
+  (Megatron's ``use_distributed_optimizer``, AReaL's default): each rank owns
+  ``ceil(n / g)`` of the ``n`` local elements replicated over a data-parallel group
+  of ``g`` ranks (mesh axes ``dp``, ``cp``, ``edp`` on which the tensor is
+  replicated), summed per group size; Megatron's bucket alignment padding (under
+  0.1%) is left out. ``inference``: weights only, no gradients, no optimizer.
+
+**Estimated part** (needs ``activation``, ``model`` and ``dims``; an estimate, not a
+measurement):
+
+- ``activations``: bytes kept for the backward pass. Per token and decoder layer, in
+  ``compute_dtype`` elements: ``4h + 2q + 2kv`` (two norm inputs, the attention and
+  MLP inputs, q/k/v after rotary, the attention output) plus ``3I`` for a dense
+  SwiGLU MLP (gate, up, activation output) or ``k(2h + 3I_moe)`` for an MoE layer
+  (per routed copy: input, gate, up, activation, output); plus fp32 extras: one
+  log-sum-exp per head (flash attention keeps no ``s x s`` matrix) and, for MoE, the
+  router logits ``E``. ``h`` hidden size, ``q``/``kv`` query/key-value widths
+  (heads x head_dim), ``I`` intermediate size, ``k`` experts per token. This plays
+  the role of the ``s*b*h*(34 + 5*a*s/h)/t`` of Korthikanti et al. (2022, "Reducing
+  Activation Recomputation in Large Transformer Models") for GQA, SwiGLU and MoE
+  models with flash attention. A micro-batch of ``T = micro_batch_size * seq_len``
+  tokens costs ``ceil(T * per_token / (tp * cp))`` per layer (tensor and sequence
+  parallelism split every activation ``tp`` ways, context parallelism splits the
+  sequence ``cp`` ways; balanced routing assumed). With ``recompute`` only each
+  layer's input is kept (``h`` elements per token) plus one layer's full
+  activations, recomputed during the backward pass. The last pipeline stage (every
+  FSDP rank) adds the head: final-norm and output-layer inputs (``2h``) and the
+  logits in ``compute_dtype`` and fp32 for the loss (``V`` each), split ``tp * cp``
+  ways. Pipelines keep several micro-batches in flight: stage ``i`` of ``pp`` under
+  1F1B holds ``pp - i`` of them; with ``vpp`` virtual stages it holds
+  ``2(pp - i - 1) + (vpp - 1) pp + 1`` model chunks of ``1/vpp`` of its layers
+  (Megatron's warm-up count plus one), enough micro-batches assumed.
+- ``buffers`` (``fsdp2`` layouts with more than one shard): FSDP2's unsharded
+  parameters of the two largest units (decoder layers, the embedding, the final norm
+  with the output layer: the unit running and the one prefetched) in
+  ``compute_dtype``, plus the largest unit's unsharded gradient in ``grad_dtype``,
+  over ``tp``.
+
+Everything is integer arithmetic, so reports are deterministic and exact where stated.
+"""
+
+import enum
+import functools
+import math
+from collections.abc import Iterable, Sequence
+
+import attrs
+
+from areal_fn.errors import SpecError
+from areal_fn.layouts.layout import Layout
+from areal_fn.model.spec import ModelSpec, layer_of
+from areal_fn.model.tensor_spec import DTYPE_BYTES, dtype_name
+from areal_fn.plans.census import Census, CensusIndex, RankShare, census_of
+from areal_fn.sharding.sharding import local_shape
+from areal_fn.strategy.allocation import ParallelDims
+from areal_fn.typecheck import beartype
+
+__all__ = [
+    "ActivationModel",
+    "MemoryReport",
+    "Optimizer",
+    "PrecisionPolicy",
+    "RankMemory",
+    "data_parallel_numels",
+    "estimate_memory",
+    "estimate_rows",
+    "local_param_bytes",
+]
+
+GIB = 1024**3
+#: Bytes of the 0-d fp32 ``step`` tensor torch's Adam/AdamW keep per parameter.
+STEP_BYTES = 4
+_FLOAT_DTYPES = ("float64", "float32", "bfloat16", "float16")
+
+
+class Optimizer(enum.Enum):
+    """An optimizer, by the state it keeps per parameter element."""
+
+    ADAM = "adam"
+    SGD = "sgd"
+    SGD_MOMENTUM = "sgd_momentum"
+
+    @property
+    def states(self) -> int:
+        """State tensors per parameter element (Adam: exp_avg and exp_avg_sq)."""
+        return {Optimizer.ADAM: 2, Optimizer.SGD: 0, Optimizer.SGD_MOMENTUM: 1}[self]
+
+    @property
+    def step_bytes(self) -> int:
+        """Bytes of per-tensor scalars: Adam's 0-d fp32 ``step``."""
+        return STEP_BYTES if self is Optimizer.ADAM else 0
+
+    def __repr__(self) -> str:
+        return f"Optimizer.{self.name}"
+
+
+def _optimizer(value: object) -> Optimizer:
+    if isinstance(value, Optimizer):
+        return value
+    names = {o.value: o for o in Optimizer} | {"adamw": Optimizer.ADAM}
+    if isinstance(value, str) and value.lower() in names:
+        return names[value.lower()]
+    raise SpecError(
+        f"PrecisionPolicy.optimizer={value!r} is not a known optimizer; use one of "
+        f"{sorted(names)} (adamw keeps the same state as adam)"
+    )
+
+
+def _float_dtype(value: object) -> str:
+    name = dtype_name(value)  # type: ignore[arg-type]
+    if name not in _FLOAT_DTYPES:
+        raise SpecError(
+            f"dtype {value!r} is not a floating dtype; parameters, gradients and optimizer "
+            f"state use one of {list(_FLOAT_DTYPES)}"
+        )
+    return name
+
+
+def _check_bool(inst: object, attr: "attrs.Attribute[bool]", value: object) -> None:
+    if not isinstance(value, bool):
+        raise SpecError(f"{type(inst).__name__}.{attr.name}={value!r} must be True or False")
+
+
+@attrs.frozen(kw_only=True)
+class PrecisionPolicy:
+    """Dtypes of parameters, gradients, master weights and optimizer state.
+
+    ``param_dtype``: the parameters a rank holds (Megatron's model weights, FSDP2's
+    sharded parameters). ``grad_dtype``: gradients (Megatron's ``main_grad`` buffer;
+    in torch a ``.grad`` has the parameter's dtype). ``master_weights``: the optimizer
+    keeps a copy in ``master_dtype`` (Megatron's fp32 main params). ``compute_dtype``:
+    activations and FSDP2's all-gathered parameters. Bytes per parameter element of
+    model state: :attr:`bytes_per_param`.
+    """
+
+    param_dtype: str = attrs.field(default="bfloat16", converter=_float_dtype)
+    grad_dtype: str = attrs.field(default="float32", converter=_float_dtype)
+    master_weights: bool = attrs.field(default=True, validator=_check_bool)
+    master_dtype: str = attrs.field(default="float32", converter=_float_dtype)
+    optimizer: Optimizer = attrs.field(default=Optimizer.ADAM, converter=_optimizer)
+    state_dtype: str = attrs.field(default="float32", converter=_float_dtype)
+    compute_dtype: str = attrs.field(default="bfloat16", converter=_float_dtype)
+
+    @classmethod
+    def bf16_mixed(cls) -> "PrecisionPolicy":
+        """bf16 weights, fp32 gradients, fp32 master weights, fp32 Adam: 18 B/param."""
+        return cls()
+
+    @classmethod
+    def fp32(cls) -> "PrecisionPolicy":
+        """Everything fp32 (fp32 compute too), Adam: 16 B/param."""
+        return cls(
+            param_dtype="float32",
+            grad_dtype="float32",
+            master_weights=False,
+            state_dtype="float32",
+            compute_dtype="float32",
+        )
+
+    @classmethod
+    def fp32_params_bf16_compute(cls) -> "PrecisionPolicy":
+        """FSDP2 mixed precision: fp32 sharded weights and Adam, bf16 compute: 16 B/param."""
+        return cls(param_dtype="float32", grad_dtype="float32", master_weights=False)
+
+    @classmethod
+    def bf16_pure(cls) -> "PrecisionPolicy":
+        """All bf16, no master weights (torch AdamW on bf16 parameters): 8 B/param."""
+        return cls(
+            param_dtype="bfloat16",
+            grad_dtype="bfloat16",
+            master_weights=False,
+            state_dtype="bfloat16",
+        )
+
+    @property
+    def optimizer_bytes_per_element(self) -> int:
+        """Master copy plus optimizer states per optimizer element."""
+        master = DTYPE_BYTES[self.master_dtype] if self.master_weights else 0
+        return master + self.optimizer.states * DTYPE_BYTES[self.state_dtype]
+
+    @property
+    def bytes_per_param(self) -> int:
+        """Parameter + gradient + master + states bytes per element (unsharded state)."""
+        return (
+            DTYPE_BYTES[self.param_dtype]
+            + DTYPE_BYTES[self.grad_dtype]
+            + self.optimizer_bytes_per_element
+        )
+
+    def __str__(self) -> str:
+        master = f"{self.master_dtype} master, " if self.master_weights else "no master, "
+        return (
+            f"params {self.param_dtype}, grads {self.grad_dtype}, {master}"
+            f"{self.optimizer.value} states {self.state_dtype}, compute {self.compute_dtype} "
+            f"({self.bytes_per_param} B/param)"
+        )
+
+
+def _positive_int(inst: object, attr: "attrs.Attribute[int]", value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SpecError(
+            f"{type(inst).__name__}.{attr.name}={value!r} must be an int >= 1; pass e.g. "
+            f"{attr.name}=1"
+        )
+
+
+@attrs.frozen(kw_only=True)
+class ActivationModel:
+    """One micro-batch: ``micro_batch_size`` sequences of ``seq_len`` tokens, and
+    whether each layer recomputes its activations in the backward pass (full
+    activation checkpointing). See the module docstring for the formula."""
+
+    micro_batch_size: int = attrs.field(validator=_positive_int)
+    seq_len: int = attrs.field(validator=_positive_int)
+    recompute: bool = attrs.field(default=False, validator=_check_bool)
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch_size * self.seq_len
+
+    def __str__(self) -> str:
+        rc = ", recompute" if self.recompute else ", no recompute"
+        return f"micro-batch {self.micro_batch_size} x {self.seq_len} tokens{rc}"
+
+
+def _nonneg(inst: object, attr: "attrs.Attribute[int]", value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise SpecError(f"{type(inst).__name__}.{attr.name}={value!r} must be an int >= 0")
+
+
+@attrs.frozen(kw_only=True)
+class RankMemory:
+    """Bytes one rank holds. ``params``/``grads``/``optimizer`` are exact for the layout;
+    ``activations``/``buffers`` are estimates (0 without an activation model)."""
+
+    rank: int = attrs.field(validator=_nonneg)
+    params: int = attrs.field(validator=_nonneg)
+    grads: int = attrs.field(validator=_nonneg)
+    optimizer: int = attrs.field(validator=_nonneg)
+    activations: int = attrs.field(default=0, validator=_nonneg)
+    buffers: int = attrs.field(default=0, validator=_nonneg)
+
+    @property
+    def model_state(self) -> int:
+        """``params + grads + optimizer`` (the exact part)."""
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+
+    def same_bytes(self, other: "RankMemory") -> bool:
+        return attrs.evolve(other, rank=self.rank) == self
+
+
+def _rows(value: Iterable[RankMemory]) -> tuple[RankMemory, ...]:
+    return tuple(value)
+
+
+@attrs.frozen(kw_only=True)
+class MemoryReport:
+    """Per-rank memory of one layout under one policy; ``str()`` is a table in GiB."""
+
+    kind: str
+    world_size: int = attrs.field(validator=_positive_int)
+    policy: PrecisionPolicy
+    activation: ActivationModel | None
+    rows: tuple[RankMemory, ...] = attrs.field(converter=_rows)
+
+    def __attrs_post_init__(self) -> None:
+        ranks = [r.rank for r in self.rows]
+        if ranks != list(range(self.world_size)):
+            raise SpecError(
+                f"MemoryReport needs one row per rank 0..{self.world_size - 1} in order, got "
+                f"ranks {ranks[:8]}{'...' if len(ranks) > 8 else ''}"
+            )
+
+    @property
+    def max_rank(self) -> RankMemory:
+        """The row with the largest total (the lowest rank among ties)."""
+        return max(self.rows, key=lambda r: (r.total, -r.rank))
+
+    @property
+    def max_total(self) -> int:
+        return self.max_rank.total
+
+    def __str__(self) -> str:
+        act = str(self.activation) if self.activation else "no activation model"
+        head = (
+            f"MemoryReport {self.kind}, {self.world_size} ranks; {self.policy}; {act}\n"
+            f"{'ranks':<12}{'params':>9}{'grads':>9}{'optim':>9}{'activ':>9}{'buffers':>9}"
+            f"{'total':>9}  GiB"
+        )
+        lines = [head]
+        start = 0
+        for i in range(1, len(self.rows) + 1):
+            if i < len(self.rows) and self.rows[i].same_bytes(self.rows[start]):
+                continue
+            r = self.rows[start]
+            label = str(start) if i - 1 == start else f"{start}-{i - 1}"
+            cells = (r.params, r.grads, r.optimizer, r.activations, r.buffers, r.total)
+            lines.append(f"{label:<12}" + "".join(f"{c / GIB:9.2f}" for c in cells))
+            start = i
+        m = self.max_rank
+        lines.append(
+            f"max: rank {m.rank}, {m.total / GIB:.2f} GiB ({m.total:,} bytes); params, grads, "
+            f"optim exact for the layout, activ and buffers estimated"
+        )
+        return "\n".join(lines)
+
+
+# -- exact model state ----------------------------------------------------------------
+
+
+@beartype
+def local_param_bytes(layout: Layout, rank: int, dtype: str) -> int:
+    """Bytes of ``rank``'s local tensors in ``dtype``: ``sum(numel) * bytes(dtype)``.
+
+    Written plainly (one ``local_shape`` per present logical tensor) so that it can be
+    compared with ``sum(p.numel() * p.element_size())`` of a real module's parameters.
+    """
+    size = DTYPE_BYTES[dtype_name(dtype)]
+    if not 0 <= rank < layout.world_size:
+        raise SpecError(
+            f"rank={rank} is outside this {layout.kind} layout of {layout.world_size} ranks; "
+            f"use 0..{layout.world_size - 1}"
+        )
+    return size * sum(
+        math.prod(local_shape(t.shape, t.sharding, rank))
+        for t in layout.tensors
+        if t.is_present(rank)
+    )
+
+
+@beartype
+def data_parallel_numels(layout: Layout | Census, rank: int) -> tuple[tuple[int, int], ...]:
+    """``rank``'s local elements by the size of the data-parallel group they are replicated
+    over: ``((group size, numel), ...)`` ascending; size 1 for elements no rank shares.
+
+    These are the buffers a data-parallel gradient reduction moves, and what Megatron's
+    distributed optimizer shards.
+    """
+    return CensusIndex(_census(layout)).share(rank).by_dp_group
+
+
+def _state(
+    census: Census, share: RankShare, policy: PrecisionPolicy, distributed_optimizer: bool
+) -> tuple[int, int, int]:
+    """(params, grads, optimizer) bytes of a rank holding ``share``."""
+    numel = share.numel
+    params = numel * DTYPE_BYTES[policy.param_dtype]
+    if census.kind == "inference":
+        return params, 0, 0
+    grads = numel * DTYPE_BYTES[policy.grad_dtype]
+    if census.kind == "megatron" and distributed_optimizer:
+        opt_numel = sum(-(-n // d) for d, n in share.by_dp_group)
+    else:
+        opt_numel = numel
+    optimizer = (
+        opt_numel * policy.optimizer_bytes_per_element + share.tensors * policy.optimizer.step_bytes
+    )
+    return params, grads, optimizer
+
+
+# -- estimated activations and buffers ------------------------------------------------
+
+
+def layer_token_bytes(model: ModelSpec, moe: bool, compute_bytes: int) -> int:
+    """Activation bytes one token keeps in one decoder layer (no recompute, no sharding)."""
+    h, hd = model.hidden_size, model.head_dim
+    q, kv = model.num_attention_heads * hd, model.num_key_value_heads * hd
+    elems = 4 * h + 2 * q + 2 * kv
+    fp32 = model.num_attention_heads
+    if moe:
+        elems += model.num_experts_per_tok * (2 * h + 3 * model.moe_intermediate_size)
+        fp32 += model.num_experts
+    else:
+        elems += 3 * model.intermediate_size
+    return elems * compute_bytes + 4 * fp32
+
+
+def in_flight_chunks(stage: int, pp: int, vpp: int) -> tuple[int, int]:
+    """``(chunks, vpp)``: stage ``stage`` keeps ``chunks`` model chunks of ``1/vpp`` of
+    its layers in flight (1F1B: ``pp - stage`` micro-batches of all its layers)."""
+    if pp == 1:
+        return 1, 1
+    if vpp == 1:
+        return pp - stage, 1
+    return 2 * (pp - stage - 1) + (vpp - 1) * pp + 1, vpp
+
+
+def _activations(
+    model: ModelSpec,
+    dims: ParallelDims,
+    act: ActivationModel,
+    policy: PrecisionPolicy,
+    layers: Sequence[int],
+    stage: int,
+) -> int:
+    cb = DTYPE_BYTES[policy.compute_dtype]
+    split = dims.tp * dims.cp
+    t = act.tokens
+
+    def per_mb(token_bytes: int) -> int:
+        return -(-t * token_bytes // split)
+
+    full = [per_mb(layer_token_bytes(model, model.moe_layers[i], cb)) for i in layers]
+    if act.recompute:
+        kept = len(layers) * per_mb(model.hidden_size * cb)
+        transient = max(full, default=0)
+    else:
+        kept, transient = sum(full), 0
+    chunks, per = in_flight_chunks(stage, dims.pp, dims.vpp)
+    total = -(-kept * chunks // per) + transient
+    if stage == dims.pp - 1:
+        total += per_mb(2 * model.hidden_size * cb + model.vocab_size * (cb + 4))
+    return total
+
+
+@functools.lru_cache(maxsize=16)
+def _fsdp_units(model: ModelSpec) -> tuple[int, ...]:
+    """Numels of FSDP2 units: each decoder layer, the embedding, the rest of the root."""
+    units = [sum(t.numel for t in model.layer_tensors(i)) for i in range(model.num_layers)]
+    embed = model.tensor("model.embed_tokens.weight").numel
+    rest = sum(t.numel for t in model.tensors if layer_of(t.name) is None) - embed
+    return (*units, embed, rest)
+
+
+def _buffers(census: Census, model: ModelSpec, dims: ParallelDims, policy: PrecisionPolicy) -> int:
+    if census.kind != "fsdp2" or census.world_size // dims.tp == 1:
+        return 0
+    units = sorted(_fsdp_units(model), reverse=True)
+    top2 = units[0] + (units[1] if len(units) > 1 else 0)
+    params = top2 * DTYPE_BYTES[policy.compute_dtype]
+    grads = units[0] * DTYPE_BYTES[policy.grad_dtype]
+    return -(-(params + grads) // dims.tp)
+
+
+# -- the report -----------------------------------------------------------------------
+
+
+def _check_inputs(
+    census: Census,
+    activation: ActivationModel | None,
+    model: ModelSpec | None,
+    dims: ParallelDims | None,
+) -> None:
+    if activation is None:
+        return
+    if census.kind == "inference":
+        raise SpecError(
+            "estimate_memory: activations of an inference engine (KV cache, CUDA graphs) are "
+            "not modelled; pass activation=None for the weights of an inference layout"
+        )
+    if model is None or dims is None:
+        raise SpecError(
+            "estimate_memory: an activation model needs model= (the ModelSpec) and dims= (the "
+            "ParallelDims): a layout does not record hidden sizes, tp, cp or pp; pass both or "
+            "activation=None"
+        )
+    if dims.world_size != census.world_size:
+        raise SpecError(
+            f"estimate_memory: dims={dims} has world size {dims.world_size} but the "
+            f"{census.kind} layout has {census.world_size} ranks; pass the dims the layout "
+            f"was built from"
+        )
+    for mesh in census.meshes:
+        for axis, value in (("pp", dims.pp), ("tp", dims.tp), ("cp", dims.cp)):
+            if axis in mesh.names and mesh.axis_size(axis) != value:
+                raise SpecError(
+                    f"estimate_memory: dims={dims} has {axis}={value} but the {census.kind} "
+                    f"layout's {mesh} has {axis}={mesh.axis_size(axis)}; pass the dims the "
+                    f"layout was built from"
+                )
+
+
+def _row(
+    index: CensusIndex,
+    rank: int,
+    policy: PrecisionPolicy,
+    activation: ActivationModel | None,
+    model: ModelSpec | None,
+    dims: ParallelDims | None,
+    distributed_optimizer: bool,
+) -> RankMemory:
+    share = index.share(rank)
+    params, grads, optimizer = _state(index.census, share, policy, distributed_optimizer)
+    acts = bufs = 0
+    if activation is not None and model is not None and dims is not None:
+        acts = _activations(model, dims, activation, policy, share.layers, index.stage(rank))
+        bufs = _buffers(index.census, model, dims, policy)
+    return RankMemory(
+        rank=rank,
+        params=params,
+        grads=grads,
+        optimizer=optimizer,
+        activations=acts,
+        buffers=bufs,
+    )
+
+
+_BF16_MIXED = PrecisionPolicy.bf16_mixed()
+
+
+def _census(layout: Layout | Census) -> Census:
+    return layout if isinstance(layout, Census) else census_of(layout)
+
+
+@beartype
+def estimate_memory(
+    layout: Layout | Census,
+    policy: PrecisionPolicy = _BF16_MIXED,
+    *,
+    activation: ActivationModel | None = None,
+    model: ModelSpec | None = None,
+    dims: ParallelDims | None = None,
+    distributed_optimizer: bool = True,
+) -> MemoryReport:
+    """Every rank's memory for ``layout`` (or its :class:`~areal_fn.plans.census.Census`).
+
+    Parameters, gradients and optimizer state are exact (see the module docstring);
+    with ``activation`` (which needs ``model`` and ``dims``) activations and FSDP2
+    buffers are estimated. Ranks that differ only along axes where every tensor is
+    replicated are computed once.
+    """
+    census = _census(layout)
+    _check_inputs(census, activation, model, dims)
+    index = CensusIndex(census)
+    by_key: dict[tuple[tuple[int, ...], ...], RankMemory] = {}
+    rows = []
+    for rank in range(census.world_size):
+        k = index.key(rank)
+        if k not in by_key:
+            by_key[k] = _row(index, rank, policy, activation, model, dims, distributed_optimizer)
+        rows.append(attrs.evolve(by_key[k], rank=rank))
+    return MemoryReport(
+        kind=census.kind,
+        world_size=census.world_size,
+        policy=policy,
+        activation=activation,
+        rows=tuple(rows),
+    )
+
+
+@beartype
+def estimate_rows(
+    layout: Layout | Census,
+    ranks: Sequence[int],
+    policy: PrecisionPolicy = _BF16_MIXED,
+    *,
+    activation: ActivationModel | None = None,
+    model: ModelSpec | None = None,
+    dims: ParallelDims | None = None,
+    distributed_optimizer: bool = True,
+) -> tuple[RankMemory, ...]:
+    """The rows of :func:`estimate_memory` (same arguments) for ``ranks`` only."""
+    census = _census(layout)
+    _check_inputs(census, activation, model, dims)
+    index = CensusIndex(census)
+    return tuple(
+        _row(index, r, policy, activation, model, dims, distributed_optimizer) for r in ranks
+    )

@@ -1,0 +1,246 @@
+"""Reading canonical tensors out of a checkpoint, HF export, and ``checkpoint inspect``."""
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    MetadataIndex,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    ReadItem,
+)
+
+from areal_fn.errors import CheckpointError
+from areal_fn.model.tensor_spec import torch_dtype
+from areal_fn.plans.checkpoint import (
+    SavedTensor,
+    check_model,
+    optim_key,
+)
+from areal_fn.runtime.checkpoint.dcp import _ChunkReader, _LoadPlanner
+from areal_fn.runtime.checkpoint.files import (
+    _check_sizes,
+    _latest_name,
+    list_checkpoints,
+    read_manifest,
+    resolve_checkpoint,
+    verify_checkpoint,
+)
+from areal_fn.runtime.hf.files import checkpoint_hf_files, describe_checkpoint_hf_files
+from areal_fn.sharding.box import Box
+
+# -- reading canonical tensors -------------------------------------------------------
+
+
+def _read_box(
+    storage: "_ChunkReader",
+    key: str,
+    chunks: tuple[Box, ...],
+    box: Box,
+    dtype: torch.dtype,
+    source: str,
+) -> torch.Tensor:
+    """``box`` of the stored tensor ``key`` (stored as ``chunks``), read through ``storage``."""
+    out = torch.empty(box.shape, dtype=dtype)
+    items: list[ReadItem] = []
+    dests: list[torch.Tensor] = []
+    for chunk in chunks:
+        inter = chunk.intersect(box)
+        if inter is None:
+            continue
+        items.append(
+            ReadItem(
+                type=LoadItemType.TENSOR,
+                dest_index=MetadataIndex(key, inter.start, index=len(dests)),
+                dest_offsets=torch.Size([0] * box.ndim),
+                storage_index=MetadataIndex(key, chunk.start),
+                storage_offsets=torch.Size(
+                    a - b for a, b in zip(inter.start, chunk.start, strict=True)
+                ),
+                lengths=torch.Size(inter.shape),
+            )
+        )
+        dests.append(out[inter.relative_to(box).slices()])
+    storage.read_data(LoadPlan(items), _LoadPlanner(items, dests, source)).wait()
+    return out
+
+
+class CheckpointReader:
+    """Canonical tensors of a checkpoint, read box by box (a ``convert.Reader``).
+
+    ``read(name, box)`` returns ``box`` of a parameter; ``read_state(name, state, box)``
+    of an optimizer state. Only the chunks a box touches are read. The files' sizes are
+    checked first, their sha256 too with ``verify``.
+    """
+
+    def __init__(self, path: "str | os.PathLike[str]", *, verify: bool = True) -> None:
+        self.path = resolve_checkpoint(path)
+        self.manifest = verify_checkpoint(self.path) if verify else read_manifest(self.path)
+        _check_sizes(self.path, self.manifest)
+        self._storage = _ChunkReader(self.path)
+        self._storage.set_up_storage_reader(self._storage.read_metadata(), True)
+        self._saved = {t.name: t for t in self.manifest.tensors}
+
+    def _saved_tensor(self, name: str) -> SavedTensor:
+        saved = self._saved.get(name)
+        if saved is None:
+            raise CheckpointError(f"the checkpoint {self.path} holds no tensor {name!r}")
+        return saved
+
+    def _read(self, key: str, chunks: tuple[Box, ...], box: Box, dtype: str) -> torch.Tensor:
+        return _read_box(self._storage, key, chunks, box, torch_dtype(dtype), str(self.path))
+
+    def _box(self, saved: SavedTensor, box: "Box | None") -> Box:
+        full = Box.full(saved.shape)
+        if box is None:
+            return full
+        if box.ndim != full.ndim or not full.contains(box):
+            raise CheckpointError(
+                f"box {box} does not lie inside {saved.name!r} of shape {saved.shape}"
+            )
+        return box
+
+    def read(self, name: str, box: "Box | None" = None) -> torch.Tensor:
+        """``box`` (default: all) of parameter ``name``, in its stored dtype."""
+        saved = self._saved_tensor(name)
+        chunks = tuple(c.box for c in saved.chunks)
+        return self._read(name, chunks, self._box(saved, box), saved.dtype)
+
+    def __call__(self, name: str, box: Box) -> torch.Tensor:
+        return self.read(name, box)
+
+    def read_state(self, name: str, state: str, box: "Box | None" = None) -> torch.Tensor:
+        """``box`` of optimizer state ``state`` of ``name`` (a scalar state ignores ``box``)."""
+        saved = self._saved_tensor(name)
+        kinds = {s.name: s.kind for s in self.manifest.optimizer.states}
+        if state not in kinds:
+            raise CheckpointError(
+                f"the checkpoint's optimizer {self.manifest.optimizer} has no state {state!r}"
+            )
+        dtype = dict(saved.state_dtypes)[state]
+        if kinds[state] == "scalar":
+            scalar = Box(ranges=())
+            return self._read(optim_key(name, state), (scalar,), scalar, dtype)
+        chunks = tuple(c.box for c in saved.chunks)
+        return self._read(optim_key(name, state), chunks, self._box(saved, box), dtype)
+
+    def __enter__(self) -> "CheckpointReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def export_hf(
+    path: "str | os.PathLike[str]",
+    dest: "str | os.PathLike[str]",
+    *,
+    max_shard_bytes: int = 5 << 30,
+    overwrite: bool = False,
+) -> Path:
+    """Write a checkpoint's parameters as a Hugging Face safetensors checkpoint.
+
+    Saved with ``hf=``, the checkpoint's ``hf/`` files (``config.json``, tokenizer,
+    generation config) are written next to the weights byte for byte; otherwise
+    ``config.json`` is the manifest's model config (``ModelSpec.hf_config()``, see
+    :func:`~areal_fn.runtime.hf.files.describe_checkpoint_hf_files`).
+    """
+    from areal_fn.model.spec import model_from_hf_config
+    from areal_fn.runtime.hf.io import write_hf_checkpoint
+
+    reader = CheckpointReader(path)  # every file's sha256 checked, hf/ included
+    model = model_from_hf_config(reader.manifest.model)
+    check_model(reader.manifest, model.tensors, source=str(reader.path))
+    hf = checkpoint_hf_files(reader.path, reader.manifest)
+    return write_hf_checkpoint(
+        dest,
+        ((t.name, reader.read(t.name)) for t in reader.manifest.tensors),
+        config=hf.config if hf is not None else reader.manifest.model,
+        files=hf.files if hf is not None else (),
+        model=model,
+        max_shard_bytes=max_shard_bytes,
+        overwrite=overwrite,
+    )
+
+
+# -- inspect -------------------------------------------------------------------------
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n}"
+
+
+def inspect_checkpoint(
+    path: "str | os.PathLike[str]", *, verify: bool = False, max_tensors: int = 24
+) -> str:
+    """A readable summary: manifest, strategy, tensors, sizes, files (and checksums with ``verify``)."""
+    p = Path(path)
+    folder = resolve_checkpoint(p)
+    m = verify_checkpoint(folder) if verify else read_manifest(folder)
+    cfg = m.model
+    lines = [f"checkpoint {folder}"]
+    root = folder.parent if folder != p else p
+    others = list_checkpoints(root)
+    if others:
+        latest = _latest_name(root)
+        lines.append(
+            f"  in {root}: "
+            + ", ".join(f"{d.name}{' (latest)' if d.name == latest else ''}" for _, d in others)
+        )
+    params = sum(t.numel for t in m.tensors)
+    lines += [
+        f"  step {m.step}, data position {m.data_position}",
+        f"  saved with allocation {m.allocation} ({m.layout_kind} layout, {m.world_size} ranks), "
+        f"areal_fn {m.library_version}",
+        f"  model {cfg.get('model_type')}: {cfg.get('num_hidden_layers')} layers, hidden {cfg.get('hidden_size')}, "
+        f"vocab {cfg.get('vocab_size')}, {params:,} parameters in {len(m.tensors)} canonical tensors",
+        f"  optimizer {m.optimizer}",
+        f"  extras {list(m.extras)}",
+        f"  {describe_checkpoint_hf_files(m)}",
+        f"  files {len(m.files)}, {_human(m.nbytes)}"
+        + (" (every sha256 verified)" if verify else " (checksums not verified; pass verify)"),
+    ]
+    per_rank: dict[int, int] = {}
+    for t in m.tensors:
+        for c in t.chunks:
+            per_rank[c.rank] = per_rank.get(c.rank, 0) + c.box.numel * (t.nbytes // max(1, t.numel))
+    lines.append(
+        "  bytes written per rank: "
+        + ", ".join(f"{r}: {_human(b)}" for r, b in sorted(per_rank.items()))
+    )
+    lines.append(f"  {'tensor':<52} {'shape':<16} {'dtype':<9} {'chunks':>6} {'bytes':>10}")
+    for t in m.tensors[:max_tensors]:
+        lines.append(
+            f"  {t.name:<52} {'x'.join(map(str, t.shape)):<16} {t.dtype:<9} {len(t.chunks):>6} {_human(t.nbytes):>10}"
+        )
+    if len(m.tensors) > max_tensors:
+        lines.append(f"  ... {len(m.tensors) - max_tensors} more tensors")
+    lines.append("  files: " + ", ".join(f"{f.path} ({_human(f.size)})" for f in m.files[:12]))
+    return "\n".join(lines)
+
+
+def cmd_checkpoint_inspect(args: Any) -> int:
+    """``areal-fn checkpoint inspect DIR [--verify] [--tensors N]``."""
+    print(
+        inspect_checkpoint(
+            args.dir,
+            verify=bool(getattr(args, "verify", False)),
+            max_tensors=int(getattr(args, "tensors", 24)),
+        )
+    )
+    return 0
+
+
+def cmd_checkpoint_export_hf(args: Any) -> int:
+    """``areal-fn checkpoint export-hf DIR DEST [--overwrite]``."""
+    out = export_hf(args.dir, args.dest, overwrite=bool(getattr(args, "overwrite", False)))
+    print(f"wrote {out}; {describe_checkpoint_hf_files(read_manifest(args.dir))}")
+    return 0

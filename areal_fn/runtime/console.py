@@ -1,0 +1,19 @@
+"""The console every printed table and line goes through (the CLI, the main job)."""
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+
+def text_console(**kwargs: Any) -> "Console":
+    """The console every ``areal-fn`` table and line goes through: it prints text as is.
+
+    Names, paths and allocation strings come from the user, so rich's markup
+    (``megatron[actor]``, ``out[bold]``) and emoji codes (``a:cat:b``) are not
+    interpreted; styling is explicit (``rich.text.Text``). Lines are not folded at the
+    terminal width, so a printed path stays one line that can be copied.
+    """
+    from rich.console import Console
+
+    return Console(markup=False, emoji=False, soft_wrap=True, **kwargs)

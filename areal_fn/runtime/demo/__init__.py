@@ -1,0 +1,1 @@
+"""The main job: the driver that launches it and the worker each rank runs."""

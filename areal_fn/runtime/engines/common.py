@@ -1,0 +1,433 @@
+"""Training engines: FSDP2 and Megatron-Core, built from the pure layouts.
+
+Two engines with one interface, both executing a :class:`~areal_fn.layouts.layout.Layout`
+made by the pure core (they never compute geometry of their own)::
+
+    engine = Fsdp2Engine(spec, parse_allocation("fsdp:d2t2").training, optimizer=AdamWConfig(lr=1e-5))
+    engine = MegatronEngine(spec, ParallelDims(tp=2, pp=2), optimizer=AdamWConfig(lr=1e-5))
+
+    engine.load_canonical(canonical)              # HF checkpoint tensors -> this rank's pieces
+    ids = split_rows(global_ids, engine.dp_size, engine.dp_rank)
+    stats = engine.train_step(ids)                # {"loss", "grad_norm", "lr", "tokens", "clip_coef"}
+    logp = engine.forward_logprobs(ids)           # [batch, seq - 1], full vocabulary
+    shards = engine.local_state()                 # layout tensor name -> live local tensor
+    canonical = engine.export_canonical()         # every rank gets every canonical tensor
+
+- :class:`~areal_fn.runtime.engines.fsdp2.Fsdp2Engine`: a transformers model (eager
+  attention, fp32 master weights) under FSDP2 (+ DTensor TP, + HSDP), torch AdamW.
+- :class:`~areal_fn.runtime.engines.megatron.MegatronEngine`: Megatron-Core
+  ``GPTModel`` chunks (TP/PP/VPP/EP, vocabulary padded as the layout says), Megatron's
+  ``DistributedDataParallel`` and ``finalize_model_grads``, the pipeline schedules
+  from ``get_forward_backward_func``; torch AdamW in place of Megatron's optimizer
+  (which does not run on CPU, see ``docs/engines.md``).
+
+This module holds what both share: the optimizer record, the loss definition, the
+layout-driven gradient norm, batch splitting. The engines are imported lazily
+(``from areal_fn.runtime.engines import Fsdp2Engine`` imports only the FSDP2 one).
+
+**Loss.** Both engines minimise the mean next-token cross entropy over every target
+token of the *global* batch: ``sum over (b, t) of mask[b, t] * CE(logits[b, t-1], ids[b, t])``
+divided by the number of target tokens summed over all data-parallel ranks (all-reduced,
+so ranks may hold different token counts). Gradients are those of that one number.
+
+**Gradient norm.** The global L2 norm over canonical parameters, each canonical
+element counted once: every rank sums the squares of its local gradient pieces, each
+piece weighted by ``1 / multiplicity`` of its canonical tensor (how many times the
+layout holds each element: data-parallel and TP replicas, the tied embedding's second
+copy on the last pipeline stage), and the sums are all-reduced over the world.
+Padding rows (Megatron's padded vocabulary) are not canonical and do not count.
+"""
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+
+from areal_fn.errors import LayoutError, SpecError
+from areal_fn.layouts.layout import Layout
+from areal_fn.sharding.box import Box
+from areal_fn.sharding.placement import Partial, Replicate
+from areal_fn.typecheck import beartype
+
+__all__ = [  # noqa: F822 (the engines load lazily, see __getattr__)
+    "AdamWConfig",
+    "Fsdp2Engine",
+    "LRSchedule",
+    "MegatronEngine",
+    "OptimizerSteps",
+    "adamw_local_state",
+    "canonical_multiplicity",
+    "clip_grads_",
+    "grad_norm",
+    "next_token_targets",
+    "norm_weights",
+    "split_rows",
+]
+
+
+#: Token ids ``[batch, seq]`` and their loss mask; targets/log-probs drop the first column.
+TokenIds = Int[Tensor, "batch seq"]
+TokenMask = Bool[Tensor, "batch seq"]
+Targets = Int[Tensor, "batch seq_1"]
+TargetMask = Bool[Tensor, "batch seq_1"]
+TokenLogprobs = Float[Tensor, "batch seq_1"]
+
+
+def _positive_float(_inst: object, attr: "attrs.Attribute[float]", value: float) -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise SpecError(f"AdamWConfig.{attr.name}={value!r} must be a finite number > 0")
+
+
+def _non_negative(_inst: object, attr: "attrs.Attribute[float]", value: float) -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+        raise SpecError(f"AdamWConfig.{attr.name}={value!r} must be a finite number >= 0")
+
+
+def _pair(value: Iterable[float]) -> tuple[float, float]:
+    out = tuple(value)
+    return out  # type: ignore[return-value]  # the validator checks the length
+
+
+def _betas(_inst: object, attr: "attrs.Attribute[tuple[float, float]]", value: Any) -> None:
+    if not (
+        isinstance(value, tuple)
+        and len(value) == 2
+        and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in value)
+    ):
+        raise SpecError(
+            f"AdamWConfig.betas={value!r} must be two numbers in [0, 1), e.g. (0.9, 0.999)"
+        )
+
+
+def _steps(_inst: object, attr: "attrs.Attribute[int]", value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise SpecError(f"LRSchedule.{attr.name}={value!r} must be an int >= 0")
+
+
+def _total(_inst: object, _attr: object, value: int | None) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise SpecError(f"LRSchedule.total_steps={value!r} must be None (no decay) or an int >= 1")
+
+
+def _ratio(_inst: object, _attr: object, value: float) -> None:
+    if not 0.0 <= value <= 1.0:
+        raise SpecError(f"LRSchedule.min_lr_ratio={value!r} must lie in [0, 1]")
+
+
+def _shape(_inst: object, _attr: object, value: str) -> None:
+    if value not in ("cosine", "linear"):
+        raise SpecError(
+            f"LRSchedule.decay={value!r} is not a decay shape; use 'cosine' or 'linear'"
+        )
+
+
+@attrs.frozen(kw_only=True)
+class LRSchedule:
+    """Learning-rate multiplier by optimizer step: linear warm-up over ``warmup_steps``
+    (step ``i`` gets ``(i + 1) / warmup_steps``), then ``decay`` from 1 down to
+    ``min_lr_ratio`` at ``total_steps`` (held there after); ``total_steps=None`` keeps 1.
+    The default is a constant rate. Its state is the step count alone, which the
+    engines report (``scheduler_state``) for checkpoints.
+    """
+
+    warmup_steps: int = attrs.field(default=0, validator=_steps)
+    total_steps: int | None = attrs.field(default=None, validator=_total)
+    min_lr_ratio: float = attrs.field(default=0.0, converter=float, validator=_ratio)
+    decay: str = attrs.field(default="cosine", validator=_shape)
+
+    def __attrs_post_init__(self) -> None:
+        if self.total_steps is not None and self.total_steps <= self.warmup_steps:
+            raise SpecError(
+                f"LRSchedule.total_steps={self.total_steps} must exceed warmup_steps={self.warmup_steps}"
+            )
+
+    def factor(self, step: int) -> float:
+        """The multiplier of the base rate at optimizer step ``step`` (0-based)."""
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.total_steps is None:
+            return 1.0
+        progress = min(1.0, (step - self.warmup_steps) / (self.total_steps - self.warmup_steps))
+        shape = (
+            0.5 * (1.0 + math.cos(math.pi * progress)) if self.decay == "cosine" else 1.0 - progress
+        )
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * shape
+
+
+@attrs.frozen(kw_only=True)
+class AdamWConfig:
+    """AdamW hyper-parameters, the same for every engine; ``schedule`` scales ``lr`` by step.
+
+    The update is ``torch.optim.AdamW``'s: weight decay ``lr * weight_decay`` applied to
+    every parameter (norms and biases included), then the Adam step.
+    """
+
+    lr: float = attrs.field(default=1e-3, validator=_positive_float)
+    betas: tuple[float, float] = attrs.field(
+        default=(0.9, 0.999), converter=_pair, validator=_betas
+    )
+    eps: float = attrs.field(default=1e-8, validator=_positive_float)
+    weight_decay: float = attrs.field(default=0.01, validator=_non_negative)
+    schedule: LRSchedule = attrs.field(factory=LRSchedule)
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of optimizer step ``step`` (0-based)."""
+        return self.lr * self.schedule.factor(step)
+
+    def set_lr(self, optimizer: torch.optim.Optimizer, step: int) -> float:
+        """Write :meth:`lr_at` into every parameter group; returns it."""
+        lr = self.lr_at(step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def build(self, params: Any) -> torch.optim.AdamW:
+        """``torch.optim.AdamW`` over ``params`` with these settings."""
+        return torch.optim.AdamW(
+            params,
+            lr=self.lr,
+            betas=self.betas,
+            eps=self.eps,
+            weight_decay=self.weight_decay,
+        )
+
+
+class OptimizerSteps:
+    """What both engines share about their optimizer: the scheduled step, the LR
+    schedule's checkpointable state and the AdamW state per local tensor.
+
+    Engines set ``optimizer``, ``optimizer_config``, ``_params`` (local name ->
+    parameter) and ``steps_done = 0``.
+    """
+
+    optimizer: torch.optim.Optimizer
+    optimizer_config: AdamWConfig
+    _params: Mapping[str, torch.nn.Parameter]
+    steps_done: int
+
+    def _optimizer_step(self) -> float:
+        """Set this step's learning rate, step the optimizer; returns the rate used."""
+        lr = self.optimizer_config.set_lr(self.optimizer, self.steps_done)
+        self.optimizer.step()
+        self.steps_done += 1
+        return lr
+
+    def scheduler_state(self) -> dict[str, int]:
+        """The LR schedule's state (for checkpoints' ``lr_scheduler``)."""
+        return {"steps_done": self.steps_done}
+
+    def load_scheduler_state(self, state: Mapping[str, Any]) -> None:
+        """Resume the LR schedule from :meth:`scheduler_state`."""
+        steps = state.get("steps_done")
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise SpecError(
+                f"scheduler state {dict(state)!r} has no valid 'steps_done' (an int >= 0)"
+            )
+        self.steps_done = steps
+
+    def optimizer_local_state(self, *, create: bool = False) -> dict[str, dict[str, Tensor]]:
+        """AdamW state per local tensor: ``{name: {"exp_avg", "exp_avg_sq", "step"}}``.
+
+        Live tensors with the local shards' shapes (the layout's pieces describe them
+        too): write into them in place to restore a checkpoint. Empty before the first
+        step unless ``create`` (zero moments, step 0, which the next step then uses).
+        """
+        return adamw_local_state(self.optimizer, self._params, create=create)
+
+
+# -- pure: batches and targets ----------------------------------------------------------
+@beartype
+def split_rows(batch: Tensor, parts: int, index: int) -> Tensor:
+    """Rows ``[index * n, (index + 1) * n)`` of ``batch``, ``n = len(batch) / parts``.
+
+    How a global batch is dealt to ``parts`` data-parallel ranks; refuses to drop or pad
+    rows when ``parts`` does not divide the batch.
+    """
+    rows = batch.shape[0]
+    if parts < 1 or not 0 <= index < parts:
+        raise SpecError(f"index={index} must lie in 0..{parts - 1} (parts={parts})")
+    if rows % parts:
+        raise SpecError(
+            f"a global batch of {rows} rows does not split evenly over {parts} data-parallel "
+            f"ranks; use a batch size that is a multiple of {parts}"
+        )
+    n = rows // parts
+    return batch[index * n : (index + 1) * n]
+
+
+@beartype
+def next_token_targets(
+    input_ids: TokenIds, loss_mask: TokenMask | None = None
+) -> tuple[Targets, TargetMask]:
+    """Targets ``input_ids[:, 1:]`` and which of them count (``loss_mask[:, 1:]``, default all).
+
+    ``loss_mask[b, t]`` says whether token ``t`` of row ``b`` is a target (predicted from
+    position ``t - 1``); column 0 is never a target.
+    """
+    if input_ids.shape[1] < 2:
+        raise SpecError(
+            f"input_ids of shape {tuple(input_ids.shape)} has no next token to predict; "
+            "sequences need at least 2 tokens"
+        )
+    if loss_mask is not None and loss_mask.shape != input_ids.shape:
+        raise SpecError(
+            f"loss_mask shape {tuple(loss_mask.shape)} differs from input_ids shape "
+            f"{tuple(input_ids.shape)}; give one flag per token"
+        )
+    targets = input_ids[:, 1:]
+    mask = torch.ones_like(targets, dtype=torch.bool) if loss_mask is None else loss_mask[:, 1:]
+    return targets, mask
+
+
+# -- pure: gradient-norm weights from the layout ----------------------------------------
+def _replicas(layout: Layout, name: str) -> int:
+    t = layout.tensor(name)
+    mesh = t.sharding.mesh
+    present = {axis for axis, _ in t.present}
+    n = 1
+    for axis, p in zip(mesh.names, t.sharding.placements, strict=True):
+        if isinstance(p, Partial):
+            raise LayoutError(
+                f"{name}: placement {p} on {axis!r}; a partial tensor has no gradient norm of "
+                "its own, reduce it to Replicate() or Shard() first"
+            )
+        if isinstance(p, Replicate) and axis not in present:
+            n *= mesh.axis_size(axis)
+    return n
+
+
+@beartype
+def canonical_multiplicity(layout: Layout) -> dict[str, int]:
+    """How many copies of each canonical element the whole layout holds.
+
+    Sums, over the layout's logical tensors, the replicas of the tensor (sizes of the
+    mesh axes it is ``Replicate()`` on, presence axes excluded) times how many times
+    its fusion map covers the canonical tensor. Relies on the tiling law (the local
+    boxes of one logical tensor cover it once per replica) and raises where a fusion
+    map covers a canonical tensor a fractional number of times.
+    """
+    covered: dict[str, int] = {}
+    for t in layout.tensors:
+        reps = _replicas(layout, t.name)
+        for f in t.fusion:
+            covered[f.canonical] = covered.get(f.canonical, 0) + reps * f.canonical_box.numel
+    out: dict[str, int] = {}
+    for spec in layout.canonical:
+        total = covered.get(spec.name, 0)
+        numel = math.prod(spec.shape)
+        if total == 0 or total % numel:
+            raise LayoutError(
+                f"the {layout.kind} layout holds {total} elements of {spec.name!r} "
+                f"({numel} elements), not a whole number of copies; every canonical element "
+                "must be held the same number of times"
+            )
+        out[spec.name] = total // numel
+    return out
+
+
+@beartype
+def norm_weights(layout: Layout, rank: int) -> dict[str, tuple[tuple[Box, float], ...]]:
+    """Per local tensor of ``rank``: ``(local box, 1 / multiplicity)`` of each canonical piece.
+
+    Summing ``weight * sum(grad[box] ** 2)`` over every rank's pieces counts each
+    canonical element's square once. Padding pieces are left out.
+    """
+    mult = canonical_multiplicity(layout)
+    return {
+        lt.name: tuple(
+            (p.local_box, 1.0 / mult[p.canonical]) for p in lt.pieces if p.canonical is not None
+        )
+        for lt in layout.local_tensors(rank)
+    }
+
+
+# -- runtime: norm and clipping ----------------------------------------------------------
+def grad_norm(
+    grads: Mapping[str, Tensor | None],
+    weights: Mapping[str, Sequence[tuple[Box, float]]],
+    *,
+    group: dist.ProcessGroup | None = None,
+) -> float:
+    """The global L2 norm of the gradients the layout describes (collective over ``group``).
+
+    ``grads`` maps this rank's local tensor names to local gradients (``None`` = zero);
+    ``weights`` is :func:`norm_weights` of the same rank. Squares are summed in float64.
+    """
+    missing = sorted(set(weights) - set(grads))
+    if missing:
+        raise LayoutError(
+            f"no gradient entry for layout tensors {missing[:5]}; pass every local tensor "
+            "(None for a zero gradient)"
+        )
+    device = next((g.device for g in grads.values() if g is not None), torch.device("cpu"))
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for name, pieces in weights.items():
+        g = grads[name]
+        if g is None:
+            continue
+        for box, w in pieces:
+            total += w * g[box.slices()].double().square().sum()
+    dist.all_reduce(total, group=group)
+    return float(total.sqrt())
+
+
+def clip_grads_(grads: Sequence[Tensor], norm: float, max_norm: float | None) -> float:
+    """Scale ``grads`` in place like ``torch.nn.utils.clip_grad_norm_``; returns the factor.
+
+    The factor is ``min(1, max_norm / (norm + 1e-6))``; ``max_norm=None`` leaves the
+    gradients alone (factor 1).
+    """
+    if max_norm is None:
+        return 1.0
+    coef = min(1.0, max_norm / (norm + 1e-6))
+    if coef < 1.0 and grads:
+        torch._foreach_mul_(list(grads), coef)
+    return coef
+
+
+def adamw_local_state(
+    optimizer: torch.optim.Optimizer,
+    params: Mapping[str, Tensor],
+    *,
+    create: bool = False,
+) -> dict[str, dict[str, Tensor]]:
+    """AdamW state by layout tensor name: ``{"exp_avg", "exp_avg_sq", "step"}``, live tensors.
+
+    The moments are this rank's local shards (a DTensor's local tensor), sharing
+    storage with the optimizer's state, so writing into them in place restores a
+    checkpoint; ``step`` is the optimizer's own scalar tensor. Parameters without state
+    (before the first step) are left out, or with ``create`` given zero moments and
+    step 0 first (what ``torch.optim.AdamW`` would create, which it then uses).
+    """
+    out: dict[str, dict[str, Tensor]] = {}
+    for name, p in params.items():
+        state = optimizer.state[p]
+        if not state:
+            if not create:
+                continue
+            state["step"] = torch.tensor(0.0, dtype=_step_dtype())
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        out[name] = {
+            "exp_avg": _local_of(state["exp_avg"]).detach(),
+            "exp_avg_sq": _local_of(state["exp_avg_sq"]).detach(),
+            "step": state["step"],
+        }
+    return out
+
+
+def _step_dtype() -> torch.dtype:
+    # torch.optim keeps ``step`` as a float32 scalar tensor (float64 when the default
+    # dtype is float64).
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def _local_of(t: Tensor) -> Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t

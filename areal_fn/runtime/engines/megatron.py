@@ -1,0 +1,464 @@
+"""The Megatron-Core training engine: ``GPTModel`` chunks under a ``megatron_layout``.
+
+Under ``torchrun``, after ``dist.init_process_group`` with as many ranks as the
+layout (gloo on CPU: the redirections of :mod:`~areal_fn.runtime.megatron.cpu` are on
+while the engine is open)::
+
+    with MegatronEngine(spec, ParallelDims(tp=2, pp=2), optimizer=AdamWConfig(lr=1e-5)) as engine:
+        engine.load_canonical(canonical)
+        stats = engine.train_step(split_rows(global_ids, engine.dp_size, engine.dp_rank))
+
+What runs, in order:
+
+- the layout (pure): :func:`~areal_fn.layouts.megatron.megatron_layout` with the stage
+  plan (``stages``, default Megatron's even split); the model's padded vocabulary and
+  the pipeline split come from it (the plan is handed to Megatron as a
+  ``pipeline_model_parallel_layout`` string, so both agree layer for layer);
+- Megatron's ``parallel_state`` for the layout's TP/PP/VPP/CP/EP sizes (checked against
+  the layout's mesh coordinates), the ``GPTModel`` chunks of
+  :mod:`~areal_fn.runtime.megatron.build` (local spec, fp32), each wrapped in Megatron's
+  ``DistributedDataParallel`` (contiguous fp32 gradient buffers, no overlap, no
+  distributed optimizer); every parameter name and local shape is checked against
+  the layout;
+- a step: ``get_forward_backward_func()`` (no pipelining, 1F1B or interleaved 1F1B)
+  over micro-batches of ``micro_batch_size`` rows with ``calculate_per_token_loss``:
+  each micro-batch returns its summed token loss and token count, Megatron's
+  ``finalize_model_grads`` all-reduces the gradient buffers over data parallelism,
+  all-reduces the tied embedding's gradients between the first and last pipeline
+  stage (the embedding group), and divides by the global token count; then the
+  layout-weighted gradient norm (:func:`~areal_fn.runtime.engines.common.grad_norm`),
+  clipping, and ``torch.optim.AdamW`` over the local parameters.
+
+The loss is computed over the real vocabulary only: the logits of the padding rows
+of the output layer (read from the layout's padding pieces) are set to ``-inf``
+before Megatron's vocab-parallel cross entropy, so the engine optimises the same
+function as an unpadded Hugging Face model.
+
+Megatron's own optimizer (``get_megatron_optimizer``) is not used: on CPU it fails
+(``FP32Optimizer`` allocates ``device='cuda'`` tensors, and
+``clip_grad_by_total_norm_fp32`` asserts ``torch.cuda.FloatTensor`` gradients); see
+``docs/engines.md``.
+"""
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from types import TracebackType
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from areal_fn.errors import LayoutError
+from areal_fn.layouts.layout import Layout
+from areal_fn.layouts.megatron import MegatronMeshes, default_stages, megatron_layout
+from areal_fn.model.spec import ModelSpec
+from areal_fn.pipeline.partition import StagePlan, split_evenly
+from areal_fn.plans.convert import Reader, iter_to_megatron, to_hf
+from areal_fn.runtime.engines.common import (
+    AdamWConfig,
+    OptimizerSteps,
+    TokenIds,
+    TokenLogprobs,
+    TokenMask,
+    clip_grads_,
+    grad_norm,
+    next_token_targets,
+    norm_weights,
+)
+from areal_fn.runtime.megatron import build as mb
+from areal_fn.strategy.allocation import Component, ParallelDims
+from areal_fn.typecheck import beartype
+
+__all__ = ["MegatronEngine", "pipeline_layout_string"]
+
+_ADAMW = AdamWConfig()
+
+
+@beartype
+def pipeline_layout_string(plan: StagePlan) -> str:
+    """Megatron's ``pipeline_model_parallel_layout`` for ``plan``: ``"Ett|tt|tL"``.
+
+    One ``|``-separated part per chunk in chunk order (chunk ``j`` is pipeline rank
+    ``j % pp``, virtual stage ``j // pp``, as in Megatron), ``t`` per decoder layer,
+    ``E`` (embedding) in the first, ``L`` (loss) in the last.
+    """
+    parts = []
+    last = plan.num_chunks - 1
+    for chunk in range(plan.num_chunks):
+        body = "t" * len(plan.chunk_layers(chunk))
+        parts.append(("E" if chunk == 0 else "") + body + ("L" if chunk == last else ""))
+    return "|".join(parts)
+
+
+def _plan(spec: ModelSpec, dims: ParallelDims, stages: StagePlan | None) -> StagePlan:
+    if stages is not None:
+        return stages
+    try:
+        return default_stages(spec, dims)
+    except LayoutError:
+        return split_evenly([1.0] * spec.num_layers, dims.pp, vpp=dims.vpp)
+
+
+def _causal_mask(seq: int) -> Tensor:
+    # Megatron's convention: True = masked out; [1, 1, sq, sk].
+    return torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
+
+
+class MegatronEngine(OptimizerSteps):
+    """Megatron-Core ``GPTModel`` chunks trained as ``megatron_layout`` lays them out.
+
+    ``dims``: an allocation ``Component`` or ``ParallelDims`` (dp is what the world
+    leaves, and must equal the world size over ``tp*pp*cp``). ``stages``: the pipeline
+    split (default: Megatron's even split). ``micro_batch_size``: rows per pipeline
+    micro-batch (the interleaved schedule needs a multiple of ``pp`` micro-batches).
+    One engine per process at a time (Megatron's ``parallel_state`` is global); close it
+    (or use it as a context manager) to tear the parallel state down.
+    """
+
+    @beartype
+    def __init__(
+        self,
+        model_spec: ModelSpec,
+        dims: Component | ParallelDims,
+        *,
+        stages: StagePlan | None = None,
+        optimizer: AdamWConfig = _ADAMW,
+        grad_clip: float | None = 1.0,
+        micro_batch_size: int = 1,
+        vocab_divisible_by: int = 128,
+        seed: int = 0,
+    ) -> None:
+        pdims = dims.dims if isinstance(dims, Component) else dims
+        plan = _plan(model_spec, pdims, stages)
+        self.spec = model_spec
+        self.dims = pdims
+        self.layout: Layout = megatron_layout(
+            model_spec, pdims, stages=plan, vocab_divisible_by=vocab_divisible_by
+        )  # pure: fails before any process group is touched
+        mb.rope_kwargs(attrs.asdict(model_spec))  # rope scaling GPTModel cannot apply fails here
+        self.mesh = MegatronMeshes.of(pdims).dense
+        self.grad_clip = grad_clip
+        self.optimizer_config = optimizer
+        self.steps_done = 0  # optimizer steps taken (the LR schedule's position)
+        if micro_batch_size < 1:
+            raise LayoutError(f"micro_batch_size={micro_batch_size} must be >= 1")
+        self.micro_batch_size = micro_batch_size
+        if not dist.is_initialized() or dist.get_world_size() != self.layout.world_size:
+            have = dist.get_world_size() if dist.is_initialized() else "no"
+            raise LayoutError(
+                f"MegatronEngine for {pdims} needs an initialised default process group of "
+                f"{self.layout.world_size} ranks, found {have}; launch that many processes "
+                "and call dist.init_process_group first"
+            )
+        self.rank = dist.get_rank()
+        sizes = mb.MegatronSizes(
+            tp=pdims.tp, pp=pdims.pp, cp=pdims.cp, ep=pdims.ep, etp=pdims.etp, vpp=pdims.vpp
+        )
+        self._stack = contextlib.ExitStack()
+        try:
+            self._stack.enter_context(mb.megatron_session(sizes, seed=seed))
+            self._build(plan, sizes)
+        except BaseException:
+            self._stack.close()
+            raise
+
+    def _build(self, plan: StagePlan, sizes: mb.MegatronSizes) -> None:
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+
+        self._check_ranks()
+        arch = attrs.asdict(self.spec)
+        config = mb.transformer_config(
+            arch,
+            sizes,
+            pipeline_model_parallel_layout=pipeline_layout_string(plan)
+            if self.dims.pp > 1
+            else None,
+            overrides=self._config_overrides(),
+        )
+        prefix = "model0." if self.dims.vpp > 1 else ""
+        vocab = self.layout.tensor(prefix + "embedding.word_embeddings.weight").shape[0]
+        chunks = mb.build_model_chunks(arch, config, vocab_size=vocab)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=False,
+        )
+        self.chunks = [
+            DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
+            for i, chunk in enumerate(chunks)
+        ]
+        config.no_sync_func = (
+            [c.no_sync for c in self.chunks] if len(self.chunks) > 1 else self.chunks[0].no_sync
+        )
+        config.finalize_model_grads_func = finalize_model_grads
+        self.config = config
+        self._params = self._named_params()
+        self._check_params()
+        self._weights = norm_weights(self.layout, self.rank)
+        self._pad_cols = self._padding_columns(plan)
+        self.optimizer = self.optimizer_config.build(list(self._params.values()))
+
+    def _config_overrides(self) -> dict[str, Any]:
+        overrides: dict[str, Any] = {"calculate_per_token_loss": True}
+        # (batched p2p is switched off on gloo by transformer_config itself)
+        return overrides
+
+    # -- checks against the layout -------------------------------------------------------
+    def _check_ranks(self) -> None:
+        from megatron.core import parallel_state as ps
+
+        want = dict(zip(self.mesh.names, self.mesh.coords(self.rank), strict=True))
+        got = {
+            "pp": ps.get_pipeline_model_parallel_rank(),
+            "dp": ps.get_data_parallel_rank(),
+            "cp": ps.get_context_parallel_rank(),
+            "tp": ps.get_tensor_model_parallel_rank(),
+        }
+        if got != want:
+            raise LayoutError(
+                f"rank {self.rank}: Megatron placed it at {got}, the layout's {self.mesh} at "
+                f"{want}; Megatron's rank order must be 'tp-cp-ep-dp-pp'"
+            )
+
+    def _named_params(self) -> dict[str, torch.nn.Parameter]:
+        vpp = self.dims.vpp > 1
+        out = {}
+        for v, chunk in enumerate(self.chunks):
+            for name, p in chunk.module.named_parameters():
+                out[f"model{v}.{name}" if vpp else name] = p
+        return out
+
+    def _check_params(self) -> None:
+        want = {lt.name: lt.shape for lt in self.layout.local_tensors(self.rank)}
+        got = {n: tuple(p.shape) for n, p in self._params.items()}
+        if got != want:
+            diff = sorted(
+                f"{n}: model {got.get(n)}, layout {want.get(n)}"
+                for n in set(got) | set(want)
+                if got.get(n) != want.get(n)
+            )
+            raise LayoutError(
+                f"rank {self.rank}: the GPTModel chunks differ from the megatron layout in "
+                f"{len(diff)} tensor(s): {diff[:6]}"
+            )
+
+    def _padding_columns(self, plan: StagePlan) -> Tensor | None:
+        """Local logit columns of the output layer that are vocabulary padding (last stage).
+
+        The output layer is ``output_layer.weight`` of the last chunk, or the embedding
+        itself for a tied model on one stage; its padding pieces name the columns.
+        """
+        names = {t.name for t in self.layout.tensors}
+        vstage = (plan.num_chunks - 1) // self.dims.pp
+        prefix = f"model{vstage}." if self.dims.vpp > 1 else ""
+        name = prefix + "output_layer.weight"
+        if name not in names:
+            name = "embedding.word_embeddings.weight"
+        local = self.layout.tensor(name).local(self.rank)
+        if local is None:
+            return None
+        pad = torch.ones(local.shape[0], dtype=torch.bool)
+        for piece in local.pieces:
+            if piece.canonical is not None:
+                lo, hi = piece.local_box.ranges[0]
+                pad[lo:hi] = False
+        return pad
+
+    # -- geometry read from the layout -------------------------------------------------
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: how many shares a global batch has."""
+        return self.mesh.axis_size("dp")
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's share of a global batch."""
+        return self.mesh.coords(self.rank)[self.mesh.axis_index("dp")]
+
+    # -- the schedule --------------------------------------------------------------------
+    def _nll(self, logits: Tensor, targets: Tensor) -> Tensor:
+        from megatron.core import tensor_parallel
+
+        assert self._pad_cols is not None  # only called on the last stage
+        masked = logits.float().masked_fill(self._pad_cols, float("-inf"))
+        return tensor_parallel.vocab_parallel_cross_entropy(masked.contiguous(), targets)
+
+    def _schedule(
+        self, input_ids: Tensor, mask: Tensor, *, forward_only: bool
+    ) -> list[dict[str, Tensor]]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        batch, seq = input_ids.shape
+        mbs = self.micro_batch_size
+        if batch % mbs:
+            raise LayoutError(
+                f"{batch} rows do not split into micro-batches of micro_batch_size={mbs}; "
+                "pass a multiple of it"
+            )
+        targets = input_ids[:, 1:]
+        micro = [
+            (input_ids[i : i + mbs], targets[i : i + mbs], mask[i : i + mbs])
+            for i in range(0, batch, mbs)
+        ]
+        position_ids = torch.arange(seq).unsqueeze(0).expand(mbs, seq)
+        attention = _causal_mask(seq)
+
+        def step(data_iterator: Iterator[tuple[Tensor, Tensor, Tensor]], model: Any) -> Any:
+            ids, tgt, m = next(data_iterator)
+            output = model(ids, position_ids, attention)
+
+            def loss_func(logits: Tensor) -> Any:
+                nll = self._nll(logits[:, :-1], tgt)
+                if forward_only:
+                    return nll.sum() * 0.0, {"logprobs": (-nll).detach()}
+                total = (nll * m).sum()
+                count = m.sum().to(torch.int)
+                return total, count, {"sum": total.detach().clone(), "count": count.clone()}
+
+            return output, loss_func
+
+        data: Any = [iter(micro) for _ in self.chunks] if len(self.chunks) > 1 else iter(micro)
+        return list(
+            get_forward_backward_func()(
+                forward_step_func=step,
+                data_iterator=data,
+                model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
+                num_microbatches=len(micro),
+                seq_length=seq,
+                micro_batch_size=mbs,
+                forward_only=forward_only,
+            )
+        )
+
+    def _is_loss_reporter(self) -> bool:
+        from megatron.core import parallel_state as ps
+
+        return (
+            ps.is_pipeline_last_stage(ignore_virtual=True)
+            and ps.get_tensor_model_parallel_rank() == 0
+            and ps.get_context_parallel_rank() == 0
+        )
+
+    # -- training ----------------------------------------------------------------------
+    @beartype
+    def train_step(
+        self,
+        input_ids: TokenIds,
+        loss_mask: TokenMask | None = None,
+    ) -> dict[str, float]:
+        """One optimizer step on this data-parallel rank's rows; same result keys as FSDP2's.
+
+        Every TP and PP rank of one data-parallel share passes the same rows.
+        """
+        _, mask = next_token_targets(input_ids, loss_mask)
+        for chunk in self.chunks:
+            chunk.train()
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad(set_to_none=True)
+        outputs = self._schedule(input_ids, mask, forward_only=False)
+        stats = torch.zeros(2, dtype=torch.float64)
+        if self._is_loss_reporter():
+            for out in outputs:
+                stats[0] += out["sum"].double()
+                stats[1] += out["count"].double()
+        dist.all_reduce(stats)
+        total, count = float(stats[0]), float(stats[1])
+        if count == 0:
+            raise LayoutError("the global batch has no target token (loss_mask is all False)")
+        grads = self.local_grads()
+        norm = grad_norm(grads, self._weights)
+        coef = clip_grads_([g for g in grads.values() if g is not None], norm, self.grad_clip)
+        for p in self._params.values():
+            p.grad = p.main_grad  # type: ignore[attr-defined]
+        lr = self._optimizer_step()
+        return {
+            "loss": total / count,
+            "grad_norm": norm,
+            "clip_coef": coef,
+            "lr": lr,
+            "tokens": count,
+        }
+
+    @beartype
+    def forward_logprobs(self, input_ids: TokenIds) -> TokenLogprobs:
+        """``log p(ids[:, t] | ids[:, :t])`` for ``t >= 1`` over the real vocabulary (eval, no grad).
+
+        Computed on the last pipeline stage through the forward-only schedule and
+        broadcast to every stage, so every rank returns it.
+        """
+        from megatron.core import parallel_state as ps
+
+        targets, mask = next_token_targets(input_ids)
+        modes = [c.training for c in self.chunks]
+        for c in self.chunks:
+            c.eval()
+        try:
+            with torch.no_grad():
+                outputs = self._schedule(input_ids, mask, forward_only=True)
+        finally:
+            for c, mode in zip(self.chunks, modes, strict=True):
+                c.train(mode)
+        if ps.is_pipeline_last_stage(ignore_virtual=True):
+            logp = torch.cat([o["logprobs"] for o in outputs], dim=0).float()
+        else:
+            logp = torch.empty(targets.shape, dtype=torch.float32)
+        if self.dims.pp > 1:
+            dist.broadcast(
+                logp,
+                src=ps.get_pipeline_model_parallel_last_rank(),
+                group=ps.get_pipeline_model_parallel_group(),
+            )
+        return logp
+
+    # -- state -------------------------------------------------------------------------
+    def local_state(self) -> dict[str, Tensor]:
+        """Layout tensor name -> this rank's live local parameter (shares storage)."""
+        return {name: p.detach() for name, p in self._params.items()}
+
+    def local_grads(self) -> dict[str, Tensor | None]:
+        """Layout tensor name -> this rank's gradient (Megatron's ``main_grad`` buffer view).
+
+        After :meth:`train_step`: data-parallel reduced, divided by the global token
+        count, clipped: what the optimizer used.
+        """
+        return {name: getattr(p, "main_grad", None) for name, p in self._params.items()}
+
+    @beartype
+    def load_canonical(self, canonical: "Mapping[str, Tensor] | Reader") -> None:
+        """Write this rank's local tensors from canonical tensors (``to_megatron``; no communication)."""
+        with torch.no_grad():
+            for name, t in iter_to_megatron(canonical, self.layout, self.rank):
+                self._params[name].copy_(t)
+
+    def export_canonical(self) -> dict[str, Tensor]:
+        """Every canonical tensor on every rank: local states all-gathered, then ``to_hf``.
+
+        Collective. Gathers whole local states as objects (simple; the memory of the
+        full model on every rank).
+        """
+        mine = {name: t.detach().cpu().clone() for name, t in self.local_state().items()}
+        states: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(states, mine)
+        return to_hf(dict(enumerate(states)), self.layout)
+
+    # -- lifetime ----------------------------------------------------------------------
+    def close(self) -> None:
+        """Tear down Megatron's parallel state and the CPU redirections (idempotent)."""
+        self._stack.close()
+
+    def __enter__(self) -> "MegatronEngine":
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

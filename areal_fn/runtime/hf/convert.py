@@ -1,0 +1,479 @@
+"""Conversion on disk: an HF checkpoint <-> one safetensors file per rank of a layout.
+
+:func:`convert_to_local` reads an HF checkpoint lazily (only the slices each rank
+needs, :class:`~areal_fn.runtime.hf.io.HfCheckpoint`) and writes
+``rank{r:05d}.safetensors`` per rank plus the source ``config.json`` and its other
+non-weight files (generation config, tokenizer, ...: see
+:mod:`~areal_fn.runtime.hf.files`), byte for byte; this is what
+``areal-fn convert SRC ALLOCATION DST`` does. :func:`convert_back` streams those
+files back into a sharded HF checkpoint with the same ``config.json`` and non-weight
+files: canonical tensors are
+built one at a time (:func:`~areal_fn.plans.convert.iter_to_hf`) from zero-copy
+memory-mapped views of the rank files and written atomically
+(:func:`~areal_fn.runtime.hf.io.write_hf_checkpoint`).
+
+Both are strict: every input is checked before anything is written, a mismatch raises
+:class:`~areal_fn.errors.ConversionError` listing what differs, and a failure leaves
+no partial output under the destination name. Nothing is cast unless ``dtype`` asks.
+"""
+
+import mmap
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+
+import attrs
+import torch
+from safetensors.torch import save_file
+
+from areal_fn.errors import ConversionError
+from areal_fn.layouts.layout import Layout
+from areal_fn.model.spec import ModelSpec, load_hf_config, model_from_hf_config
+from areal_fn.plans.convert import iter_to_hf, iter_to_megatron
+from areal_fn.runtime.hf.files import HfFiles, read_hf_files
+from areal_fn.runtime.hf.io import (
+    HfCheckpoint,
+    is_write_failure,
+    read_safetensors_header,
+    write_error,
+    write_hf_checkpoint,
+)
+from areal_fn.strategy.allocation import Allocation
+from areal_fn.strategy.parse import parse_allocation
+from areal_fn.typecheck import beartype
+
+__all__ = [
+    "LOCAL_FORMAT",
+    "ConvertSummary",
+    "convert_back",
+    "convert_to_local",
+    "layout_of",
+    "rank_file",
+    "read_local",
+]
+
+#: ``metadata["areal_fn"]`` of every rank file this module writes.
+LOCAL_FORMAT = "local/1"
+CONFIG = "config.json"
+_PathLike = str | os.PathLike[str]
+Target = Layout | Allocation | str
+
+
+@attrs.frozen(kw_only=True)
+class ConvertSummary:
+    """What one conversion wrote."""
+
+    path: str
+    ranks: tuple[int, ...]
+    tensors: int
+    bytes: int
+    seconds: float
+    #: ``config.json`` and the other non-weight files copied unchanged (tokenizer, ...).
+    carried: tuple[str, ...] = ()
+    #: ``"name (reason)"`` for what the source holds that was not carried.
+    not_carried: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        text = (
+            f"{self.tensors} tensors, {self.bytes / 2**20:.1f} MiB for {len(self.ranks)} rank(s) "
+            f"in {self.seconds:.2f} s -> {self.path}"
+        )
+        if self.carried:
+            text += f"; carried {', '.join(self.carried)}"
+        if self.not_carried:
+            text += f"; not carried: {', '.join(self.not_carried)}"
+        return text
+
+
+def _carried(hf: HfFiles) -> dict[str, tuple[str, ...]]:
+    return {
+        "carried": hf.names,
+        "not_carried": tuple(f"{n} ({why})" for n, why in hf.skipped),
+    }
+
+
+def rank_file(rank: int) -> str:
+    """The file name of ``rank``'s local state (``rank00003.safetensors``)."""
+    return f"rank{rank:05d}.safetensors"
+
+
+def _rank_of(name: str) -> int | None:
+    stem = name.removesuffix(".safetensors")
+    if name.endswith(".safetensors") and stem.startswith("rank") and stem[4:].isdigit():
+        return int(stem[4:])
+    return None
+
+
+@beartype
+def layout_of(model: ModelSpec, target: Target) -> tuple[Layout, str | None]:
+    """The layout of ``target`` for ``model`` and its allocation string (None for a Layout).
+
+    An allocation with several components means its training component (default
+    options, as ``areal-fn plan`` shows it). A given :class:`Layout` must be one of
+    ``model``: its canonical tensors are compared.
+    """
+    if isinstance(target, Layout):
+        layout, alloc = target, None
+    else:
+        from areal_fn.layouts.layout_for import layout_for
+
+        parsed = parse_allocation(target) if isinstance(target, str) else target
+        comp = parsed.training if len(parsed.components) > 1 else parsed.components[0]
+        layout, alloc = layout_for(model, comp), str(parsed)
+    _check_same_model(layout, model)
+    return layout, alloc
+
+
+def _check_same_model(layout: Layout, model: ModelSpec) -> None:
+    want = {t.name: t.shape for t in model.tensors}
+    have = {t.name: t.shape for t in layout.canonical}
+    if want == have:
+        return
+    missing = [n for n in want if n not in have]
+    extra = [n for n in have if n not in want]
+    shapes = [f"{n}: {have[n]} != {want[n]}" for n in want if n in have and have[n] != want[n]]
+    raise ConversionError(
+        f"the {layout.kind} layout is not one of this {model.model_type} model: "
+        f"tensors it lacks {missing[:5]}, tensors the model lacks {extra[:5]}, "
+        f"shapes {shapes[:5]}; build the layout from the same config"
+    )
+
+
+def _check_ranks(ranks: Sequence[int], world: int) -> tuple[int, ...]:
+    bad = [r for r in ranks if not 0 <= r < world]
+    dup = sorted({r for r in ranks if list(ranks).count(r) > 1})
+    if bad or dup or not ranks:
+        raise ConversionError(
+            f"ranks={list(ranks)}: out of range {bad}, repeated {dup}; pick distinct ranks in "
+            f"0..{world - 1} (the layout has {world} ranks)"
+        )
+    return tuple(ranks)
+
+
+def _check_dest(dst: Path, overwrite: bool) -> None:
+    if dst.exists() and not overwrite:
+        raise ConversionError(f"{dst} already exists; pass overwrite=True or choose another path")
+    if dst.exists() and not dst.is_dir():
+        raise ConversionError(f"{dst} exists and is not a directory")
+
+
+# ------------------------------------------------------------ HF -> per rank
+
+
+@beartype
+def convert_to_local(
+    src_hf_dir: _PathLike,
+    target: Target,
+    dst_dir: _PathLike,
+    *,
+    ranks: Sequence[int] | None = None,
+    dtype: torch.dtype | None = None,
+    overwrite: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> ConvertSummary:
+    """Write ``rank{r:05d}.safetensors`` for ``ranks`` (default all) of ``target``.
+
+    ``target`` is an allocation (string or parsed) or a :class:`Layout` of the model
+    in ``src_hf_dir/config.json``. The checkpoint is checked against the model first
+    (names and shapes); each rank reads only its slices. A new ``dst_dir`` appears
+    whole or not at all; into an existing one (``overwrite=True``, e.g. other ranks
+    converted elsewhere) each file is replaced atomically. ``config.json`` and the other
+    non-weight files of ``src_hf_dir`` are copied next to the rank files unchanged; the
+    summary lists them, and what was not carried (other weight files, subdirectories).
+    ``progress`` is called with each tensor name written.
+    """
+    src, dst = Path(src_hf_dir), Path(dst_dir)
+    start = time.perf_counter()
+    model = model_from_hf_config(src)
+    layout, alloc = layout_of(model, target)
+    chosen = _check_ranks(range(layout.world_size) if ranks is None else ranks, layout.world_size)
+    _check_dest(dst, overwrite)
+    tensors = nbytes = 0
+    with HfCheckpoint(src) as ckpt:
+        ckpt.check(model)
+        hf = read_hf_files(src, weights=ckpt.files)
+        fresh = not dst.exists()
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        out = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent)) if fresh else dst
+        writing: Path | None = None  # the file being written (None: reading the checkpoint)
+        done: list[int] = []
+        try:
+            for r in chosen:
+                state: dict[str, torch.Tensor] = {}
+                for name, t in iter_to_megatron(ckpt.read, layout, r, dtype=dtype):
+                    state[name] = t
+                    tensors += 1
+                    nbytes += t.numel() * t.element_size()
+                    if progress is not None:
+                        progress(name)
+                metadata = {
+                    "format": "pt",
+                    "areal_fn": LOCAL_FORMAT,
+                    "layout": layout.kind,
+                    "allocation": alloc or "",
+                    "rank": str(r),
+                    "world_size": str(layout.world_size),
+                    "model_type": model.model_type,
+                }
+                tmp = out / f".{rank_file(r)}.tmp"
+                writing = dst / rank_file(r)
+                save_file(state, str(tmp), metadata=metadata)
+                os.replace(tmp, out / rank_file(r))
+                writing = None
+                done.append(r)
+                del state
+            for name, data in ((CONFIG, hf.config), *hf.files):
+                writing = dst / name
+                (out / f".{name}.tmp").write_bytes(data)
+                os.replace(out / f".{name}.tmp", out / name)
+            writing = dst
+            if fresh:
+                os.replace(out, dst)
+        except BaseException as e:
+            if fresh:
+                shutil.rmtree(out, ignore_errors=True)
+            else:  # the temporary files of this call, not what the directory held
+                names = [rank_file(r) for r in chosen] + [CONFIG] + [n for n, _ in hf.files]
+                for name in names:
+                    (out / f".{name}.tmp").unlink(missing_ok=True)
+            if writing is not None and is_write_failure(e):
+                left = f"nothing was written to {dst}"
+                if not fresh:
+                    left = f"{dst} holds what it held before" + (
+                        f" but the files of ranks {done}, written before the failure"
+                        if done
+                        else ""
+                    )
+                raise write_error(e, writing, dest=dst, left=left) from None
+            raise
+    return ConvertSummary(
+        path=str(dst),
+        ranks=chosen,
+        tensors=tensors,
+        bytes=nbytes,
+        seconds=round(time.perf_counter() - start, 4),
+        **_carried(hf),
+    )
+
+
+# ------------------------------------------------------------ per rank -> HF
+
+_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+
+@attrs.frozen(kw_only=True)
+class _Header:
+    path: Path
+    metadata: tuple[tuple[str, str], ...]
+    # name -> (dtype code, shape, (begin, end) byte offsets in the data section)
+    entries: tuple[tuple[str, str, tuple[int, ...], tuple[int, int]], ...]
+    data_start: int
+
+
+def _header(path: Path) -> _Header:
+    raw, data_start, _ = read_safetensors_header(path)
+    try:
+        meta = raw.pop("__metadata__", None) or {}
+        entries = [
+            (
+                name,
+                e["dtype"],
+                tuple(int(d) for d in e["shape"]),
+                (int(e["data_offsets"][0]), int(e["data_offsets"][1])),
+            )
+            for name, e in raw.items()
+        ]
+    except (ValueError, KeyError, TypeError, IndexError) as exc:
+        raise ConversionError(
+            f"{path} is not a readable safetensors file: its header lists a tensor without dtype, "
+            f"shape and data_offsets ({exc!r}); the file is corrupted: convert it again"
+        ) from None
+    for name, code, _, _ in entries:
+        if code not in _DTYPES:
+            raise ConversionError(f"{path}: tensor {name!r} has unsupported dtype {code}")
+    return _Header(
+        path=path,
+        metadata=tuple(sorted((str(k), str(v)) for k, v in meta.items())),
+        entries=tuple(entries),
+        data_start=data_start,
+    )
+
+
+@beartype
+def read_local(path: _PathLike) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file as a zero-copy view of a private memory map.
+
+    Pages are read from disk only when touched, and stay file-backed (the OS can drop
+    them); writing to a view never reaches the file. Falls back to a copy for a tensor
+    whose offset is not aligned to its element size.
+    """
+    header = _header(Path(path))
+    out: dict[str, torch.Tensor] = {}
+    with open(header.path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            raise ConversionError(f"{header.path} is empty")
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    buf = torch.frombuffer(mm, dtype=torch.uint8)
+    for name, code, shape, (begin, end) in header.entries:
+        dtype = _DTYPES[code]
+        lo, hi = header.data_start + begin, header.data_start + end
+        if hi > size:
+            raise ConversionError(
+                f"{header.path}: tensor {name!r} runs past the end of the file; the file is "
+                "truncated: convert it again"
+            )
+        raw = buf[lo:hi]
+        item = torch.empty((), dtype=dtype).element_size()
+        if lo % item:
+            raw = raw.clone()
+        out[name] = raw.view(dtype).reshape(shape)
+    return out
+
+
+def _local_files(src: Path) -> dict[int, Path]:
+    if not src.is_dir():
+        raise ConversionError(f"{src} is not a directory of per-rank safetensors files")
+    files = {}
+    for p in sorted(src.iterdir()):
+        r = _rank_of(p.name)
+        if r is not None:
+            files[r] = p
+    if not files:
+        raise ConversionError(
+            f"{src} holds no rank*.safetensors files; convert an HF checkpoint with "
+            "convert_to_local (areal-fn convert) first"
+        )
+    return files
+
+
+def _check_files(
+    headers: Mapping[int, _Header], layout: Layout, alloc: str | None, model: ModelSpec
+) -> None:
+    problems = []
+    world = layout.world_size
+    missing = [r for r in range(world) if r not in headers]
+    extra = sorted(r for r in headers if r >= world)
+    if missing:
+        problems.append(f"no file for ranks {missing[:8]}")
+    if extra:
+        problems.append(f"files for ranks {extra[:8]} outside the layout's {world} ranks")
+    for r, h in sorted(headers.items()):
+        meta = dict(h.metadata)
+        said = {
+            "rank": (meta.get("rank"), str(r)),
+            "world_size": (meta.get("world_size"), str(world)),
+            "allocation": (meta.get("allocation") or None, alloc),
+            "model_type": (meta.get("model_type"), model.model_type),
+        }
+        for key, (got, want) in said.items():
+            if got is not None and want is not None and got != want:
+                problems.append(f"{h.path.name} says {key}={got!r}, expected {want!r}")
+    dtype_of = {(r, name): code for r, h in headers.items() for name, code, _, _ in h.entries}
+    for spec in layout.canonical:
+        codes = {
+            dtype_of[(r, local)]
+            for r, local, _ in layout.holders(spec.name)
+            if (r, local) in dtype_of
+        }
+        if len(codes) > 1:
+            problems.append(f"{spec.name} is held in several dtypes {sorted(codes)}")
+    if problems:
+        raise ConversionError(
+            f"per-rank files do not match the {layout.kind} layout"
+            f"{f' {alloc}' if alloc else ''}: " + "; ".join(problems[:12])
+        )
+
+
+@beartype
+def convert_back(
+    src_dir: _PathLike,
+    target: Target | None,
+    dst_hf_dir: _PathLike,
+    *,
+    model: ModelSpec | None = None,
+    max_shard_bytes: int = 5 << 30,
+    check_replicas: bool = True,
+    overwrite: bool = False,
+) -> ConvertSummary:
+    """Per-rank safetensors files (every rank of ``target``) -> a sharded HF checkpoint.
+
+    ``target`` is the allocation or layout the files were written for (``None``: the
+    allocation recorded in the files). ``model`` defaults to ``src_dir/config.json``,
+    which is copied to the checkpoint unchanged (otherwise ``model.hf_config()`` is
+    written, and the summary says so), as are the other non-weight files of ``src_dir``
+    (tokenizer, generation config). Refused, before anything is written, with every mismatch listed: missing
+    or extra rank files, files written for another allocation, world size or model
+    type, a tensor held in several dtypes, local tensors with other names or shapes.
+    With ``check_replicas`` every replicated copy must agree bitwise.
+    """
+    src, dst = Path(src_dir), Path(dst_hf_dir)
+    start = time.perf_counter()
+    files = _local_files(src)
+    headers = {r: _header(p) for r, p in files.items()}
+    config: dict[str, object] | None = None
+    if model is None:
+        if not (src / CONFIG).is_file():
+            raise ConversionError(f"{src} has no {CONFIG}; pass model= (a ModelSpec)")
+        config = load_hf_config(src / CONFIG)
+        model = model_from_hf_config(config)
+    elif (src / CONFIG).is_file():
+        config = load_hf_config(src / CONFIG)
+        if model_from_hf_config(config).tensors != model.tensors:
+            raise ConversionError(
+                f"{src / CONFIG} describes another model than model=; drop model= or the file"
+            )
+    if target is None:
+        recorded = {dict(h.metadata).get("allocation") or "" for h in headers.values()}
+        if len(recorded) != 1 or "" in recorded:
+            raise ConversionError(
+                f"the rank files of {src} record allocations {sorted(recorded)}; pass the "
+                "allocation or layout they were written for"
+            )
+        target = recorded.pop()
+    layout, alloc = layout_of(model, target)
+    _check_files(headers, layout, alloc, model)
+    _check_dest(dst, overwrite)
+    hf = read_hf_files(src, weights=[p.name for p in files.values()], config=model.hf_config())
+    states = {r: read_local(files[r]) for r in range(layout.world_size)}
+    counted = [0, 0]
+
+    def count(items: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in items:
+            counted[0] += 1
+            counted[1] += t.numel() * t.element_size()
+            yield name, t
+
+    write_hf_checkpoint(
+        dst,
+        count(iter_to_hf(states, layout, check_replicas=check_replicas)),
+        config=hf.config,
+        model=model,
+        files=hf.files,
+        max_shard_bytes=max_shard_bytes,
+        overwrite=overwrite,
+    )
+    return ConvertSummary(
+        path=str(dst),
+        ranks=tuple(range(layout.world_size)),
+        tensors=counted[0],
+        bytes=counted[1],
+        seconds=round(time.perf_counter() - start, 4),
+        **_carried(hf),
+    )

@@ -1,0 +1,330 @@
+"""Hugging Face checkpoint IO: lazy sliced reads and streaming, atomic sharded writes.
+
+Reading: :class:`HfCheckpoint` opens a directory holding ``model.safetensors`` or a
+sharded set with ``model.safetensors.index.json``; ``read(name, box)`` memory-maps
+only the requested slice of one tensor, so a rank converting its shard never loads
+the whole model. Writing: :func:`write_hf_checkpoint` takes tensors one at a time,
+cuts shards of at most ``max_shard_bytes``, writes the index and ``config.json``
+into a temporary directory and renames it into place, so a crash never leaves a
+half-written checkpoint under the final name; ``config.json`` and the other non-weight
+files (tokenizer, generation config) are written into it as given.
+"""
+
+import errno
+import json
+import os
+import re
+import shutil
+import struct
+import tempfile
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from areal_fn.errors import ConversionError
+from areal_fn.model.spec import ModelSpec
+from areal_fn.plans.convert import check_canonical
+from areal_fn.sharding.box import Box
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+# -- damaged files and failed writes --------------------------------------------------
+
+
+def _reason(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"
+
+
+def _unreadable(path: Path, detail: str, *, truncated: bool) -> ConversionError:
+    damage = "truncated or corrupted" if truncated else "corrupted"
+    return ConversionError(
+        f"{path} is not a readable safetensors file: {detail}; the file is {damage}: download "
+        "or save it again"
+    )
+
+
+def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int, int]:
+    """The JSON header of a safetensors file, where its data starts, and the file's size.
+
+    ``ConversionError`` saying what is wrong otherwise: shorter than its header length
+    or its tensors' data say (truncated), a header that is not JSON (garbled).
+    """
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise _unreadable(
+                    path,
+                    f"it has {size} bytes, not even the 8 of the header length",
+                    truncated=True,
+                )
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                raise _unreadable(
+                    path, f"its header length says {n} bytes, {size - 8} follow", truncated=True
+                )
+            raw = f.read(n)
+    except OSError as e:
+        raise ConversionError(f"{path} cannot be read ({_reason(e)})") from None
+    try:
+        header = json.loads(raw)
+        if not isinstance(header, dict):
+            raise ValueError(f"a JSON {type(header).__name__}, not an object")
+        end = 0
+        for name, entry in header.items():
+            if name != "__metadata__":
+                _begin, stop = (int(x) for x in entry["data_offsets"])
+                end = max(end, stop)
+    except (ValueError, KeyError, TypeError) as e:
+        raise _unreadable(path, f"its header is not JSON ({_reason(e)})", truncated=False) from None
+    if 8 + n + end > size:
+        raise _unreadable(
+            path,
+            f"its tensors' data ends at byte {8 + n + end}, the file has {size} bytes",
+            truncated=True,
+        )
+    return header, 8 + n, size
+
+
+def _open(path: Path) -> Any:
+    """``safe_open`` of ``path``; ``ConversionError`` naming the file and its defect."""
+    try:
+        return safe_open(path, framework="pt")
+    except (SafetensorError, OSError) as e:
+        read_safetensors_header(path)  # raises, saying what is wrong, when it can tell
+        raise _unreadable(path, f"safetensors refuses it ({_reason(e)})", truncated=False) from None
+
+
+def is_write_failure(e: BaseException) -> bool:
+    """An error of the OS writing a file (safetensors reports its own as SafetensorError)."""
+    return isinstance(e, (OSError, SafetensorError))
+
+
+def write_error(
+    e: BaseException, what: "str | os.PathLike[str]", *, dest: Path, left: str
+) -> ConversionError:
+    """``ConversionError`` for a failed write of ``what`` under ``dest``: the OS's reason,
+    what to do about it, and what ``left`` (say) of the destination."""
+    code = e.errno if isinstance(e, OSError) else None
+    if code is None and (m := re.search(r"\(os error (\d+)\)", str(e))):
+        code = int(m.group(1))
+    reason = f"{os.strerror(code)} ({errno.errorcode.get(code, code)})" if code else _reason(e)
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        remedy = f"free space on the disk of {dest.parent} or write elsewhere"
+    elif code == errno.EFBIG:
+        remedy = "raise the limit on file size (ulimit -f) or write elsewhere"
+    else:
+        remedy = f"check that {dest.parent} can be written to, or write elsewhere"
+    return ConversionError(f"cannot write {what}: {reason}; {remedy}; {left}")
+
+
+def _written(e: BaseException, tmp: Path, dest: Path) -> Path:
+    """The destination file a failed write in the temporary ``tmp`` was for."""
+    name = Path(str(e.filename)) if isinstance(e, OSError) and e.filename else None
+    if name is None or name.parent != tmp:
+        return dest
+    n = name.name
+    return dest / (n[1:-4] if n.startswith(".") and n.endswith(".tmp") else n)
+
+
+class HfCheckpoint:
+    """A lazily read HF safetensors checkpoint (use as a context manager)."""
+
+    def __init__(self, path: "str | os.PathLike[str]") -> None:
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise ConversionError(f"HF checkpoint {self.path} is not a directory")
+        index = self.path / INDEX
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError) as e:
+                raise ConversionError(f"{index} is not a valid safetensors index ({e})") from None
+            self._file_of: dict[str, str] = dict(weight_map)
+        elif (self.path / SINGLE).exists():
+            self._file_of = {}
+            with _open(self.path / SINGLE) as f:
+                for k in f.keys():
+                    self._file_of[k] = SINGLE
+        else:
+            raise ConversionError(f"{self.path} holds neither {SINGLE} nor {INDEX}")
+        self._handles: dict[str, object] = {}
+
+    def _handle(self, fname: str):  # type: ignore[no-untyped-def]
+        if fname not in self._handles:
+            f = self.path / fname
+            if not f.exists():
+                raise ConversionError(f"{f} is named by the index but does not exist")
+            self._handles[fname] = _open(f)
+        return self._handles[fname]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._file_of)
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        """The weight files read: the safetensors files (and the index when sharded)."""
+        index = (INDEX,) if (self.path / INDEX).exists() else ()
+        return (*index, *sorted(set(self._file_of.values())))
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._slice(name).get_shape())
+
+    def dtype(self, name: str) -> str:
+        return str(self._slice(name).get_dtype())
+
+    def _slice(self, name: str):  # type: ignore[no-untyped-def]
+        if name not in self._file_of:
+            raise ConversionError(f"tensor {name!r} is not in the checkpoint {self.path}")
+        return self._handle(self._file_of[name]).get_slice(name)
+
+    def read(self, name: str, box: Box) -> torch.Tensor:
+        """Only ``box`` of tensor ``name`` (memory-mapped, copied out)."""
+        sl = self._slice(name)
+        if box.ndim != len(sl.get_shape()):
+            raise ConversionError(
+                f"box {box} has {box.ndim} dims, {name!r} has shape {tuple(sl.get_shape())}"
+            )
+        if box.ndim == 0:
+            return self._handle(self._file_of[name]).get_tensor(name)
+        return sl[box.slices()]
+
+    def read_full(self, name: str) -> torch.Tensor:
+        return self._handle(self._file_of[name]).get_tensor(name)
+
+    def check(self, model: ModelSpec, *, allow_missing: bool = False) -> None:
+        """``ConversionError`` listing missing, extra and mis-shaped tensors against ``model``."""
+        fake = {n: torch.empty(self.shape(n), device="meta") for n in self.names}
+        check_canonical(fake, model.tensors, allow_missing=allow_missing)
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def __enter__(self) -> "HfCheckpoint":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def write_hf_checkpoint(
+    path: "str | os.PathLike[str]",
+    tensors: "Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]",
+    *,
+    config: Mapping[str, object] | bytes | None = None,
+    model: ModelSpec | None = None,
+    files: "Mapping[str, bytes] | Iterable[tuple[str, bytes]]" = (),
+    max_shard_bytes: int = 5 << 30,
+    overwrite: bool = False,
+) -> Path:
+    """Write tensors as a (sharded) HF safetensors checkpoint at ``path``, atomically.
+
+    With ``model`` given, the names and shapes written must be exactly the model's
+    canonical tensors (``ConversionError`` otherwise, and nothing is written).
+    ``config`` is written as ``config.json``: bytes as they are (the file as read), a
+    mapping with sorted keys; absent, ``model.hf_config()``. ``files`` (name, content)
+    are written next to it byte for byte (``generation_config.json``, tokenizer files:
+    see :mod:`areal_fn.runtime.hf.files`).
+    """
+    from areal_fn.runtime.hf.files import HfFiles, carried_files
+
+    extra = carried_files(files)
+    if isinstance(config, bytes):
+        HfFiles(config=config)  # a JSON object, or ConversionError
+    dest = Path(path)
+    if dest.exists() and not overwrite:
+        raise ConversionError(
+            f"{dest} already exists; pass overwrite=True or choose another directory"
+        )
+    if max_shard_bytes < 1:
+        raise ConversionError(f"max_shard_bytes={max_shard_bytes} must be >= 1")
+    items: Iterator[tuple[str, torch.Tensor]] = iter(
+        tensors.items() if isinstance(tensors, Mapping) else tensors
+    )
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    left = (
+        f"nothing was written to {dest}"
+        if not dest.exists()
+        else f"{dest} holds what it held before"
+    )
+    writing: str | None = None  # what is being written (None: reading the tensors)
+    try:
+        shards: list[list[str]] = []
+        current: dict[str, torch.Tensor] = {}
+        size = 0
+        total = 0
+        seen: dict[str, tuple[int, ...]] = {}
+
+        def flush() -> None:
+            nonlocal current, size, writing
+            if current:
+                writing = f"{dest} (its shard {len(shards) + 1})"
+                save_file(
+                    current, str(tmp / f"shard-{len(shards):05d}.tmp"), metadata={"format": "pt"}
+                )
+                writing = None
+                shards.append(list(current))
+                current, size = {}, 0
+
+        for name, t in items:
+            if name in seen:
+                raise ConversionError(f"tensor {name!r} given twice")
+            seen[name] = tuple(t.shape)
+            nbytes = t.numel() * t.element_size()
+            if current and size + nbytes > max_shard_bytes:
+                flush()
+            current[name] = t.detach().contiguous()
+            size += nbytes
+            total += nbytes
+        flush()
+        if model is not None:
+            fake = {n: torch.empty(s, device="meta") for n, s in seen.items()}
+            check_canonical(fake, model.tensors)
+        writing = str(dest)
+        n = len(shards)
+        weight_map: dict[str, str] = {}
+        for i, names in enumerate(shards):
+            final = SINGLE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(tmp / f"shard-{i:05d}.tmp", tmp / final)
+            for name in names:
+                weight_map[name] = final
+        if n > 1:
+            (tmp / INDEX).write_text(
+                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+            )
+        if isinstance(config, bytes):
+            (tmp / "config.json").write_bytes(config)
+        else:
+            cfg = (
+                dict(config)
+                if config is not None
+                else (model.hf_config() if model is not None else None)
+            )
+            if cfg is not None:
+                (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+        for name, data in extra:
+            (tmp / name).write_bytes(data)
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        if dest.exists():
+            left = f"{dest} may be partly deleted: write it again"
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+        return dest
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if writing is not None and is_write_failure(e):
+            what = writing if writing != str(dest) else _written(e, tmp, dest)
+            raise write_error(e, what, dest=dest, left=left) from None
+        raise

@@ -1,0 +1,1 @@
+"""The sharding algebra: boxes, meshes, placements, shardings, PartitionSpec, shard/unshard, pictures of rank grids."""

@@ -1,0 +1,1 @@
+"""Parallel strategies: allocation records, the allocation grammar, the rules every path checks degrees with."""

@@ -1,0 +1,530 @@
+"""`parse_allocation`: allocation strings -> :class:`~areal_fn.strategy.allocation.Allocation`.
+
+A hand-written recursive-descent parser for the grammar in ``docs/allocation.md``.
+Every invalid string raises :class:`~areal_fn.errors.ParseError`; its message says
+what was expected, then shows the input with a caret under the offending character.
+"""
+
+import re
+import string
+import unicodedata
+from typing import NoReturn
+
+from areal_fn.errors import ParseError, SpecError
+from areal_fn.strategy.allocation import (
+    MAX_DEGREE,
+    MAX_WORLD_SIZE,
+    Allocation,
+    Backend,
+    Component,
+    ParallelDims,
+    choices,
+)
+from areal_fn.typecheck import beartype
+
+__all__ = ["parse_allocation"]
+
+#: Whitespace stripped at both ends and allowed around '+' and '|'.
+_WS = " \t\r\n"
+_DIGITS = "0123456789"
+_LETTERS = frozenset(string.ascii_letters)
+_NAME_START = frozenset(string.ascii_letters + "_")
+_WORD = frozenset(string.ascii_letters + string.digits + "_")
+_MAX_DIGITS = len(str(MAX_DEGREE))
+_BACKENDS = {b.value: b for b in Backend}
+_BACKEND_LIST = "sglang, vllm, fsdp, megatron"
+_DIM_NAMES = {
+    "d": "data parallel",
+    "p": "pipeline parallel",
+    "t": "tensor parallel",
+    "c": "context parallel",
+    "e": "expert parallel",
+    "v": "virtual pipeline stages",
+}
+#: Anything but printable ASCII and the whitespace in _WS.
+_NOT_ALLOWED = re.compile(r"[^\x20-\x7e\t\r\n]")
+_BARE_DIMS = re.compile(r"[dptcev][dptcev0-9]*")
+_WELL_FORMED_DIMS = re.compile(r"(?:[dptcev][1-9][0-9]*)+")
+#: Characters shown on either side of the caret in a message.
+_WINDOW = 60
+
+# (section, backend) -> (dims taken with any value, dims taken only as 1).
+_SECTION_DIMS: dict[tuple[str, Backend], tuple[str, str]] = {
+    ("plain", Backend.SGLANG): ("dpt", ""),
+    ("plain", Backend.VLLM): ("dpt", ""),
+    ("plain", Backend.FSDP): ("dtc", "pe"),
+    ("plain", Backend.MEGATRON): ("dptcev", ""),
+    ("attn", Backend.MEGATRON): ("dptcv", ""),
+    ("ffn", Backend.MEGATRON): ("dpte", ""),
+}
+
+Dims = dict[str, tuple[int, int]]  # letter -> (value, position of the letter)
+
+
+@beartype
+def parse_allocation(text: str) -> Allocation:
+    """Parse an allocation string such as ``sglang:d4t2+megatron:d2p2t2``.
+
+    ``+`` joins disaggregated groups (disjoint consecutive rank ranges), ``|``
+    colocates components (shared ranks; binds tighter than ``+``). A component is
+    ``backend[name]:dims`` with the name optional, or the megatron hybrid form
+    ``megatron[name]:(attn:dims|ffn:dims)``. Whitespace is stripped at both ends and
+    allowed around ``+`` and ``|``, nowhere else.
+
+    Raises :class:`~areal_fn.errors.ParseError` for every invalid string.
+    """
+    return _Parser(text).allocation()
+
+
+def _show(ch: str) -> str:
+    if ch == "\t":
+        return "\\t"
+    if ch == "\n":
+        return "\\n"
+    if ch == "\r":
+        return "\\r"
+    if ch.isprintable():
+        return ch
+    code = ord(ch)
+    return (
+        f"\\x{code:02x}"
+        if code < 0x100
+        else f"\\u{code:04x}"
+        if code < 0x10000
+        else f"\\U{code:08x}"
+    )
+
+
+def _width(shown: str) -> int:
+    if len(shown) != 1:
+        return len(shown)
+    if unicodedata.combining(shown):
+        return 0
+    return 2 if unicodedata.east_asian_width(shown) in "WF" else 1
+
+
+def _pointer(text: str, pos: int) -> str:
+    """Two lines: the input (escaped, windowed if long) and a caret under ``pos``."""
+    lo = max(0, pos - _WINDOW)
+    hi = min(len(text), pos + _WINDOW)
+    head = "..." if lo > 0 else ""
+    tail = "..." if hi < len(text) else ""
+    shown = [_show(ch) for ch in text[lo:hi]]
+    column = len(head) + sum(_width(s) for s in shown[: pos - lo])
+    return f"    {head}{''.join(shown)}{tail}\n    {' ' * column}^"
+
+
+def _char(ch: str) -> str:
+    if ch in _WS:
+        return f"whitespace {ch!r}"
+    if " " <= ch <= "~":
+        return repr(ch)
+    name = unicodedata.name(ch, "")
+    return f"'{_show(ch)}' (U+{ord(ch):04X}{' ' + name if name else ''})"
+
+
+def _short(word: str) -> str:
+    return word if len(word) <= 24 else word[:20] + "..."
+
+
+class _Parser:
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.end = len(text.rstrip(_WS))
+        self.pos = len(text) - len(text.lstrip(_WS)) if self.end else 0
+        self.names: dict[str, int] = {}
+        self.unnamed: list[tuple[int, Backend]] = []
+        self.count = 0
+
+    # -- helpers ---------------------------------------------------------------
+    def fail(self, pos: int, what: str) -> NoReturn:
+        raise ParseError(f"invalid allocation: {what}\n{_pointer(self.text, pos)}")
+
+    def got(self, pos: int) -> str:
+        if pos >= self.end:
+            return "end of input"
+        ch = self.text[pos]
+        if ch in _WS:
+            return f"{_char(ch)} (whitespace is allowed only around '+' and '|' and at both ends)"
+        return _char(ch)
+
+    def expected(self, what: str, pos: int | None = None) -> NoReturn:
+        at = self.pos if pos is None else pos
+        self.fail(at, f"expected {what}, got {self.got(at)}")
+
+    def peek(self) -> str:
+        return self.text[self.pos] if self.pos < self.end else ""
+
+    def skip_ws(self) -> None:
+        while self.pos < self.end and self.text[self.pos] in _WS:
+            self.pos += 1
+
+    def word(self) -> str:
+        start = self.pos
+        while self.pos < self.end and self.text[self.pos] in _WORD:
+            self.pos += 1
+        return self.text[start : self.pos]
+
+    # -- grammar ---------------------------------------------------------------
+    def allocation(self) -> Allocation:
+        bad = _NOT_ALLOWED.search(self.text)
+        if bad is not None:
+            i, ch = bad.start(), bad.group()
+            if ch.isdigit():
+                self.fail(
+                    i, f"non-ASCII digit {_char(ch)}; write numbers with the ASCII digits 0-9"
+                )
+            self.fail(
+                i,
+                f"character {_char(ch)} is not allowed; allocation strings are printable "
+                f"ASCII: backends, names, dims, ':', '[', ']', '(', ')', '+', '|'",
+            )
+        if self.pos >= self.end:
+            self.fail(
+                self.pos,
+                "empty allocation; expected at least one component such as 'fsdp:d8' or "
+                "'sglang:d4t2+megatron:d2p2t2'",
+            )
+        groups: list[tuple[Component, ...]] = []
+        total = 0
+        while True:
+            start = self.pos
+            group = self.group()
+            total += group[0].world_size
+            if total > MAX_WORLD_SIZE:
+                self.fail(
+                    start,
+                    f"the allocation needs {total} ranks up to here, more than the maximum "
+                    f"{MAX_WORLD_SIZE} (2**20); use smaller degrees or fewer components",
+                )
+            groups.append(group)
+            self.skip_ws()
+            if self.pos >= self.end:
+                break
+            if self.peek() == "+":
+                self.pos += 1
+                self.skip_ws()
+                if self.pos >= self.end:
+                    self.expected("a component after '+'")
+                continue
+            if self.peek() == ")":
+                self.fail(self.pos, "unbalanced parentheses: ')' has no matching '('")
+            if self.peek() == "." and self.text[self.pos - 1] in _DIGITS:
+                self.fail(self.pos, "unexpected '.': degrees are whole numbers such as 'd4'")
+            self.expected("'+', '|' or end of input after a component")
+        if self.count >= 3 and self.unnamed:
+            pos, backend = self.unnamed[0]
+            self.fail(
+                pos,
+                f"with {self.count} components every component needs a name, and this one "
+                f"has none; name it, e.g. "
+                f"'{backend.value}[{'rollout' if backend.is_inference else 'actor'}]:...'",
+            )
+        try:
+            return Allocation(groups=tuple(groups))
+        except SpecError as exc:  # the checks above should have caught it first
+            self.fail(0, str(exc))
+
+    def group(self) -> tuple[Component, ...]:
+        first_start = self.pos
+        comps = [self.component()]
+        while True:
+            save = self.pos
+            self.skip_ws()
+            if self.peek() != "|":
+                self.pos = save
+                return tuple(comps)
+            self.pos += 1
+            self.skip_ws()
+            if self.pos >= self.end:
+                self.expected("a component after '|'")
+            start = self.pos
+            comp = self.component()
+            if comp.world_size != comps[0].world_size:
+                first = self.text[first_start:save].rstrip(_WS)
+                self.fail(
+                    start,
+                    f"colocated components share one rank range and need equal world sizes: "
+                    f"{_short(first)!r} has {comps[0].world_size}, this one has "
+                    f"{comp.world_size}; change the degrees or disaggregate with '+'",
+                )
+            comps.append(comp)
+
+    def component(self) -> Component:
+        start = self.pos
+        backend = self.backend(self.word(), start)
+        name = self.name() if self.peek() == "[" else None
+        if self.peek() != ":":
+            if self.peek() == "(" and self.text.startswith("(attn", self.pos):
+                self.fail(
+                    self.pos,
+                    f"expected ':' before the hybrid form: write '{backend.value}:(attn:...|ffn:...)'",
+                )
+            if self.peek() == "(":
+                self.expected(
+                    f"':' or '[' after '{backend.value}' (names go in square brackets, e.g. '{backend.value}[actor]:d4')"
+                )
+            self.expected(f"':' after the backend '{backend.value}' (e.g. '{backend.value}:d4')")
+        self.pos += 1
+        if self.peek() == "(":
+            dims = self.hybrid(backend, start)
+        else:
+            dims = self.plain(backend, start)
+        self.count += 1
+        if name is None:
+            self.unnamed.append((start, backend))
+        try:
+            return Component(name=name, backend=backend, dims=dims)
+        except SpecError as exc:  # the checks above should have caught it first
+            self.fail(start, str(exc))
+
+    def backend(self, word: str, start: int) -> Backend:
+        if word in _BACKENDS:
+            return _BACKENDS[word]
+        ch = self.peek()
+        hybrid = "missing backend before the hybrid form; write 'megatron:(attn:...|ffn:...)'"
+        if not word:
+            if ch == "[":
+                self.fail(
+                    start,
+                    "missing backend before '[': a component starts with its backend, e.g. 'fsdp[actor]:d4'",
+                )
+            if self.text.startswith("(attn", start):
+                self.fail(start, hybrid)
+            if ch == "(":
+                self.fail(
+                    start,
+                    "unexpected '(': parentheses only enclose the megatron hybrid form 'megatron:(attn:...|ffn:...)'",
+                )
+            if ch == ")":
+                self.fail(start, "unbalanced parentheses: ')' has no matching '('")
+            self.expected(f"a component starting with a backend ({_BACKEND_LIST})")
+        if word in ("attn", "ffn"):
+            self.fail(start, hybrid)
+        if _BARE_DIMS.fullmatch(word) and ch not in (":", "["):
+            example = f"megatron:{word}" if _WELL_FORMED_DIMS.fullmatch(word) else "fsdp:d4"
+            self.fail(
+                start,
+                f"missing backend: {_short(word)!r} has no backend; start every component "
+                f"with one of {_BACKEND_LIST}, e.g. {example!r}",
+            )
+        if word.lower() in _BACKENDS:
+            self.fail(
+                start,
+                f"unknown backend {_short(word)!r}; backends are lower case: write {word.lower()!r}",
+            )
+        if word == "archon":
+            self.fail(start, f"backend 'archon' is not supported; expected one of {_BACKEND_LIST}")
+        self.fail(start, f"unknown backend {_short(word)!r}; expected one of {_BACKEND_LIST}")
+
+    def name(self) -> str:
+        open_pos = self.pos
+        self.pos += 1
+        name_pos = self.pos
+        if self.peek() not in _NAME_START:
+            self.expected("a name after '[' (a letter or '_', then letters, digits or '_')")
+        name = self.word()
+        if self.peek() != "]":
+            self.expected(f"']' to close the name opened at position {open_pos}")
+        self.pos += 1
+        if name in self.names:
+            self.fail(
+                name_pos,
+                f"duplicate name {_short(name)!r} (first at position {self.names[name]}); "
+                f"every name must be unique",
+            )
+        self.names[name] = name_pos
+        return name
+
+    def dims(self, backend: Backend, section: str) -> Dims:
+        taken, unit_only = _SECTION_DIMS[(section, backend)]
+        seen: Dims = {}
+        while self.pos < self.end and self.text[self.pos] in _LETTERS:
+            letter_pos = self.pos
+            letter = self.text[letter_pos]
+            if letter not in taken and letter not in unit_only:
+                self.fail(letter_pos, _refusal(backend, section, letter))
+            if letter in seen:
+                self.fail(
+                    letter_pos,
+                    f"repeated dimension {letter!r} ({_DIM_NAMES[letter]}), first given at "
+                    f"position {seen[letter][1]}; give each dimension at most once",
+                )
+            self.pos += 1
+            value = self.number(letter)
+            if letter in unit_only and value != 1:
+                self.fail(
+                    letter_pos,
+                    f"{backend.value} does not support {letter} ({_DIM_NAMES[letter]}) > 1, got "
+                    f"{letter}{value}; use megatron for {_DIM_NAMES[letter]}ism",
+                )
+            seen[letter] = (value, letter_pos)
+        if not seen:
+            where = f"'{section}:'" if section != "plain" else f"'{backend.value}:'"
+            self.expected(
+                f"a dimension such as 'd4' after {where} ({_where(backend, section)} takes "
+                f"{_takes(backend, section)})"
+            )
+        return seen
+
+    def number(self, letter: str) -> int:
+        start = self.pos
+        while self.pos < self.end and self.text[self.pos] in _DIGITS:
+            self.pos += 1
+        digits = self.text[start : self.pos]
+        if not digits:
+            self.expected(f"a number after {letter!r} (e.g. '{letter}2')")
+        if digits[0] == "0":
+            if digits.strip("0") == "":
+                self.fail(
+                    start,
+                    f"{letter}{_short(digits)}: every degree must be >= 1, got 0; write "
+                    f"{letter}1 or leave {letter} out (an omitted dimension is 1)",
+                )
+            self.fail(
+                start,
+                f"{letter}{_short(digits)} has a leading zero; write {letter}{_short(digits.lstrip('0'))}",
+            )
+        if len(digits) > _MAX_DIGITS or int(digits) > MAX_DEGREE:
+            self.fail(
+                start,
+                f"{letter}{_short(digits)} is too large ({len(digits)} digits); every degree is "
+                f"at most {MAX_DEGREE} (2**20)",
+            )
+        return int(digits)
+
+    def plain(self, backend: Backend, start: int) -> ParallelDims:
+        if self.text.startswith("attn:", self.pos) or self.text.startswith("ffn:", self.pos):
+            self.fail(
+                self.pos, "the hybrid form needs parentheses: write 'megatron:(attn:...|ffn:...)'"
+            )
+        seen = self.dims(backend, "plain")
+        d, p, t, c, e, v = (seen.get(k, (1, -1))[0] for k in "dptcev")
+        self.check_world(start, d, p, t, c)
+        self.check_vpp(seen, p)
+        if (d * t * c) % e:
+            self.fail(
+                seen["e"][1],
+                f"e{e} (expert parallel) must divide d*t*c = {d}*{t}*{c} = {d * t * c}, the "
+                f"ranks of one pipeline stage that the experts are spread over; use e in "
+                f"{choices(d * t * c)}",
+            )
+        return ParallelDims(dp=d, tp=t, pp=p, cp=c, ep=e, vpp=v)
+
+    def hybrid(self, backend: Backend, start: int) -> ParallelDims:
+        open_pos = self.pos
+        if backend is not Backend.MEGATRON:
+            self.fail(
+                open_pos,
+                f"the hybrid form '(attn:...|ffn:...)' is only for megatron, not "
+                f"{backend.value}; write 'megatron:(attn:...|ffn:...)'",
+            )
+        self.pos += 1
+        self.keyword("attn", "the attn section comes first: '(attn:...|ffn:...)'")
+        attn = self.dims(backend, "attn")
+        self.skip_ws()
+        if self.peek() != "|":
+            self.expected("'|' and the ffn section after the attn section (e.g. '|ffn:e2')")
+        self.pos += 1
+        self.skip_ws()
+        ffn_pos = self.pos
+        self.keyword("ffn", "the hybrid form has one attn and one ffn section")
+        ffn = self.dims(backend, "ffn")
+        if self.peek() != ")":
+            if self.pos >= self.end:
+                self.fail(
+                    self.pos,
+                    f"unbalanced parentheses: expected ')' to close the '(' at position "
+                    f"{open_pos}, got end of input",
+                )
+            self.expected(f"')' to close the '(' at position {open_pos}")
+        self.pos += 1
+        d, p, t, c, v = (attn.get(k, (1, -1))[0] for k in "dptcv")
+        world = self.check_world(start, d, p, t, c)
+        self.check_vpp(attn, p)
+        if "p" in ffn and ffn["p"][0] != p:
+            self.fail(
+                ffn["p"][1],
+                f"ffn p{ffn['p'][0]} differs from attn p{p}; attention and expert layers "
+                f"share one pipeline: write the same p in both sections or leave it out of ffn",
+            )
+        etp, ep = ffn.get("t", (1, -1))[0], ffn.get("e", (1, -1))[0]
+        stage = d * t * c
+        if "d" in ffn:
+            edp = ffn["d"][0]
+            ffn_world = edp * p * etp * ep
+            if ffn_world != world:
+                remedy = (
+                    f"write ffn d{stage // (etp * ep)} or leave ffn d out to derive it"
+                    if stage % (etp * ep) == 0
+                    else f"choose ffn t*e in {choices(stage)}"
+                )
+                self.fail(
+                    ffn_pos,
+                    f"the ffn section covers d*p*t*e = {edp}*{p}*{etp}*{ep} = {ffn_world} ranks "
+                    f"but the attn section covers d*p*t*c = {d}*{p}*{t}*{c} = {world}; both "
+                    f"sections must cover the same ranks: {remedy}",
+                )
+        elif stage % (etp * ep):
+            self.fail(
+                ffn_pos,
+                f"cannot derive ffn d: ffn t*e = {etp}*{ep} = {etp * ep} does not divide "
+                f"attn d*t*c = {d}*{t}*{c} = {stage}, the ranks of one pipeline stage; choose "
+                f"ffn t*e in {choices(stage)}",
+            )
+        return ParallelDims(dp=d, tp=t, pp=p, cp=c, ep=ep, etp=etp, vpp=v)
+
+    def keyword(self, keyword: str, hint: str) -> None:
+        start = self.pos
+        word = self.word()
+        if word != keyword:
+            got = f"{_short(word)!r}" if word else self.got(start)
+            self.fail(start, f"expected '{keyword}:' ({hint}), got {got}")
+        if self.peek() != ":":
+            self.expected(f"':' after '{keyword}'")
+        self.pos += 1
+
+    def check_world(self, start: int, d: int, p: int, t: int, c: int) -> int:
+        world = d * p * t * c
+        if world > MAX_WORLD_SIZE:
+            self.fail(
+                start,
+                f"this component needs d*p*t*c = {d}*{p}*{t}*{c} = {world} ranks, more than "
+                f"the maximum {MAX_WORLD_SIZE} (2**20); use smaller degrees",
+            )
+        return world
+
+    def check_vpp(self, seen: Dims, p: int) -> None:
+        if "v" in seen and seen["v"][0] > 1 and p == 1:
+            self.fail(
+                seen["v"][1],
+                f"v{seen['v'][0]} (virtual pipeline stages) needs p >= 2, got p=1; add a "
+                f"pipeline, e.g. 'p2v{seen['v'][0]}', or leave v out",
+            )
+
+
+def _where(backend: Backend, section: str) -> str:
+    return backend.value if section == "plain" else f"the {section} section"
+
+
+def _takes(backend: Backend, section: str) -> str:
+    taken, unit_only = _SECTION_DIMS[(section, backend)]
+    text = ", ".join(taken)
+    if unit_only:
+        text += f" ({' and '.join(unit_only)} only as 1)"
+    return text
+
+
+def _refusal(backend: Backend, section: str, letter: str) -> str:
+    name = _DIM_NAMES.get(letter)
+    takes = f"{_where(backend, section)} takes {_takes(backend, section)}"
+    if name is None:
+        hint = "; dimensions are lower case" if letter.lower() in _DIM_NAMES else ""
+        return f"unknown dimension {letter!r}; {takes}{hint}"
+    if section == "attn":
+        return f"{letter} ({name}) belongs in the ffn section; {takes}"
+    if section == "ffn":
+        return f"{letter} ({name}) belongs in the attn section; {takes}"
+    if backend.is_inference:
+        return f"{backend.value} does not take {letter} ({name}); {takes}"
+    return f"{backend.value} does not take {letter} ({name}); {takes}; use megatron with p >= 2 for virtual pipeline stages"

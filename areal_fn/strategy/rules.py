@@ -1,0 +1,490 @@
+"""The one rule of parallel degrees: which ``ParallelDims`` a layout of a model can hold.
+
+Every path that accepts or refuses degrees calls :func:`check_dims` (the FSDP2,
+Megatron and inference layouts, the censuses, :func:`~areal_fn.strategy.check.check_strategy`
+and so the ``areal-fn plan`` command, the advisor), and every remedy comes from
+:func:`valid_degrees`: the candidate values of the refused degree filtered through the
+same rules, the other degrees held. So a remedy lists only values that are accepted.
+
+Rules by kind (``fsdp2``, ``megatron``, ``inference``, and the engines ``sglang`` and
+``vllm``), in the order they are reported:
+
+- degrees a kind cannot express are refused, not ignored: FSDP2 takes ``dp``, ``tp``,
+  ``cp`` (``pp``, ``ep``, ``etp``, ``vpp`` must be 1); inference layouts take ``dp``,
+  ``tp``, ``pp``; Megatron refuses ``ep`` for a dense model (no experts to split) and,
+  as Megatron-Core does, lets ``etp`` (its default is ``tp``) go unused there;
+- ``tp`` divides ``num_attention_heads`` (whole heads per rank; all kinds);
+- KV heads: Megatron and FSDP2 shard whole KV heads (query groups): ``tp`` divides
+  ``num_key_value_heads``; the inference engines also accept a ``tp`` that is a
+  multiple of them (each KV head replicated on ``tp/kv`` ranks);
+- ``tp`` divides ``intermediate_size`` when the model has dense MLP layers; inference
+  also ``moe_intermediate_size`` (the engines split every expert's channels over TP);
+- inference: ``tp`` divides the vocabulary padded to ``vocab_multiple`` (64);
+  FSDP2 (``tp_embeddings``): ``tp`` divides ``vocab_size`` unless FSDP2 shards over at
+  most two ranks (:func:`~areal_fn.layouts.fsdp2.fsdp2_sharding` says why);
+- FSDP2 ``cp`` is reserved for Ulysses sequence parallelism (AReaL's
+  ``areal/models/transformers/ulyssess_patch.py``, ``apply_monkey_patch``): ``cp``
+  divides the heads of a TP rank, and the KV heads of a TP rank and ``cp`` divide one
+  another (KV heads repeated when ``cp`` is a multiple). Today the FSDP2 engine runs
+  ``c`` as data parallelism (``dp_shard = dp * cp``); the rule keeps a strategy
+  accepted now valid once Ulysses is built;
+- Megatron: ``ep`` divides ``num_experts``, ``etp`` divides ``moe_intermediate_size``,
+  ``pp * vpp <= num_layers``; inference: ``pp <= num_layers``;
+- ``sglang`` adds what SGLang's own model code cannot hold (sglang 0.5.23):
+  ``LlamaForCausalLM`` with tied embeddings uses ``model.embed_tokens`` as ``lm_head``,
+  and ``embed_tokens`` is a ``PPMissingLayer`` off the first pipeline rank
+  (``sglang/srt/models/llama.py``), so ``p`` must be 1; ``Qwen3MoeForCausalLM``
+  always builds its own ``ParallelLMHead`` and never loads a tied embedding into it
+  (``sglang/srt/models/qwen3_moe.py``). ``vllm`` holds what the ``inference`` layout
+  says for every supported family.
+
+``ep * etp`` dividing ``dp * tp * cp`` is :class:`~areal_fn.strategy.allocation.ParallelDims`'
+own check; a candidate that breaks it is not a remedy either.
+"""
+
+from collections.abc import Callable, Iterator
+from typing import Literal
+
+import attrs
+
+from areal_fn.errors import LayoutError, SpecError
+from areal_fn.model.spec import ModelSpec
+from areal_fn.strategy.allocation import ParallelDims, divisors
+from areal_fn.typecheck import beartype
+
+__all__ = ["KINDS", "Kind", "Problem", "check_dims", "dims_problems", "valid_degrees"]
+
+#: What the rules are for: a layout kind (as :attr:`~areal_fn.layouts.layout.Layout.kind` names
+#: it), or one inference engine (the ``inference`` rules plus what its own model code
+#: cannot hold).
+Kind = Literal["fsdp2", "megatron", "inference", "sglang", "vllm"]
+
+#: The engines' vocabulary padding (``DEFAULT_VOCAB_PADDING_SIZE``).
+VOCAB_PADDING = 64
+
+
+@attrs.frozen(kw_only=True)
+class Problem:
+    """One rule that ``dims`` break: ``text`` (what, the numbers, the rule), the degree
+    the remedy changes (``field``) and every degree the rule reads (``reads``).
+    ``fixed``: the text already says the remedy (the degree must be 1)."""
+
+    field: str
+    reads: tuple[str, ...]
+    text: str
+    fixed: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class _Options:
+    vocab_multiple: int
+    tp_embeddings: bool
+    hsdp_replicas: int
+
+
+_Rule = Callable[[ModelSpec, ParallelDims, _Options], Problem | None]
+
+_FSDP2_FIXED = {
+    "pp": "an FSDP2 layout has no pipeline stages (every rank holds a shard of every layer); "
+    "use pp=1, or megatron for pipeline parallelism",
+    "ep": "an FSDP2 layout does not split experts across ranks (FSDP2 shards the stacked "
+    "experts like any other parameter); use ep=1, or megatron for expert parallelism",
+    "etp": "an FSDP2 layout does not shard experts over tensor parallel ranks (its TP leaves "
+    "experts replicated); use etp=1, or megatron for expert tensor parallelism",
+    "vpp": "an FSDP2 layout has no pipeline stages to interleave; use vpp=1, or megatron "
+    "with pp >= 2 for virtual pipeline stages",
+}
+_INFERENCE_FIXED = {
+    "cp": "an inference layout takes d, t, p only; use cp=1",
+    "ep": "an inference layout takes d, t, p only (the engines shard experts by their own "
+    "options); use ep=1",
+    "etp": "an inference layout takes d, t, p only (the engines shard experts by their own "
+    "options); use etp=1",
+    "vpp": "an inference layout takes d, t, p only; use vpp=1",
+}
+
+
+def _fixed(table: dict[str, str]) -> list[_Rule]:
+    def rule(field: str, why: str) -> _Rule:
+        def check(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
+            value = getattr(d, field)
+            if value == 1:
+                return None
+            return Problem(field=field, reads=(field,), text=f"{field}={value}: {why}", fixed=True)
+
+        return check
+
+    return [rule(f, why) for f, why in table.items()]
+
+
+def _dense_experts(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
+    if m.is_moe:
+        return None
+    if d.ep > 1:
+        return Problem(
+            field="ep",
+            reads=("ep",),
+            fixed=True,
+            text=f"ep={d.ep} given for dense model {m.model_type} without experts; use ep=1 "
+            "(expert parallelism splits experts only)",
+        )
+    # etp is left alone: Megatron-Core builds dense models under any expert tensor
+    # parallel size (its default equals tp) and uses it for expert weights only
+    return None
+
+
+def _heads(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
+    nq = m.num_attention_heads
+    if nq % d.tp == 0:
+        return None
+    return Problem(
+        field="tp",
+        reads=("tp",),
+        text=f"tp={d.tp} does not divide num_attention_heads={nq} ({m.model_type}); tensor "
+        "parallelism shards whole attention heads",
+    )
+
+
+def _kv_whole(why: str) -> _Rule:
+    def check(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
+        nkv = m.num_key_value_heads
+        if nkv % d.tp == 0:
+            return None
+        return Problem(
+            field="tp",
+            reads=("tp",),
+            text=f"tp={d.tp} does not divide num_key_value_heads={nkv} ({m.model_type}); {why}",
+        )
+
+    return check
+
+
+def _kv_engines(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
+    tp, nkv = d.tp, m.num_key_value_heads
+    if tp > nkv and tp % nkv:
+        text = (
+            f"tp={tp} exceeds num_key_value_heads={nkv} but is not a multiple of it; the "
+            "engines replicate each KV head on tp/kv ranks"
+        )
+    elif tp <= nkv and nkv % tp:
+        text = (
+            f"tp={tp} does not divide num_key_value_heads={nkv} ({m.model_type}); the engines "
+            f"shard whole KV heads, or replicate each on tp/kv ranks when tp is a multiple of {nkv}"
+        )
+    else:
+        return None
+    return Problem(field="tp", reads=("tp",), text=text)
+
+
+def _channels(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
+    inter = m.intermediate_size
+    if all(m.moe_layers) or inter % d.tp == 0:
+        return None
+    return Problem(
+        field="tp",
+        reads=("tp",),
+        text=f"tp={d.tp} does not divide intermediate_size={inter} ({m.model_type}); TP shards "
+        "whole MLP channels",
+    )
+
+
+def _expert_channels(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
+    inter = m.moe_intermediate_size
+    if not m.is_moe or inter % d.tp == 0:
+        return None
+    return Problem(
+        field="tp",
+        reads=("tp",),
+        text=f"tp={d.tp} does not divide moe_intermediate_size={inter} ({m.model_type}); the "
+        "engines split every expert's channels over TP",
+    )
+
+
+def engine_padded_vocab(vocab_size: int, multiple: int = VOCAB_PADDING) -> int:
+    """``vocab_size`` rounded up to a multiple of ``multiple`` (the engines' ``pad_vocab_size``)."""
+    return -(-vocab_size // multiple) * multiple
+
+
+def _engine_vocab(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
+    padded = engine_padded_vocab(m.vocab_size, o.vocab_multiple)
+    if padded % d.tp == 0:
+        return None
+    return Problem(
+        field="tp",
+        reads=("tp",),
+        text=f"tp={d.tp} does not divide the padded vocabulary {padded} (vocab_size={m.vocab_size} "
+        f"padded to a multiple of {o.vocab_multiple}); the engines split the padded vocabulary evenly",
+    )
+
+
+def _fsdp2_vocab(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
+    if not o.tp_embeddings or d.tp == 1 or m.vocab_size % d.tp == 0:
+        return None
+    if o.hsdp_replicas < 1 or d.dp % o.hsdp_replicas:
+        return None  # fsdp2_mesh refuses it, with its own remedy
+    shards = d.dp // o.hsdp_replicas * d.cp
+    if shards <= 2:
+        return None
+    return Problem(
+        field="tp",
+        reads=("tp", "dp", "cp"),
+        text=f"model.embed_tokens.weight: dim 0 of size {m.vocab_size} is not divisible by "
+        f"tp={d.tp}, and FSDP2 over dp_shard={shards} (> 2) then stores shards its own "
+        "placements (StridedShard) do not describe; use tp_embeddings=False (Fsdp2Options) for "
+        "the vocabulary or keep dp_shard = dp*cp <= 2",
+    )
+
+
+def _ulysses_heads(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
+    nq, tp, cp = m.num_attention_heads, d.tp, d.cp
+    if cp == 1 or nq % tp:
+        return None  # the heads rule reports tp first
+    per = nq // tp
+    if per % cp == 0:
+        return None
+    return Problem(
+        field="cp",
+        reads=("cp", "tp"),
+        text=f"cp={cp} does not divide num_attention_heads={nq} / tp={tp} = {per} heads per TP "
+        f"rank ({m.model_type}); fsdp's c is reserved for Ulysses sequence parallelism, which "
+        "splits those heads cp ways (the FSDP2 engine runs c as data parallelism until Ulysses "
+        "is built)",
+    )
+
+
+def _ulysses_kv(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
+    nkv, tp, cp = m.num_key_value_heads, d.tp, d.cp
+    if cp == 1 or nkv % tp:
+        return None
+    per = nkv // tp
+    if per % cp == 0 or cp % per == 0:
+        return None
+    return Problem(
+        field="cp",
+        reads=("cp", "tp"),
+        text=f"cp={cp} and num_key_value_heads={nkv} / tp={tp} = {per} KV heads per TP rank "
+        f"({m.model_type}) do not divide one another; Ulysses splits KV heads cp ways, "
+        "repeating them when cp is a multiple",
+    )
+
+
+def _experts(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
+    if not m.is_moe or m.num_experts % d.ep == 0:
+        return None
+    return Problem(
+        field="ep",
+        reads=("ep",),
+        text=f"ep={d.ep} does not divide num_experts={m.num_experts} ({m.model_type}); every "
+        "expert-parallel rank holds whole experts",
+    )
+
+
+def _expert_tp(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
+    inter = m.moe_intermediate_size
+    if not m.is_moe or inter % d.etp == 0:
+        return None
+    return Problem(
+        field="etp",
+        reads=("etp",),
+        text=f"etp={d.etp} does not divide moe_intermediate_size={inter} ({m.model_type}); expert "
+        "tensor parallelism shards every expert's channels",
+    )
+
+
+def _chunks(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
+    chunks = d.pp * d.vpp
+    if chunks <= m.num_layers:
+        return None
+    return Problem(
+        field="vpp" if d.vpp > 1 else "pp",
+        reads=("pp", "vpp"),
+        text=f"pp={d.pp} x vpp={d.vpp} = {chunks} pipeline chunks exceed num_layers="
+        f"{m.num_layers}; every chunk needs at least one layer",
+    )
+
+
+def _stages(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
+    if d.pp <= m.num_layers:
+        return None
+    return Problem(
+        field="pp",
+        reads=("pp",),
+        text=f"pp={d.pp} exceeds num_layers={m.num_layers}; every pipeline stage needs at least "
+        "one layer",
+    )
+
+
+def _sglang_tied_llama(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
+    if m.model_type != "llama" or not m.tie_word_embeddings or d.pp == 1:
+        return None
+    return Problem(
+        field="pp",
+        reads=("pp",),
+        fixed=True,
+        text=f"SGLang's LlamaForCausalLM cannot serve a model with tie_word_embeddings at "
+        f"pp={d.pp}: it uses model.embed_tokens as lm_head, and embed_tokens exists on the first "
+        "pipeline rank only (sglang/srt/models/llama.py); use pp=1, vllm, or an untied model",
+    )
+
+
+def _sglang_tied_qwen3_moe(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
+    if m.model_type != "qwen3_moe" or not m.tie_word_embeddings:
+        return None
+    return Problem(
+        field="pp",
+        reads=(),
+        fixed=True,
+        text="SGLang's Qwen3MoeForCausalLM cannot serve a model with tie_word_embeddings: it "
+        "builds its own lm_head and never loads the tied embedding into it "
+        "(sglang/srt/models/qwen3_moe.py); use vllm or an untied model",
+    )
+
+
+_INFERENCE: tuple[_Rule, ...] = (
+    *_fixed(_INFERENCE_FIXED),
+    _heads,
+    _kv_engines,
+    _channels,
+    _expert_channels,
+    _engine_vocab,
+    _stages,
+)
+
+_RULES: dict[str, tuple[_Rule, ...]] = {
+    "fsdp2": (
+        *_fixed(_FSDP2_FIXED),
+        _heads,
+        _kv_whole("column-wise TP shards whole KV heads"),
+        _channels,
+        _ulysses_heads,
+        _ulysses_kv,
+        _fsdp2_vocab,
+    ),
+    "megatron": (
+        _dense_experts,
+        _heads,
+        _kv_whole("Megatron shards whole query groups"),
+        _channels,
+        _experts,
+        _expert_tp,
+        _chunks,
+    ),
+    "inference": _INFERENCE,
+    # sglang 0.5.23, read in its model code; vLLM holds what the inference layout says
+    "sglang": (_sglang_tied_qwen3_moe, *_INFERENCE, _sglang_tied_llama),
+    "vllm": _INFERENCE,
+}
+
+#: Every kind the rules know.
+KINDS: tuple[str, ...] = tuple(_RULES)
+
+
+def _options(vocab_multiple: int, tp_embeddings: bool, hsdp_replicas: int) -> _Options:
+    if vocab_multiple < 1:
+        raise LayoutError(
+            f"vocab_multiple={vocab_multiple} must be >= 1 (64 for SGLang/vLLM, 1 for no padding)"
+        )
+    return _Options(
+        vocab_multiple=vocab_multiple, tp_embeddings=tp_embeddings, hsdp_replicas=hsdp_replicas
+    )
+
+
+def _problems(model: ModelSpec, kind: str, dims: ParallelDims, o: _Options) -> Iterator[Problem]:
+    for rule in _RULES[kind]:
+        p = rule(model, dims, o)
+        if p is not None:
+            yield p
+
+
+@beartype
+def dims_problems(
+    model: ModelSpec,
+    kind: Kind,
+    dims: ParallelDims,
+    *,
+    vocab_multiple: int = VOCAB_PADDING,
+    tp_embeddings: bool = True,
+    hsdp_replicas: int = 1,
+) -> tuple[Problem, ...]:
+    """Every rule ``dims`` break for ``model`` in a ``kind`` layout, in report order."""
+    o = _options(vocab_multiple, tp_embeddings, hsdp_replicas)
+    return tuple(_problems(model, kind, dims, o))
+
+
+def _candidates(model: ModelSpec, field: str, dims: ParallelDims) -> tuple[int, ...]:
+    if field in ("tp", "cp"):
+        return divisors(model.num_attention_heads)  # both split the heads
+    if field == "ep":
+        return divisors(model.num_experts) if model.is_moe else (1,)
+    if field == "etp":
+        return divisors(model.moe_intermediate_size) if model.is_moe else (1,)
+    if field == "pp":
+        return tuple(range(1, model.num_layers + 1))
+    if field == "vpp":
+        return tuple(range(1, model.num_layers // dims.pp + 1)) if dims.pp > 1 else (1,)
+    raise LayoutError(f"no rule reads the degree {field!r}; degrees are tp, cp, pp, vpp, ep, etp")
+
+
+@beartype
+def valid_degrees(
+    model: ModelSpec,
+    kind: Kind,
+    dims: ParallelDims,
+    field: str,
+    *,
+    vocab_multiple: int = VOCAB_PADDING,
+    tp_embeddings: bool = True,
+    hsdp_replicas: int = 1,
+) -> tuple[int, ...]:
+    """The values ``v`` of degree ``field`` (``tp``, ``cp``, ``pp``, ``vpp``, ``ep``,
+    ``etp``) for which ``dims`` with ``field=v`` is a valid ``ParallelDims`` and breaks no
+    rule that reads ``field`` (the other degrees held), ascending."""
+    o = _options(vocab_multiple, tp_embeddings, hsdp_replicas)
+    out = []
+    for v in _candidates(model, field, dims):
+        try:
+            d = attrs.evolve(dims, **{field: v})
+        except SpecError:
+            continue  # e.g. ep*etp no longer tiles dp*tp*cp
+        if not any(field in p.reads for p in _problems(model, kind, d, o)):
+            out.append(v)
+    return tuple(out)
+
+
+def _values(vs: tuple[int, ...]) -> str:
+    if len(vs) > 5 and vs == tuple(range(vs[0], vs[-1] + 1)):
+        return f"{{{vs[0]}, {vs[1]}, ..., {vs[-1]}}}"
+    return "{" + ", ".join(str(v) for v in vs) + "}"
+
+
+@beartype
+def check_dims(
+    model: ModelSpec,
+    kind: Kind,
+    dims: ParallelDims,
+    *,
+    vocab_multiple: int = VOCAB_PADDING,
+    tp_embeddings: bool = True,
+    hsdp_replicas: int = 1,
+) -> None:
+    """Raise ``LayoutError`` for the first rule ``dims`` break, with the remedy: the
+    values of the refused degree that pass (:func:`valid_degrees`)."""
+    o = _options(vocab_multiple, tp_embeddings, hsdp_replicas)
+    for p in _problems(model, kind, dims, o):
+        if p.fixed:
+            raise LayoutError(p.text)
+        ok = valid_degrees(
+            model,
+            kind,
+            dims,
+            p.field,
+            vocab_multiple=vocab_multiple,
+            tp_embeddings=tp_embeddings,
+            hsdp_replicas=hsdp_replicas,
+        )
+        remedy = (
+            f"use {p.field} in {_values(ok)}"
+            if ok
+            else f"no {p.field} passes with the other degrees of {dims!r}; change them"
+        )
+        raise LayoutError(f"{p.text}; {remedy}")
