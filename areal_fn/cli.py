@@ -123,13 +123,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 )
             console.print(table)
         if comp.backend is Backend.MEGATRON:
-            from areal_fn.layouts.megatron import default_stages
-            from areal_fn.pipeline.partition import megatron_layout_string, split_evenly
+            from areal_fn.layouts.megatron import stages_for
+            from areal_fn.pipeline.partition import megatron_layout_string
 
-            try:
-                stages = default_stages(model, comp.dims)
-            except SpecError:
-                stages = split_evenly([1.0] * model.num_layers, comp.dims.pp, vpp=comp.dims.vpp)
+            stages = stages_for(model, comp.dims)
             console.print(f"pipeline: {megatron_layout_string(stages)}")
         if args.tensors:
             t2 = Table(title=f"{comp.label}: placements")
@@ -167,16 +164,11 @@ def _pictures(console: "Any", model: ModelSpec, comp: Component, layout: Layout,
     name = str(comp).replace(":", "-").replace("|", "_").replace("(", "").replace(")", "")
     paths = [write(out / f"{name}.ranks.png", rank_grid_png(rows, cols, stage_of, bytes_of))]
     if comp.backend is Backend.MEGATRON:
-        from areal_fn.layouts.megatron import default_stages
+        from areal_fn.layouts.megatron import stages_for
         from areal_fn.pipeline.costs import param_costs
-        from areal_fn.pipeline.partition import StagePlan, split_evenly
+        from areal_fn.pipeline.partition import StagePlan
 
-        try:
-            lengths = default_stages(model, comp.dims).stage_lengths
-        except SpecError:
-            lengths = split_evenly(
-                [1.0] * model.num_layers, comp.dims.pp, vpp=comp.dims.vpp
-            ).stage_lengths
+        lengths = stages_for(model, comp.dims).stage_lengths
         costs = param_costs(model)
         plan = StagePlan(
             costs=costs.layers,

@@ -121,6 +121,18 @@ def default_stages(model: ModelSpec, dims: ParallelDims) -> StagePlan:
 
 
 @beartype
+def stages_for(model: ModelSpec, dims: ParallelDims) -> StagePlan:
+    """The stages every path uses when none are given: Megatron's default split when
+    ``pp*vpp`` divides the layers, else the even split (the first chunks one layer
+    longer, :func:`~areal_fn.pipeline.partition.split_evenly`)."""
+    from areal_fn.pipeline.partition import split_evenly
+
+    if model.num_layers % (dims.pp * dims.vpp) == 0:
+        return default_stages(model, dims)
+    return split_evenly([1.0] * model.num_layers, dims.pp, vpp=dims.vpp)
+
+
+@beartype
 def megatron_layout(
     model: ModelSpec,
     dims: ParallelDims,

@@ -89,10 +89,9 @@ from collections.abc import Iterator, Sequence
 import attrs
 
 from areal_fn.errors import PlanError, SpecError
-from areal_fn.layouts.megatron import default_stages
+from areal_fn.layouts.megatron import stages_for
 from areal_fn.model.spec import ModelSpec
 from areal_fn.model.tensor_spec import DTYPE_BYTES
-from areal_fn.pipeline.partition import split_evenly
 from areal_fn.plans.census import Census, CensusIndex, fsdp2_census, megatron_census
 from areal_fn.plans.memory import (
     GIB,
@@ -276,11 +275,7 @@ def _megatron_dims(w: _Workload, skipped: list[str]) -> Iterator[ParallelDims]:
 def _census(w: _Workload, backend: Backend, dims: ParallelDims) -> Census:
     if backend is Backend.FSDP:
         return fsdp2_census(w.model, dims)
-    try:
-        stages = default_stages(w.model, dims)
-    except SpecError:
-        stages = split_evenly([1.0] * w.model.num_layers, dims.pp, vpp=dims.vpp)
-    return megatron_census(w.model, dims, stages=stages)
+    return megatron_census(w.model, dims, stages=stages_for(w.model, dims))
 
 
 def _screen(w: _Workload, dims: ParallelDims, census: Census) -> RankMemory:

@@ -52,9 +52,9 @@ from torch import Tensor
 
 from areal_fn.errors import LayoutError
 from areal_fn.layouts.layout import Layout
-from areal_fn.layouts.megatron import MegatronMeshes, default_stages, megatron_layout
+from areal_fn.layouts.megatron import MegatronMeshes, megatron_layout, stages_for
 from areal_fn.model.spec import ModelSpec
-from areal_fn.pipeline.partition import StagePlan, split_evenly
+from areal_fn.pipeline.partition import StagePlan
 from areal_fn.plans.convert import Reader, iter_to_megatron, to_hf
 from areal_fn.runtime.engines.common import (
     AdamWConfig,
@@ -93,12 +93,7 @@ def pipeline_layout_string(plan: StagePlan) -> str:
 
 
 def _plan(spec: ModelSpec, dims: ParallelDims, stages: StagePlan | None) -> StagePlan:
-    if stages is not None:
-        return stages
-    try:
-        return default_stages(spec, dims)
-    except LayoutError:
-        return split_evenly([1.0] * spec.num_layers, dims.pp, vpp=dims.vpp)
+    return stages if stages is not None else stages_for(spec, dims)
 
 
 def _causal_mask(seq: int) -> Tensor:
