@@ -38,9 +38,13 @@ from areal_fn.plans.convert import iter_to_hf as iter_to_hf
 from areal_fn.plans.convert import iter_to_megatron as iter_to_megatron
 from areal_fn.plans.convert import to_hf as to_hf
 from areal_fn.plans.convert import to_megatron as to_megatron
+from areal_fn.plans.grad_norm import canonical_multiplicity as canonical_multiplicity
+from areal_fn.plans.grad_norm import norm_weights as norm_weights
 from areal_fn.plans.memory import ActivationModel as ActivationModel
 from areal_fn.plans.memory import MemoryReport as MemoryReport
 from areal_fn.plans.memory import PrecisionPolicy as PrecisionPolicy
+from areal_fn.plans.optim import AdamWConfig as AdamWConfig
+from areal_fn.plans.optim import LRSchedule as LRSchedule
 from areal_fn.plans.memory import estimate_memory as estimate_memory
 from areal_fn.plans.transfer import Bucket as Bucket
 from areal_fn.plans.transfer import BucketPlan as BucketPlan

@@ -118,15 +118,15 @@ def test_no_import_cycle_between_modules() -> None:
 #: The public face: every name ``from areal_fn import *`` gives (additions go here too).
 PUBLIC = sorted(
     """
-    ActivationModel Allocation Backend Box Bucket BucketPlan CheckpointError Component
+    ActivationModel AdamWConfig Allocation Backend Box Bucket BucketPlan CheckpointError Component
     ConversionError DEMO_CONFIG FusionPiece Fsdp2Options Layout LayoutError LocalTensor
     LogicalTensor MemoryReport Mesh ModelSpec ParallelDims ParseError Partial PartitionSpec
     Piece PlanError PrecisionPolicy Replicate Shard Sharding SpecError StagePlan StridedShard
     Suggestion TensorSpec Transfer TransferPlan UnsupportedConfigError bucket
     canonical_to_hf_state check_sharding check_strategy estimate_memory flop_costs
-    from_partition_spec fsdp2_layout hf_memory_view hf_state_to_canonical inference_layout
-    iter_to_hf iter_to_megatron load_hf_config local_boxes local_pieces local_shape
-    megatron_layout megatron_layout_string memory_costs model_from_hf_config padded_vocab_size
+    canonical_multiplicity from_partition_spec fsdp2_layout hf_memory_view hf_state_to_canonical inference_layout
+    iter_to_hf iter_to_megatron load_hf_config local_boxes local_pieces local_shape LRSchedule
+    megatron_layout megatron_layout_string memory_costs model_from_hf_config norm_weights padded_vocab_size
     param_costs parse_allocation partition_pipeline plan_transfers rank_grid required_bytes
     shard split_evenly suggest_strategy to_hf to_megatron to_partition_spec
     transfer_lower_bound unshard __version__

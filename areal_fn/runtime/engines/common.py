@@ -38,20 +38,20 @@ copy on the last pipeline stage), and the sums are all-reduced over the world.
 Padding rows (Megatron's padded vocabulary) are not canonical and do not count.
 """
 
-import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-import attrs
 import torch
 import torch.distributed as dist
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from areal_fn.errors import LayoutError, SpecError
-from areal_fn.layouts.layout import Layout
+from areal_fn.plans.grad_norm import canonical_multiplicity as canonical_multiplicity
+from areal_fn.plans.grad_norm import norm_weights as norm_weights
+from areal_fn.plans.optim import AdamWConfig as AdamWConfig
+from areal_fn.plans.optim import LRSchedule as LRSchedule
 from areal_fn.sharding.box import Box
-from areal_fn.sharding.placement import Partial, Replicate
 from areal_fn.typecheck import beartype
 
 __all__ = [  # noqa: F822 (the engines load lazily, see __getattr__)
@@ -76,125 +76,6 @@ TokenMask = Bool[Tensor, "batch seq"]
 Targets = Int[Tensor, "batch seq_1"]
 TargetMask = Bool[Tensor, "batch seq_1"]
 TokenLogprobs = Float[Tensor, "batch seq_1"]
-
-
-def _positive_float(_inst: object, attr: "attrs.Attribute[float]", value: float) -> None:
-    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-        raise SpecError(f"AdamWConfig.{attr.name}={value!r} must be a finite number > 0")
-
-
-def _non_negative(_inst: object, attr: "attrs.Attribute[float]", value: float) -> None:
-    if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-        raise SpecError(f"AdamWConfig.{attr.name}={value!r} must be a finite number >= 0")
-
-
-def _pair(value: Iterable[float]) -> tuple[float, float]:
-    out = tuple(value)
-    return out  # type: ignore[return-value]  # the validator checks the length
-
-
-def _betas(_inst: object, attr: "attrs.Attribute[tuple[float, float]]", value: Any) -> None:
-    if not (
-        isinstance(value, tuple)
-        and len(value) == 2
-        and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in value)
-    ):
-        raise SpecError(
-            f"AdamWConfig.betas={value!r} must be two numbers in [0, 1), e.g. (0.9, 0.999)"
-        )
-
-
-def _steps(_inst: object, attr: "attrs.Attribute[int]", value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise SpecError(f"LRSchedule.{attr.name}={value!r} must be an int >= 0")
-
-
-def _total(_inst: object, _attr: object, value: int | None) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise SpecError(f"LRSchedule.total_steps={value!r} must be None (no decay) or an int >= 1")
-
-
-def _ratio(_inst: object, _attr: object, value: float) -> None:
-    if not 0.0 <= value <= 1.0:
-        raise SpecError(f"LRSchedule.min_lr_ratio={value!r} must lie in [0, 1]")
-
-
-def _shape(_inst: object, _attr: object, value: str) -> None:
-    if value not in ("cosine", "linear"):
-        raise SpecError(
-            f"LRSchedule.decay={value!r} is not a decay shape; use 'cosine' or 'linear'"
-        )
-
-
-@attrs.frozen(kw_only=True)
-class LRSchedule:
-    """Learning-rate multiplier by optimizer step: linear warm-up over ``warmup_steps``
-    (step ``i`` gets ``(i + 1) / warmup_steps``), then ``decay`` from 1 down to
-    ``min_lr_ratio`` at ``total_steps`` (held there after); ``total_steps=None`` keeps 1.
-    The default is a constant rate. Its state is the step count alone, which the
-    engines report (``scheduler_state``) for checkpoints.
-    """
-
-    warmup_steps: int = attrs.field(default=0, validator=_steps)
-    total_steps: int | None = attrs.field(default=None, validator=_total)
-    min_lr_ratio: float = attrs.field(default=0.0, converter=float, validator=_ratio)
-    decay: str = attrs.field(default="cosine", validator=_shape)
-
-    def __attrs_post_init__(self) -> None:
-        if self.total_steps is not None and self.total_steps <= self.warmup_steps:
-            raise SpecError(
-                f"LRSchedule.total_steps={self.total_steps} must exceed warmup_steps={self.warmup_steps}"
-            )
-
-    def factor(self, step: int) -> float:
-        """The multiplier of the base rate at optimizer step ``step`` (0-based)."""
-        if step < self.warmup_steps:
-            return (step + 1) / self.warmup_steps
-        if self.total_steps is None:
-            return 1.0
-        progress = min(1.0, (step - self.warmup_steps) / (self.total_steps - self.warmup_steps))
-        shape = (
-            0.5 * (1.0 + math.cos(math.pi * progress)) if self.decay == "cosine" else 1.0 - progress
-        )
-        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * shape
-
-
-@attrs.frozen(kw_only=True)
-class AdamWConfig:
-    """AdamW hyper-parameters, the same for every engine; ``schedule`` scales ``lr`` by step.
-
-    The update is ``torch.optim.AdamW``'s: weight decay ``lr * weight_decay`` applied to
-    every parameter (norms and biases included), then the Adam step.
-    """
-
-    lr: float = attrs.field(default=1e-3, validator=_positive_float)
-    betas: tuple[float, float] = attrs.field(
-        default=(0.9, 0.999), converter=_pair, validator=_betas
-    )
-    eps: float = attrs.field(default=1e-8, validator=_positive_float)
-    weight_decay: float = attrs.field(default=0.01, validator=_non_negative)
-    schedule: LRSchedule = attrs.field(factory=LRSchedule)
-
-    def lr_at(self, step: int) -> float:
-        """The learning rate of optimizer step ``step`` (0-based)."""
-        return self.lr * self.schedule.factor(step)
-
-    def set_lr(self, optimizer: torch.optim.Optimizer, step: int) -> float:
-        """Write :meth:`lr_at` into every parameter group; returns it."""
-        lr = self.lr_at(step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        return lr
-
-    def build(self, params: Any) -> torch.optim.AdamW:
-        """``torch.optim.AdamW`` over ``params`` with these settings."""
-        return torch.optim.AdamW(
-            params,
-            lr=self.lr,
-            betas=self.betas,
-            eps=self.eps,
-            weight_decay=self.weight_decay,
-        )
 
 
 class OptimizerSteps:
@@ -282,68 +163,6 @@ def next_token_targets(
     targets = input_ids[:, 1:]
     mask = torch.ones_like(targets, dtype=torch.bool) if loss_mask is None else loss_mask[:, 1:]
     return targets, mask
-
-
-# -- pure: gradient-norm weights from the layout ----------------------------------------
-def _replicas(layout: Layout, name: str) -> int:
-    t = layout.tensor(name)
-    mesh = t.sharding.mesh
-    present = {axis for axis, _ in t.present}
-    n = 1
-    for axis, p in zip(mesh.names, t.sharding.placements, strict=True):
-        if isinstance(p, Partial):
-            raise LayoutError(
-                f"{name}: placement {p} on {axis!r}; a partial tensor has no gradient norm of "
-                "its own, reduce it to Replicate() or Shard() first"
-            )
-        if isinstance(p, Replicate) and axis not in present:
-            n *= mesh.axis_size(axis)
-    return n
-
-
-@beartype
-def canonical_multiplicity(layout: Layout) -> dict[str, int]:
-    """How many copies of each canonical element the whole layout holds.
-
-    Sums, over the layout's logical tensors, the replicas of the tensor (sizes of the
-    mesh axes it is ``Replicate()`` on, presence axes excluded) times how many times
-    its fusion map covers the canonical tensor. Relies on the tiling law (the local
-    boxes of one logical tensor cover it once per replica) and raises where a fusion
-    map covers a canonical tensor a fractional number of times.
-    """
-    covered: dict[str, int] = {}
-    for t in layout.tensors:
-        reps = _replicas(layout, t.name)
-        for f in t.fusion:
-            covered[f.canonical] = covered.get(f.canonical, 0) + reps * f.canonical_box.numel
-    out: dict[str, int] = {}
-    for spec in layout.canonical:
-        total = covered.get(spec.name, 0)
-        numel = math.prod(spec.shape)
-        if total == 0 or total % numel:
-            raise LayoutError(
-                f"the {layout.kind} layout holds {total} elements of {spec.name!r} "
-                f"({numel} elements), not a whole number of copies; every canonical element "
-                "must be held the same number of times"
-            )
-        out[spec.name] = total // numel
-    return out
-
-
-@beartype
-def norm_weights(layout: Layout, rank: int) -> dict[str, tuple[tuple[Box, float], ...]]:
-    """Per local tensor of ``rank``: ``(local box, 1 / multiplicity)`` of each canonical piece.
-
-    Summing ``weight * sum(grad[box] ** 2)`` over every rank's pieces counts each
-    canonical element's square once. Padding pieces are left out.
-    """
-    mult = canonical_multiplicity(layout)
-    return {
-        lt.name: tuple(
-            (p.local_box, 1.0 / mult[p.canonical]) for p in lt.pieces if p.canonical is not None
-        )
-        for lt in layout.local_tensors(rank)
-    }
 
 
 # -- runtime: norm and clipping ----------------------------------------------------------
