@@ -43,9 +43,9 @@ from areal_fn.plans.grad_norm import norm_weights as norm_weights
 from areal_fn.plans.memory import ActivationModel as ActivationModel
 from areal_fn.plans.memory import MemoryReport as MemoryReport
 from areal_fn.plans.memory import PrecisionPolicy as PrecisionPolicy
+from areal_fn.plans.memory import estimate_memory as estimate_memory
 from areal_fn.plans.optim import AdamWConfig as AdamWConfig
 from areal_fn.plans.optim import LRSchedule as LRSchedule
-from areal_fn.plans.memory import estimate_memory as estimate_memory
 from areal_fn.plans.transfer import Bucket as Bucket
 from areal_fn.plans.transfer import BucketPlan as BucketPlan
 from areal_fn.plans.transfer import Transfer as Transfer
