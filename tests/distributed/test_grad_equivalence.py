@@ -34,7 +34,7 @@ from areal_fn.errors import LayoutError, SpecError
 from areal_fn.layouts.fsdp2 import Fsdp2Options, fsdp2_layout
 from areal_fn.layouts.megatron import megatron_layout
 from areal_fn.model.spec import model_from_hf_config
-from areal_fn.pipeline.partition import StagePlan
+from areal_fn.pipeline.partition import StagePlan, megatron_layout_string
 from areal_fn.runtime.engines.common import (
     AdamWConfig,
     canonical_multiplicity,
@@ -42,7 +42,6 @@ from areal_fn.runtime.engines.common import (
     norm_weights,
     split_rows,
 )
-from areal_fn.runtime.engines.megatron import pipeline_layout_string
 from areal_fn.runtime.launch import run_torchrun
 from areal_fn.strategy.allocation import ParallelDims
 from tests.distributed import grad_worker as worker
@@ -153,10 +152,17 @@ def test_norm_weights_count_each_canonical_element_once() -> None:
 
 
 def test_pipeline_layout_string() -> None:
+    """The string the Megatron engine hands to ``TransformerConfig``, as Megatron reads it."""
+    from megatron.core.transformer.pipeline_parallel_layer_layout import (
+        PipelineParallelLayerLayout,
+    )
+
+    parse = PipelineParallelLayerLayout.parse_str_to_list
     uneven = StagePlan(costs=(1.0,) * 4, num_stages=2, stage_lengths=(1, 3))
-    assert pipeline_layout_string(uneven) == "Et|tttL"
+    assert megatron_layout_string(uneven) == "Et|t*3L"
+    assert parse(megatron_layout_string(uneven)) == parse("Et|tttL")
     interleaved = StagePlan(costs=(1.0,) * 4, num_stages=2, vpp=2, stage_lengths=(1, 1, 1, 1))
-    assert pipeline_layout_string(interleaved) == "Et|t|t|tL"
+    assert megatron_layout_string(interleaved) == "Et|t|t|tL"
 
 
 def test_split_rows_refuses_uneven_batches() -> None:

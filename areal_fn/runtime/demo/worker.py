@@ -33,6 +33,7 @@ from areal_fn.model.spec import model_from_hf_config
 from areal_fn.plans.transfer import bucket, plan_transfers
 from areal_fn.plans.transfer_bound import transfer_lower_bound
 from areal_fn.runtime.engines.common import AdamWConfig, LRSchedule
+from areal_fn.runtime.engines.protocol import Engine
 from areal_fn.sharding.shard import bitwise_equal
 from areal_fn.strategy.parse import parse_allocation
 
@@ -115,7 +116,7 @@ def stage_plan(spec: Any) -> dict[str, Any]:
     return layouts
 
 
-def stage_train(spec: Any, steps: int) -> tuple[Any, dict[str, torch.Tensor]]:
+def stage_train(spec: Any, steps: int) -> tuple[Engine, dict[str, torch.Tensor]]:
     from areal_fn.runtime.engines.fsdp2 import Fsdp2Engine
 
     comp = parse_allocation("fsdp:d2t2").components[0]
@@ -138,7 +139,7 @@ def stage_train(spec: Any, steps: int) -> tuple[Any, dict[str, torch.Tensor]]:
     return engine, canonical
 
 
-def stage_checkpoint(spec: Any, trainer: Any, steps: int, workdir: Path) -> Path:
+def stage_checkpoint(spec: Any, trainer: Engine, steps: int, workdir: Path) -> Path:
     from areal_fn.runtime.checkpoint.api import HfFiles, RankState, save_checkpoint
 
     rank = dist.get_rank()
@@ -166,7 +167,7 @@ def stage_checkpoint(spec: Any, trainer: Any, steps: int, workdir: Path) -> Path
     return root
 
 
-def stage_export_hf(spec: Any, trainer: Any, root: Path, workdir: Path) -> None:
+def stage_export_hf(spec: Any, trainer: Engine, root: Path, workdir: Path) -> None:
     """The checkpoint as an HF checkpoint that transformers loads, with the trainer's outputs."""
     import transformers
 
@@ -212,7 +213,7 @@ def inference_engine(spec: Any) -> tuple[Any, Any, Any]:
     return infer, model, group
 
 
-def stage_sync(spec: Any, source: Any, target: Any, version: int, what: str) -> None:
+def stage_sync(spec: Any, source: Engine, target: Any, version: int, what: str) -> None:
     """Planned shard-to-shard sync from a training engine (ranks 0-3) to the TP2 model."""
     from areal_fn.runtime.engines import tp as tp_engine
     from areal_fn.runtime.sync.executor import send_and_receive
@@ -250,7 +251,7 @@ def stage_sync(spec: Any, source: Any, target: Any, version: int, what: str) -> 
     )
 
 
-def _canonical_moments(engine: Any, moment: str) -> dict[str, torch.Tensor]:
+def _canonical_moments(engine: Engine, moment: str) -> dict[str, torch.Tensor]:
     mine = {name: st[moment] for name, st in engine.optimizer_local_state().items()}
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
@@ -263,7 +264,7 @@ def stage_megatron(
     spec: Any,
     root: Path,
     canonical: dict[str, torch.Tensor],
-    trainer: Any,
+    trainer: Engine,
     target: Any,
     version: int,
 ) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 
 from areal_fn.runtime.engines.common import AdamWConfig as AdamWConfig
 from areal_fn.runtime.engines.common import LRSchedule as LRSchedule
+from areal_fn.runtime.engines.protocol import Engine as Engine
 
 
 def __getattr__(name: str) -> Any:

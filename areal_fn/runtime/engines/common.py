@@ -1,7 +1,8 @@
 """Training engines: FSDP2 and Megatron-Core, built from the pure layouts.
 
-Two engines with one interface, both executing a :class:`~areal_fn.layouts.layout.Layout`
-made by the pure core (they never compute geometry of their own)::
+Two engines with one interface (:class:`~areal_fn.runtime.engines.protocol.Engine`), both
+executing a :class:`~areal_fn.layouts.layout.Layout` made by the pure core (they never
+compute geometry of their own)::
 
     engine = Fsdp2Engine(spec, parse_allocation("fsdp:d2t2").training, optimizer=AdamWConfig(lr=1e-5))
     engine = MegatronEngine(spec, ParallelDims(tp=2, pp=2), optimizer=AdamWConfig(lr=1e-5))
@@ -83,12 +84,15 @@ class OptimizerSteps:
     schedule's checkpointable state and the AdamW state per local tensor.
 
     Engines set ``optimizer``, ``optimizer_config``, ``_params`` (local name ->
-    parameter) and ``steps_done = 0``.
+    parameter), ``_weights`` (:func:`norm_weights` of their rank), ``grad_clip`` and
+    ``steps_done = 0``.
     """
 
     optimizer: torch.optim.Optimizer
     optimizer_config: AdamWConfig
     _params: Mapping[str, torch.nn.Parameter]
+    _weights: Mapping[str, Sequence[tuple[Box, float]]]
+    grad_clip: float | None
     steps_done: int
 
     def _optimizer_step(self) -> float:
@@ -97,6 +101,27 @@ class OptimizerSteps:
         self.optimizer.step()
         self.steps_done += 1
         return lr
+
+    def _clip_and_step(
+        self, grads: Mapping[str, Tensor | None], *, loss_sum: float, tokens: float
+    ) -> dict[str, float]:
+        """The end of a train step, after backward: norm, clip, scheduled step, the record.
+
+        ``grads`` are this rank's local gradients by layout tensor name, the ones the
+        optimizer steps on (clipped in place); ``loss_sum`` and ``tokens`` are the
+        global summed token loss and target count (``tokens > 0``). Returns ``loss``
+        (their ratio), ``grad_norm`` (before clipping), ``clip_coef``, ``lr``, ``tokens``.
+        """
+        norm = grad_norm(grads, self._weights)
+        coef = clip_grads_([g for g in grads.values() if g is not None], norm, self.grad_clip)
+        lr = self._optimizer_step()
+        return {
+            "loss": loss_sum / tokens,
+            "grad_norm": norm,
+            "clip_coef": coef,
+            "lr": lr,
+            "tokens": tokens,
+        }
 
     def scheduler_state(self) -> dict[str, int]:
         """The LR schedule's state (for checkpoints' ``lr_scheduler``)."""

@@ -42,8 +42,6 @@ from areal_fn.runtime.engines.common import (
     TokenIds,
     TokenLogprobs,
     TokenMask,
-    clip_grads_,
-    grad_norm,
     next_token_targets,
     norm_weights,
 )
@@ -174,17 +172,7 @@ class Fsdp2Engine(OptimizerSteps):
         if count == 0:
             raise LayoutError("the global batch has no target token (loss_mask is all False)")
         (local_sum * (self.dp_size / count)).backward()
-        grads = self.local_grads()
-        norm = grad_norm(grads, self._weights)
-        coef = clip_grads_([g for g in grads.values() if g is not None], norm, self.grad_clip)
-        lr = self._optimizer_step()
-        return {
-            "loss": total / count,
-            "grad_norm": norm,
-            "clip_coef": coef,
-            "lr": lr,
-            "tokens": count,
-        }
+        return self._clip_and_step(self.local_grads(), loss_sum=total, tokens=count)
 
     @beartype
     def forward_logprobs(self, input_ids: TokenIds) -> TokenLogprobs:

@@ -54,7 +54,7 @@ from areal_fn.errors import LayoutError
 from areal_fn.layouts.layout import Layout
 from areal_fn.layouts.megatron import MegatronMeshes, megatron_layout, stages_for
 from areal_fn.model.spec import ModelSpec
-from areal_fn.pipeline.partition import StagePlan
+from areal_fn.pipeline.partition import StagePlan, megatron_layout_string
 from areal_fn.plans.convert import Reader, iter_to_megatron, to_hf
 from areal_fn.runtime.engines.common import (
     AdamWConfig,
@@ -62,8 +62,6 @@ from areal_fn.runtime.engines.common import (
     TokenIds,
     TokenLogprobs,
     TokenMask,
-    clip_grads_,
-    grad_norm,
     next_token_targets,
     norm_weights,
 )
@@ -71,25 +69,9 @@ from areal_fn.runtime.megatron import build as mb
 from areal_fn.strategy.allocation import Component, ParallelDims
 from areal_fn.typecheck import beartype
 
-__all__ = ["MegatronEngine", "pipeline_layout_string"]
+__all__ = ["MegatronEngine"]
 
 _ADAMW = AdamWConfig()
-
-
-@beartype
-def pipeline_layout_string(plan: StagePlan) -> str:
-    """Megatron's ``pipeline_model_parallel_layout`` for ``plan``: ``"Ett|tt|tL"``.
-
-    One ``|``-separated part per chunk in chunk order (chunk ``j`` is pipeline rank
-    ``j % pp``, virtual stage ``j // pp``, as in Megatron), ``t`` per decoder layer,
-    ``E`` (embedding) in the first, ``L`` (loss) in the last.
-    """
-    parts = []
-    last = plan.num_chunks - 1
-    for chunk in range(plan.num_chunks):
-        body = "t" * len(plan.chunk_layers(chunk))
-        parts.append(("E" if chunk == 0 else "") + body + ("L" if chunk == last else ""))
-    return "|".join(parts)
 
 
 def _plan(spec: ModelSpec, dims: ParallelDims, stages: StagePlan | None) -> StagePlan:
@@ -171,7 +153,7 @@ class MegatronEngine(OptimizerSteps):
         config = mb.transformer_config(
             arch,
             sizes,
-            pipeline_model_parallel_layout=pipeline_layout_string(plan)
+            pipeline_model_parallel_layout=megatron_layout_string(plan)
             if self.dims.pp > 1
             else None,
             overrides=self._config_overrides(),
@@ -366,19 +348,9 @@ class MegatronEngine(OptimizerSteps):
         total, count = float(stats[0]), float(stats[1])
         if count == 0:
             raise LayoutError("the global batch has no target token (loss_mask is all False)")
-        grads = self.local_grads()
-        norm = grad_norm(grads, self._weights)
-        coef = clip_grads_([g for g in grads.values() if g is not None], norm, self.grad_clip)
-        for p in self._params.values():
+        for p in self._params.values():  # the optimizer steps on Megatron's grad buffers
             p.grad = p.main_grad  # type: ignore[attr-defined]
-        lr = self._optimizer_step()
-        return {
-            "loss": total / count,
-            "grad_norm": norm,
-            "clip_coef": coef,
-            "lr": lr,
-            "tokens": count,
-        }
+        return self._clip_and_step(self.local_grads(), loss_sum=total, tokens=count)
 
     @beartype
     def forward_logprobs(self, input_ids: TokenIds) -> TokenLogprobs:
