@@ -145,7 +145,7 @@ def _merge_runs(cells: list[tuple[Box, int]]) -> list[tuple[Box, int]]:
     return cells
 
 
-def _check_ranks(what: str, ranks: Sequence[int], world: int) -> tuple[int, ...]:
+def check_ranks(what: str, ranks: Sequence[int], world: int) -> tuple[int, ...]:
     ranks = tuple(ranks)
     if len(ranks) != world:
         raise PlanError(
@@ -170,10 +170,10 @@ def plan_transfers(
     (default: ``range(world)`` for both, i.e. colocated). Raises ``PlanError`` when a
     destination needs canonical data the source does not hold, or shapes disagree.
     """
-    src_g = _check_ranks(
+    src_g = check_ranks(
         "src_ranks", src_ranks if src_ranks is not None else range(src.world_size), src.world_size
     )
-    dst_g = _check_ranks(
+    dst_g = check_ranks(
         "dst_ranks", dst_ranks if dst_ranks is not None else range(dst.world_size), dst.world_size
     )
     src_shapes = {c.name: c.shape for c in src.canonical}

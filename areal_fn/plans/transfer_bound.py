@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 from areal_fn.errors import PlanError
 from areal_fn.layouts.layout import Layout
 from areal_fn.model.tensor_spec import DTYPE_BYTES
+from areal_fn.plans.transfer import check_ranks
 from areal_fn.sharding.box import Box
 from areal_fn.typecheck import beartype
 
@@ -54,15 +55,6 @@ def _union(ranges: list[tuple[tuple[int, int], ...]]) -> int:
     return total
 
 
-def _ranks(what: str, ranks: Sequence[int] | None, world: int) -> tuple[int, ...]:
-    out = tuple(range(world)) if ranks is None else tuple(ranks)
-    if len(out) != world or len(set(out)) != len(out) or any(r < 0 for r in out):
-        raise PlanError(
-            f"{what}={out} must be {world} distinct non-negative global ranks, one per layout rank"
-        )
-    return out
-
-
 def _held(layout: Layout, rank: int) -> dict[str, list[Box]]:
     out: dict[str, list[Box]] = {}
     for lt in layout.local_tensors(rank):
@@ -86,8 +78,13 @@ def required_bytes(
     (default ``range(world)``: colocated). Bytes are counted in the source layout's
     canonical dtype, the dtype the source sends.
     """
-    src_g = _ranks("src_ranks", src_ranks, src.world_size)
-    dst_g = _ranks("dst_ranks", dst_ranks, dst.world_size)
+    # the rank lists follow the planner's rule (one owner); the bound itself does not
+    src_g = check_ranks(
+        "src_ranks", range(src.world_size) if src_ranks is None else src_ranks, src.world_size
+    )
+    dst_g = check_ranks(
+        "dst_ranks", range(dst.world_size) if dst_ranks is None else dst_ranks, dst.world_size
+    )
     itemsize = {c.name: DTYPE_BYTES[c.dtype] for c in src.canonical}
     src_index = {g: i for i, g in enumerate(src_g)}
     out = []
