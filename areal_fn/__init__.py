@@ -12,6 +12,7 @@ from areal_fn.layouts.fsdp2 import fsdp2_layout as fsdp2_layout
 from areal_fn.layouts.inference import inference_layout as inference_layout
 from areal_fn.layouts.layout import FusionPiece as FusionPiece
 from areal_fn.layouts.layout import Layout as Layout
+from areal_fn.layouts.layout import LayoutKind as LayoutKind
 from areal_fn.layouts.layout import LocalTensor as LocalTensor
 from areal_fn.layouts.layout import LogicalTensor as LogicalTensor
 from areal_fn.layouts.layout import Piece as Piece
@@ -55,6 +56,7 @@ from areal_fn.plans.transfer import plan_transfers as plan_transfers
 from areal_fn.plans.transfer_bound import required_bytes as required_bytes
 from areal_fn.plans.transfer_bound import transfer_lower_bound as transfer_lower_bound
 from areal_fn.sharding.box import Box as Box
+from areal_fn.sharding.mesh import Axis as Axis
 from areal_fn.sharding.mesh import Mesh as Mesh
 from areal_fn.sharding.partition_spec import PartitionSpec as PartitionSpec
 from areal_fn.sharding.partition_spec import from_partition_spec as from_partition_spec

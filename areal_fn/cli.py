@@ -15,7 +15,8 @@ from areal_fn.layouts.layout_for import layout_for
 from areal_fn.model.demo import DEMO_CONFIG as DEMO_CONFIG
 from areal_fn.model.spec import ModelSpec, model_from_hf_config
 from areal_fn.runtime.console import text_console as text_console
-from areal_fn.strategy.allocation import Backend, Component
+from areal_fn.sharding.mesh import Axis
+from areal_fn.strategy.allocation import Component
 from areal_fn.strategy.parse import parse_allocation
 
 if TYPE_CHECKING:
@@ -122,12 +123,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
                     _human(numel * DTYPE_BYTES[model.dtype]),
                 )
             console.print(table)
-        if comp.backend is Backend.MEGATRON:
-            from areal_fn.layouts.megatron import stages_for
+        if layout.stages is not None:
             from areal_fn.pipeline.partition import megatron_layout_string
 
-            stages = stages_for(model, comp.dims)
-            console.print(f"pipeline: {megatron_layout_string(stages)}")
+            console.print(f"pipeline: {megatron_layout_string(layout.stages)}")
         if args.tensors:
             t2 = Table(title=f"{comp.label}: placements")
             for col in ("tensor", "shape", "placements", "present"):
@@ -152,7 +151,7 @@ def _pictures(console: "Any", model: ModelSpec, comp: Component, layout: Layout,
     mesh = layout.meshes[0]
     rows = mesh.sizes[0]
     cols = mesh.size // rows
-    stage_axis = "pp" if "pp" in mesh.names else None
+    stage_axis = Axis.PP if Axis.PP in mesh.names else None
     stage_of = [
         mesh.coords(r)[mesh.axis_index(stage_axis)] if stage_axis else 0
         for r in range(layout.world_size)
@@ -163,12 +162,11 @@ def _pictures(console: "Any", model: ModelSpec, comp: Component, layout: Layout,
     ]
     name = str(comp).replace(":", "-").replace("|", "_").replace("(", "").replace(")", "")
     paths = [write(out / f"{name}.ranks.png", rank_grid_png(rows, cols, stage_of, bytes_of))]
-    if comp.backend is Backend.MEGATRON:
-        from areal_fn.layouts.megatron import stages_for
+    if layout.stages is not None:
         from areal_fn.pipeline.costs import param_costs
         from areal_fn.pipeline.partition import StagePlan
 
-        lengths = stages_for(model, comp.dims).stage_lengths
+        lengths = layout.stages.stage_lengths
         costs = param_costs(model)
         plan = StagePlan(
             costs=costs.layers,

@@ -20,10 +20,10 @@ every parameter over ``dp_shard``; on a dim that TP already shards it produces
 import attrs
 
 from areal_fn.errors import LayoutError
-from areal_fn.layouts.layout import FusionPiece, Layout, LogicalTensor
+from areal_fn.layouts.layout import FusionPiece, Layout, LayoutKind, LogicalTensor
 from areal_fn.model.hf_memory import hf_memory_view
 from areal_fn.model.spec import ModelSpec
-from areal_fn.sharding.mesh import Mesh
+from areal_fn.sharding.mesh import Axis, Mesh
 from areal_fn.sharding.placement import Placement, Replicate, Shard, StridedShard
 from areal_fn.sharding.sharding import Sharding
 from areal_fn.strategy.allocation import ParallelDims
@@ -60,13 +60,13 @@ def fsdp2_mesh(dims: ParallelDims, options: Fsdp2Options) -> Mesh:
             f"hsdp_replicas={options.hsdp_replicas} does not divide dp={dims.dp}; HSDP splits the data-parallel "
             f"ranks into replicas x shards, use hsdp_replicas in {[d for d in range(1, dims.dp + 1) if dims.dp % d == 0]}"
         )
-    axes: dict[str, int] = {}
+    axes: dict[Axis, int] = {}
     if options.hsdp_replicas > 1:
-        axes["dp_replicate"] = options.hsdp_replicas
-    axes["dp_shard"] = dims.dp // options.hsdp_replicas * dims.cp
+        axes[Axis.DP_REPLICATE] = options.hsdp_replicas
+    axes[Axis.DP_SHARD] = dims.dp // options.hsdp_replicas * dims.cp
     if dims.tp > 1:
-        axes["tp"] = dims.tp
-    return Mesh.of(**axes)
+        axes[Axis.TP] = dims.tp
+    return Mesh(names=tuple(axes), sizes=tuple(axes.values()))
 
 
 def tp_placement(name: str, options: Fsdp2Options) -> Placement:
@@ -89,7 +89,7 @@ def fsdp2_sharding(
     TP row-sharded dim not divisible by ``tp`` over more than two FSDP shards.
     """
     tp = tp_placement(name, options)
-    dp_shard = mesh.axis_size("dp_shard")
+    dp_shard = mesh.axis_size(Axis.DP_SHARD)
     row_tp = isinstance(tp, Shard) and tp.dim == 0 and dims.tp > 1
     if row_tp and shape[0] % dims.tp and dp_shard > 2:
         raise LayoutError(
@@ -99,10 +99,10 @@ def fsdp2_sharding(
             "keep dp_shard <= 2"
         )
     placements: list[Placement] = []
-    if "dp_replicate" in mesh.names:
+    if Axis.DP_REPLICATE in mesh.names:
         placements.append(Replicate())
     placements.append(StridedShard(dim=0, split_factor=dims.tp) if row_tp else Shard(dim=0))
-    if "tp" in mesh.names:
+    if Axis.TP in mesh.names:
         placements.append(tp)
     return Sharding(mesh=mesh, placements=tuple(placements))
 
@@ -149,5 +149,5 @@ def fsdp2_layout(
             )
         )
     return Layout(
-        kind="fsdp2", world_size=mesh.size, canonical=model.tensors, tensors=tuple(tensors)
+        kind=LayoutKind.FSDP2, world_size=mesh.size, canonical=model.tensors, tensors=tuple(tensors)
     )

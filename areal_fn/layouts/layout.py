@@ -14,6 +14,7 @@ canonical source. Everything else (conversion, transfer plans, checkpoints, memo
 is geometry on these pieces.
 """
 
+import enum
 import functools
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -21,10 +22,12 @@ import attrs
 
 from areal_fn.errors import LayoutError
 from areal_fn.model.tensor_spec import TensorSpec, dtype_name
+from areal_fn.pipeline.partition import StagePlan
 from areal_fn.sharding.box import Box
 from areal_fn.sharding.mesh import Mesh
 from areal_fn.sharding.placement import Replicate
 from areal_fn.sharding.sharding import Sharding, check_sharding, local_pieces, local_shape
+from areal_fn.strategy.allocation import Backend
 from areal_fn.typecheck import beartype
 
 
@@ -275,6 +278,38 @@ def _with_range(box: Box, d: int, r: tuple[int, int]) -> Box:
     return Box._trusted(tuple(ranges))
 
 
+class LayoutKind(enum.StrEnum):
+    """The framework a layout describes (a member is its name: ``LayoutKind.FSDP2 == "fsdp2"``)."""
+
+    FSDP2 = "fsdp2"
+    MEGATRON = "megatron"
+    #: An inference engine (SGLang, vLLM).
+    INFERENCE = "inference"
+    #: Built by hand or by the test strategies, not by a layout function.
+    SYNTHETIC = "synthetic"
+
+    def __repr__(self) -> str:
+        return f"LayoutKind.{self.name}"
+
+    @classmethod
+    def of(cls, backend: Backend) -> "LayoutKind":
+        """The kind of layout a component of ``backend`` has."""
+        if backend is Backend.FSDP:
+            return cls.FSDP2
+        if backend is Backend.MEGATRON:
+            return cls.MEGATRON
+        return cls.INFERENCE
+
+
+def _kind(value: object) -> LayoutKind:
+    if isinstance(value, str) and value in LayoutKind._value2member_map_:
+        return LayoutKind(value)
+    raise LayoutError(
+        f"Layout.kind={value!r} is not a layout kind; use one of "
+        f"{[k.value for k in LayoutKind]} (LayoutKind)"
+    )
+
+
 def _check_tensors(_inst: object, _attr: object, tensors: tuple[LogicalTensor, ...]) -> None:
     names: set[str] = set()
     for t in tensors:
@@ -290,13 +325,16 @@ class Layout:
     """Every rank's local tensors, as logical tensors over one world of ranks.
 
     ``canonical`` lists the canonical tensors the layout draws from (the model), in
-    checkpoint order; ``kind`` names the framework (``fsdp2``, ``megatron``, ``sglang``...).
+    checkpoint order; ``kind`` names the framework (:class:`LayoutKind`). A Megatron
+    layout carries the stage plan it was built from in ``stages`` (``None`` for other
+    kinds); it is not part of equality, since the tensors' presence on ``pp`` says the same.
     """
 
-    kind: str
+    kind: LayoutKind = attrs.field(converter=_kind)
     world_size: int
     canonical: tuple[TensorSpec, ...] = attrs.field(converter=_specs)
     tensors: tuple[LogicalTensor, ...] = attrs.field(converter=_logical, validator=_check_tensors)
+    stages: StagePlan | None = attrs.field(default=None, eq=False)
 
     def __attrs_post_init__(self) -> None:
         for t in self.tensors:

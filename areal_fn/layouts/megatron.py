@@ -30,19 +30,23 @@ from typing import Literal
 import attrs
 
 from areal_fn.errors import LayoutError
-from areal_fn.layouts.layout import FusionPiece, Layout, LogicalTensor
+from areal_fn.layouts.layout import FusionPiece, Layout, LayoutKind, LogicalTensor
 from areal_fn.layouts.vocab import padded_vocab_size
+from areal_fn.model.families.mapping import Fusion, LayerKind, MegatronTensor
 from areal_fn.model.spec import ModelSpec
 from areal_fn.pipeline.partition import StagePlan
 from areal_fn.sharding.box import Box
-from areal_fn.sharding.mesh import Mesh
-from areal_fn.sharding.placement import Placement, Replicate, Shard, StridedShard
+from areal_fn.sharding.mesh import Axis, Mesh
+from areal_fn.sharding.placement import Placement, Replicate, Shard
 from areal_fn.sharding.sharding import Sharding
 from areal_fn.strategy.allocation import ParallelDims
 from areal_fn.strategy.rules import check_dims
 from areal_fn.typecheck import beartype
 
 Naming = Literal["local", "te"]
+
+_DENSE_AXES = (Axis.PP, Axis.DP, Axis.CP, Axis.TP)
+_EXPERT_AXES = (Axis.PP, Axis.EDP, Axis.EP, Axis.ETP)
 
 
 @attrs.frozen(kw_only=True)
@@ -55,8 +59,8 @@ class MegatronMeshes:
     @classmethod
     def of(cls, dims: ParallelDims) -> "MegatronMeshes":
         return cls(
-            dense=Mesh.of(pp=dims.pp, dp=dims.dp, cp=dims.cp, tp=dims.tp),
-            expert=Mesh.of(pp=dims.pp, edp=dims.edp, ep=dims.ep, etp=dims.etp),
+            dense=Mesh(names=_DENSE_AXES, sizes=(dims.pp, dims.dp, dims.cp, dims.tp)),
+            expert=Mesh(names=_EXPERT_AXES, sizes=(dims.pp, dims.edp, dims.ep, dims.etp)),
         )
 
 
@@ -77,21 +81,18 @@ def _rows(name: str, src: tuple[int, int], dst: int, cols: tuple[int, ...]) -> F
 
 
 def qkv_fusion(
-    model: ModelSpec, prefix: str, suffix: str
+    model: ModelSpec, sources: tuple[str, ...], cols: tuple[int, ...]
 ) -> tuple[tuple[int, ...], tuple[FusionPiece, ...]]:
-    """Fusion map of Megatron's ``linear_qkv.{suffix}`` (weight or bias) for one layer."""
+    """Fusion map of a fused QKV tensor from canonical ``(q, k, v)`` of trailing shape ``cols``:
+    rows grouped per query group ``g``, ``[q heads of g; k_g; v_g]``."""
     hd, nq, nkv = model.head_dim, model.num_attention_heads, model.num_key_value_heads
     qpg = nq // nkv
-    cols = (model.hidden_size,) if suffix == "weight" else ()
+    q, k, v = sources
     pieces = []
     row = 0
     for g in range(nkv):
-        for part, lo, n in (
-            ("q_proj", g * qpg * hd, qpg * hd),
-            ("k_proj", g * hd, hd),
-            ("v_proj", g * hd, hd),
-        ):
-            pieces.append(_rows(f"{prefix}self_attn.{part}.{suffix}", (lo, lo + n), row, cols))
+        for name, lo, n in ((q, g * qpg * hd, qpg * hd), (k, g * hd, hd), (v, g * hd, hd)):
+            pieces.append(_rows(name, (lo, lo + n), row, cols))
             row += n
     return (row, *cols), tuple(pieces)
 
@@ -147,8 +148,10 @@ def megatron_layout(
     ``naming="te"`` uses the Transformer-Engine spec's names (layer norms fused into
     ``linear_qkv`` / ``linear_fc1``); ``grouped_gemm`` names experts
     ``mlp.experts.linear_fc1.weight{i}`` instead of ``mlp.experts.local_experts.{i}...``.
-    ``LayoutError`` for degrees the model does not divide, and for ``ep``/``etp`` > 1
-    on a dense model (:func:`~areal_fn.strategy.rules.check_dims`).
+    Decoder layers follow the family's table
+    (:attr:`~areal_fn.model.families.Family.megatron`). The layout carries its stage
+    plan (``Layout.stages``). ``LayoutError`` for degrees the model does not divide, and
+    for ``ep``/``etp`` > 1 on a dense model (:func:`~areal_fn.strategy.rules.check_dims`).
     """
     check_dims(model, "megatron", dims)
     plan = stages if stages is not None else default_stages(model, dims)
@@ -157,247 +160,172 @@ def megatron_layout(
             f"stage plan covers {plan.num_layers} layers in {plan.num_stages} stages x vpp {plan.vpp}, but the "
             f"model has {model.num_layers} layers and the strategy pp={dims.pp}, vpp={dims.vpp}"
         )
-    meshes = MegatronMeshes.of(dims)
-    dense, expert = meshes.dense, meshes.expert
-    dt = model.dtype
-    hid = model.hidden_size
-    vpad = padded_vocab_size(model.vocab_size, tp=dims.tp, divisible_by=vocab_divisible_by)
-    tensors: list[LogicalTensor] = []
-
-    shardings: dict[Placement, Sharding] = {}
-
-    def dense_sharding(tp_placement: Placement) -> Sharding:
-        if tp_placement not in shardings:
-            shardings[tp_placement] = Sharding(
-                mesh=dense, placements=(Replicate(), Replicate(), Replicate(), tp_placement)
-            )
-        return shardings[tp_placement]
-
-    def add(
-        name: str,
-        shape: tuple[int, ...],
-        fusion: tuple[FusionPiece, ...],
-        tp_placement: Placement,
-        stage: int,
-    ) -> None:
-        tensors.append(
-            LogicalTensor(
-                name=name,
-                shape=shape,
-                dtype=dt,
-                fusion=fusion,
-                sharding=dense_sharding(tp_placement),
-                present=(("pp", stage),),
-            )
-        )
-
-    last_chunk = plan.num_chunks - 1
+    build = _Builder(
+        model=model,
+        dims=dims,
+        meshes=MegatronMeshes.of(dims),
+        naming=naming,
+        grouped_gemm=grouped_gemm,
+        vpad=padded_vocab_size(model.vocab_size, tp=dims.tp, divisible_by=vocab_divisible_by),
+        shapes={t.name: t.shape for t in model.tensors},
+    )
     for chunk in range(plan.num_chunks):
         stage = chunk % dims.pp
-        vstage = chunk // dims.pp
-        pre = f"model{vstage}." if dims.vpp > 1 else ""
+        pre = f"model{chunk // dims.pp}." if dims.vpp > 1 else ""
         if chunk == 0:
-            emb = "model.embed_tokens.weight"
-            add(
-                pre + "embedding.word_embeddings.weight",
-                (vpad, hid),
-                _rows_full(emb, model.vocab_size, hid),
-                Shard(dim=0),
-                stage,
+            build.vocab(
+                pre + "embedding.word_embeddings.weight", "model.embed_tokens.weight", stage
             )
         for local, layer in enumerate(plan.chunk_layers(chunk)):
-            _layer(
-                model,
-                dims,
-                tensors,
-                add,
-                expert,
-                f"{pre}decoder.layers.{local}.",
-                f"model.layers.{layer}.",
-                layer,
-                stage,
-                naming,
-                grouped_gemm,
-            )
-        if chunk == last_chunk:
-            add(
-                pre + "decoder.final_layernorm.weight",
-                (hid,),
-                _full("model.norm.weight", (hid,)),
-                Replicate(),
-                stage,
-            )
-            if not model.tie_word_embeddings:
-                add(
-                    pre + "output_layer.weight",
-                    (vpad, hid),
-                    _rows_full("lm_head.weight", model.vocab_size, hid),
-                    Shard(dim=0),
-                    stage,
-                )
-            elif dims.pp > 1:
-                add(
-                    pre + "output_layer.weight",
-                    (vpad, hid),
-                    _rows_full("model.embed_tokens.weight", model.vocab_size, hid),
-                    Shard(dim=0),
-                    stage,
-                )
+            build.layer(f"{pre}decoder.layers.{local}.", layer, stage)
+        if chunk == plan.num_chunks - 1:
+            build.final(pre, stage)
+    _check_covered(model, build.tensors)
     return Layout(
-        kind="megatron", world_size=dense.size, canonical=model.tensors, tensors=tuple(tensors)
+        kind=LayoutKind.MEGATRON,
+        world_size=build.meshes.dense.size,
+        canonical=model.tensors,
+        tensors=tuple(build.tensors),
+        stages=plan,
     )
+
+
+def _check_covered(model: ModelSpec, tensors: list[LogicalTensor]) -> None:
+    """Every canonical tensor feeds some Megatron parameter (a family table that misses one
+    would otherwise drop it silently)."""
+    fed = {f.canonical for t in tensors for f in t.fusion}
+    left = [n for n in model.tensor_names if n not in fed]
+    if left:
+        more = f" and {len(left) - 5} more" if len(left) > 5 else ""
+        raise LayoutError(
+            f"{model.model_type}: no record of its Megatron table takes the canonical tensors "
+            f"{left[:5]}{more}; add records for them to the family's table "
+            "(areal_fn/model/families/)"
+        )
 
 
 def _rows_full(name: str, rows: int, cols: int) -> tuple[FusionPiece, ...]:
     return (_rows(name, (0, rows), 0, (cols,)),)
 
 
-def _layer(
-    model,
-    dims,
-    tensors,
-    add,
-    expert: Mesh,
-    mp: str,
-    hp: str,
-    layer: int,
-    stage: int,
-    naming: str,
-    grouped: bool,
-) -> None:  # type: ignore[no-untyped-def]
-    hid, hd = model.hidden_size, model.head_dim
-    nq = model.num_attention_heads
-    ln_in = mp + (
-        "self_attention.linear_qkv.layer_norm_weight"
-        if naming == "te"
-        else "input_layernorm.weight"
-    )
-    add(ln_in, (hid,), _full(hp + "input_layernorm.weight", (hid,)), Replicate(), stage)
-    shape, fusion = qkv_fusion(model, hp, "weight")
-    add(mp + "self_attention.linear_qkv.weight", shape, fusion, Shard(dim=0), stage)
-    if model.qkv_bias:
-        shape, fusion = qkv_fusion(model, hp, "bias")
-        add(mp + "self_attention.linear_qkv.bias", shape, fusion, Shard(dim=0), stage)
-    if model.qk_norm:
-        add(
-            mp + "self_attention.q_layernorm.weight",
-            (hd,),
-            _full(hp + "self_attn.q_norm.weight", (hd,)),
-            Replicate(),
-            stage,
+def _fusion(
+    model: ModelSpec,
+    shapes: dict[str, tuple[int, ...]],
+    fusion: Fusion,
+    sources: tuple[str, ...],
+) -> tuple[tuple[int, ...], tuple[FusionPiece, ...]]:
+    """Shape and fusion map of one table record whose canonical sources are ``sources``
+    (``shapes``: the model's canonical shapes by name)."""
+    missing = [s for s in sources if s not in shapes]
+    if missing:
+        raise LayoutError(
+            f"{model.model_type}: its Megatron table names {missing} as sources, which are not "
+            f"canonical tensors of this model; fix the family's table (its 'hf' names, 'when' "
+            f"and 'layers') in areal_fn/model/families/"
         )
-        add(
-            mp + "self_attention.k_layernorm.weight",
-            (hd,),
-            _full(hp + "self_attn.k_norm.weight", (hd,)),
-            Replicate(),
-            stage,
-        )
-    add(
-        mp + "self_attention.linear_proj.weight",
-        (hid, nq * hd),
-        _full(hp + "self_attn.o_proj.weight", (hid, nq * hd)),
-        Shard(dim=1),
-        stage,
-    )
-    if model.o_bias:
-        add(
-            mp + "self_attention.linear_proj.bias",
-            (hid,),
-            _full(hp + "self_attn.o_proj.bias", (hid,)),
-            Replicate(),
-            stage,
-        )
-    moe = model.moe_layers[layer]
-    if naming == "te" and not moe:
-        ln_mlp = mp + "mlp.linear_fc1.layer_norm_weight"
-    else:
-        ln_mlp = mp + "pre_mlp_layernorm.weight"
-    add(ln_mlp, (hid,), _full(hp + "post_attention_layernorm.weight", (hid,)), Replicate(), stage)
-    if not moe:
-        inter = model.intermediate_size
-        shape, fusion = gate_up_fusion(
-            hp + "mlp.gate_proj.weight", hp + "mlp.up_proj.weight", inter, (hid,)
-        )
-        add(mp + "mlp.linear_fc1.weight", shape, fusion, StridedShard(dim=0, split_factor=2), stage)
-        if model.mlp_bias:
-            shape, fusion = gate_up_fusion(
-                hp + "mlp.gate_proj.bias", hp + "mlp.up_proj.bias", inter, ()
+    first = shapes[sources[0]]
+    if fusion is Fusion.WHOLE:
+        return first, _full(sources[0], first)
+    if fusion is Fusion.QKV:
+        return qkv_fusion(model, sources, first[1:])
+    return gate_up_fusion(sources[0], sources[1], first[0], first[1:])
+
+
+@attrs.define(kw_only=True)
+class _Builder:
+    """Accumulates the logical tensors of one Megatron layout (one call's scratch state)."""
+
+    model: ModelSpec
+    dims: ParallelDims
+    meshes: MegatronMeshes
+    naming: str
+    grouped_gemm: bool
+    vpad: int
+    shapes: dict[str, tuple[int, ...]]
+    tensors: list[LogicalTensor] = attrs.field(factory=list)
+    _shardings: dict[tuple[bool, Placement], Sharding] = attrs.field(factory=dict)
+
+    def sharding(self, tp: Placement, *, expert: bool) -> Sharding:
+        key = (expert, tp)
+        if key not in self._shardings:
+            mesh = self.meshes.expert if expert else self.meshes.dense
+            self._shardings[key] = Sharding(
+                mesh=mesh, placements=(Replicate(), Replicate(), Replicate(), tp)
             )
-            add(
-                mp + "mlp.linear_fc1.bias",
-                shape,
-                fusion,
-                StridedShard(dim=0, split_factor=2),
-                stage,
-            )
-        add(
-            mp + "mlp.linear_fc2.weight",
-            (hid, inter),
-            _full(hp + "mlp.down_proj.weight", (hid, inter)),
-            Shard(dim=1),
-            stage,
-        )
-        if model.mlp_bias:
-            add(
-                mp + "mlp.linear_fc2.bias",
-                (hid,),
-                _full(hp + "mlp.down_proj.bias", (hid,)),
-                Replicate(),
-                stage,
-            )
-        return
-    fc1_sharding = Sharding(
-        mesh=expert,
-        placements=(Replicate(), Replicate(), Replicate(), StridedShard(dim=0, split_factor=2)),
-    )
-    fc2_sharding = Sharding(
-        mesh=expert, placements=(Replicate(), Replicate(), Replicate(), Shard(dim=1))
-    )
-    e_count = model.num_experts
-    add(
-        mp + "mlp.router.weight",
-        (e_count, hid),
-        _full(hp + "mlp.gate.weight", (e_count, hid)),
-        Replicate(),
-        stage,
-    )
-    inter = model.moe_intermediate_size
-    per_rank = e_count // dims.ep
-    for e in range(e_count):
-        ep_rank, local = divmod(e, per_rank)
-        fc1 = (
-            f"mlp.experts.linear_fc1.weight{local}"
-            if grouped
-            else f"mlp.experts.local_experts.{local}.linear_fc1.weight"
-        )
-        fc2 = (
-            f"mlp.experts.linear_fc2.weight{local}"
-            if grouped
-            else f"mlp.experts.local_experts.{local}.linear_fc2.weight"
-        )
-        ehp = f"{hp}mlp.experts.{e}."
-        present = (("pp", stage), ("ep", ep_rank))
-        shape, fusion = gate_up_fusion(
-            ehp + "gate_proj.weight", ehp + "up_proj.weight", inter, (hid,)
-        )
-        tensors.append(
+        return self._shardings[key]
+
+    def add(
+        self,
+        name: str,
+        shape_fusion: tuple[tuple[int, ...], tuple[FusionPiece, ...]],
+        tp: Placement,
+        present: tuple[tuple[str, int], ...],
+        *,
+        expert: bool = False,
+    ) -> None:
+        shape, fusion = shape_fusion
+        self.tensors.append(
             LogicalTensor(
-                name=mp + fc1,
+                name=name,
                 shape=shape,
-                dtype=model.dtype,
+                dtype=self.model.dtype,
                 fusion=fusion,
-                sharding=fc1_sharding,
+                sharding=self.sharding(tp, expert=expert),
                 present=present,
             )
         )
-        tensors.append(
-            LogicalTensor(
-                name=mp + fc2,
-                shape=(hid, inter),
-                dtype=model.dtype,
-                fusion=_full(ehp + "down_proj.weight", (hid, inter)),
-                sharding=fc2_sharding,
-                present=present,
-            )
-        )
+
+    def vocab(self, name: str, source: str, stage: int) -> None:
+        hid = self.model.hidden_size
+        fusion = _rows_full(source, self.model.vocab_size, hid)
+        self.add(name, ((self.vpad, hid), fusion), Shard(dim=0), ((Axis.PP, stage),))
+
+    def final(self, pre: str, stage: int) -> None:
+        hid = self.model.hidden_size
+        norm = ((hid,), _full("model.norm.weight", (hid,)))
+        self.add(pre + "decoder.final_layernorm.weight", norm, Replicate(), ((Axis.PP, stage),))
+        if not self.model.tie_word_embeddings:
+            self.vocab(pre + "output_layer.weight", "lm_head.weight", stage)
+        elif self.dims.pp > 1:
+            self.vocab(pre + "output_layer.weight", "model.embed_tokens.weight", stage)
+
+    def layer(self, mp: str, layer: int, stage: int) -> None:
+        """Decoder layer ``layer`` (HF index) as Megatron's ``mp`` (its chunk-local prefix)."""
+        model = self.model
+        kind = LayerKind.MOE if model.moe_layers[layer] else LayerKind.DENSE
+        hp = f"model.layers.{layer}."
+        rows = [
+            r
+            for r in model.family.megatron
+            if r.layers in (LayerKind.ALL, kind) and (r.when is None or getattr(model, r.when))
+        ]
+        i = 0
+        while i < len(rows):
+            if not rows[i].expert:
+                r = rows[i]
+                sources = tuple(hp + h for h in r.hf)
+                self.add(
+                    mp + r.name(self.naming),
+                    _fusion(model, self.shapes, r.fusion, sources),
+                    r.tp,
+                    ((Axis.PP, stage),),
+                )
+                i += 1
+                continue
+            j = i
+            while j < len(rows) and rows[j].expert:
+                j += 1
+            self._experts(rows[i:j], mp, hp, stage)
+            i = j
+
+    def _experts(self, rows: list[MegatronTensor], mp: str, hp: str, stage: int) -> None:
+        """A run of per-expert records, expert-major (expert 0's tensors, then expert 1's...)."""
+        per_rank = self.model.num_experts // self.dims.ep
+        for e in range(self.model.num_experts):
+            ep_rank, local = divmod(e, per_rank)
+            present = ((Axis.PP, stage), (Axis.EP, ep_rank))
+            for r in rows:
+                name = r.name(self.naming, grouped_gemm=self.grouped_gemm).format(local=local)
+                sources = tuple(hp + h.format(e=e) for h in r.hf)
+                fused = _fusion(self.model, self.shapes, r.fusion, sources)
+                self.add(mp + name, fused, r.tp, present, expert=True)

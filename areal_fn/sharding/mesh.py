@@ -5,6 +5,7 @@ is what ``torch.distributed.init_device_mesh`` builds; Megatron's rank order
 ``tp-cp-ep-dp-pp`` (tp fastest) is the same mesh with axes listed ``(pp, dp, ..., tp)``.
 """
 
+import enum
 import math
 from collections.abc import Sequence
 
@@ -13,10 +14,36 @@ import attrs
 from areal_fn.errors import SpecError
 
 
+class Axis(enum.StrEnum):
+    """The mesh axes the layouts build (a member is its name: ``Axis.TP == "tp"``).
+
+    Megatron's dense mesh is ``(PP, DP, CP, TP)`` and its expert mesh
+    ``(PP, EDP, EP, ETP)``; FSDP2's is ``([DP_REPLICATE,] DP_SHARD[, TP])``; an
+    inference engine's ``(DP, PP, TP)``, with ``TP`` split into ``(TP_KV, TP_REP)`` where
+    KV heads are replicated. A :class:`Mesh` also takes other identifiers (a user's own
+    mesh); it stores names as plain strings.
+    """
+
+    PP = "pp"
+    DP = "dp"
+    CP = "cp"
+    TP = "tp"
+    EDP = "edp"
+    EP = "ep"
+    ETP = "etp"
+    DP_REPLICATE = "dp_replicate"
+    DP_SHARD = "dp_shard"
+    TP_KV = "tp_kv"
+    TP_REP = "tp_rep"
+
+    def __repr__(self) -> str:
+        return f"Axis.{self.name}"
+
+
 def _names(value: object) -> tuple[str, ...]:
     if isinstance(value, str) or not isinstance(value, Sequence):
         raise SpecError(f"Mesh.names={value!r} must be a sequence of axis names, e.g. ('dp', 'tp')")
-    return tuple(value)
+    return tuple(n.value if isinstance(n, Axis) else n for n in value)
 
 
 def _sizes(value: object) -> tuple[int, ...]:

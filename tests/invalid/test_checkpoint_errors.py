@@ -284,7 +284,7 @@ def plan_partial(root: Path) -> Any:
         ),
         sharding=Sharding(mesh=mesh, placements=(Replicate(),)),
     )
-    return plan_save(Layout(kind="toy", world_size=2, canonical=(spec,), tensors=(t,)))
+    return plan_save(Layout(kind="synthetic", world_size=2, canonical=(spec,), tensors=(t,)))
 
 
 def overlapping_chunks(root: Path) -> Any:
@@ -532,7 +532,7 @@ CASES = [
         "layout that holds part of a tensor",
         nothing,
         plan_partial,
-        r"w\[2:4\] is held by no rank of the toy layout \(2 ranks\); a checkpoint stores whole canonical tensors",
+        r"w\[2:4\] is held by no rank of the synthetic layout \(2 ranks\); a checkpoint stores whole canonical tensors",
     ),
     (
         "chunks holding too much",

@@ -118,8 +118,8 @@ def test_no_import_cycle_between_modules() -> None:
 #: The public face: every name ``from areal_fn import *`` gives (additions go here too).
 PUBLIC = sorted(
     """
-    ActivationModel AdamWConfig Allocation Backend Box Bucket BucketPlan CheckpointError Component
-    ConversionError DEMO_CONFIG FusionPiece Fsdp2Options Layout LayoutError LocalTensor
+    ActivationModel AdamWConfig Allocation Axis Backend Box Bucket BucketPlan CheckpointError Component
+    ConversionError DEMO_CONFIG FusionPiece Fsdp2Options Layout LayoutError LayoutKind LocalTensor
     LogicalTensor MemoryReport Mesh ModelSpec ParallelDims ParseError Partial PartitionSpec
     Piece PlanError PrecisionPolicy Replicate Shard Sharding SpecError StagePlan StridedShard
     Suggestion TensorSpec Transfer TransferPlan UnsupportedConfigError bucket

@@ -213,7 +213,7 @@ def test_sources_are_balanced_across_replicas(replicas, dst_world, rows_per_dst)
             fusion=fusion,
             sharding=Sharding(mesh=mesh, placements=(placement,)),
         )
-        return Layout(kind="x", world_size=mesh.size, canonical=(spec,), tensors=(t,))
+        return Layout(kind="synthetic", world_size=mesh.size, canonical=(spec,), tensors=(t,))
 
     src = layout(Mesh.of(r=replicas), Replicate())
     dst = layout(Mesh.of(d=dst_world), Shard(dim=0))

@@ -16,6 +16,7 @@ from typing import Literal
 import attrs
 
 from areal_fn.errors import SpecError
+from areal_fn.model.families.mapping import LayerKind, MegatronTensor
 from areal_fn.typecheck import beartype
 
 #: How a config class switches sliding-window attention on (see :class:`Family`).
@@ -49,6 +50,21 @@ def _fused_tuple(value: Iterable[FusedExperts]) -> tuple[FusedExperts, ...]:
     return tuple(value)
 
 
+def _megatron_tuple(value: Iterable[MegatronTensor]) -> tuple[MegatronTensor, ...]:
+    return tuple(value)
+
+
+def _check_megatron(inst: "Family", _attr: object, table: tuple[MegatronTensor, ...]) -> None:
+    for i, rec in enumerate(table):
+        for other in table[:i]:
+            overlap = LayerKind.ALL in (rec.layers, other.layers) or rec.layers is other.layers
+            if other.local == rec.local and overlap:
+                raise SpecError(
+                    f"family {inst.model_type!r}: its Megatron table lists {rec.local!r} twice "
+                    f"for the same layers ({other.layers!r} and {rec.layers!r})"
+                )
+
+
 @attrs.frozen(kw_only=True)
 class Family:
     """How one ``model_type`` maps ``config.json`` keys to a :class:`~areal_fn.model.spec.ModelSpec`.
@@ -65,6 +81,8 @@ class Family:
       even when ``head_dim`` is explicit (transformers' ``LlamaConfig`` rejects it).
     - ``moe`` and ``fused_experts``: the family has routed experts and transformers 5
       keeps them fused in memory as described.
+    - ``megatron``: the HF <-> Megatron-Core table of a decoder layer
+      (:mod:`areal_fn.model.families.mapping`).
     - ``hidden_act``: the one MLP activation the family models (SwiGLU with ``silu``);
       a config asking for another is refused.
     - ``sliding_window``: how the config class switches sliding-window attention on,
@@ -89,6 +107,9 @@ class Family:
     hidden_divisible_by_heads: bool = False
     moe: bool = False
     fused_experts: tuple[FusedExperts, ...] = attrs.field(default=(), converter=_fused_tuple)
+    megatron: tuple[MegatronTensor, ...] = attrs.field(
+        converter=_megatron_tuple, validator=_check_megatron
+    )
     hidden_act: str = "silu"
     sliding_window: SlidingWindow = attrs.field(
         default="absent",

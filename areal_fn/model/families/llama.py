@@ -5,10 +5,12 @@ when ``head_dim`` is explicit, so this family checks it too.
 """
 
 from areal_fn.model.families import Family
+from areal_fn.model.families.mapping import GQA_ATTENTION, SWIGLU_MLP
 
 FAMILY = Family(
     model_type="llama",
     architecture="LlamaForCausalLM",
+    megatron=(*GQA_ATTENTION, *SWIGLU_MLP),
     required=(
         "hidden_size",
         "intermediate_size",

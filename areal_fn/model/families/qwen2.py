@@ -1,10 +1,12 @@
 """Qwen2 / Qwen2.5: GQA with biases on q/k/v (always) and none on o_proj or the MLP."""
 
 from areal_fn.model.families import Family
+from areal_fn.model.families.mapping import GQA_ATTENTION, SWIGLU_MLP
 
 FAMILY = Family(
     model_type="qwen2",
     architecture="Qwen2ForCausalLM",
+    megatron=(*GQA_ATTENTION, *SWIGLU_MLP),
     required=(
         "hidden_size",
         "intermediate_size",

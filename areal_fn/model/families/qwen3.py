@@ -5,10 +5,12 @@ absent, which is not ``hidden_size // num_attention_heads`` in general.
 """
 
 from areal_fn.model.families import Family
+from areal_fn.model.families.mapping import GQA_ATTENTION, SWIGLU_MLP
 
 FAMILY = Family(
     model_type="qwen3",
     architecture="Qwen3ForCausalLM",
+    megatron=(*GQA_ATTENTION, *SWIGLU_MLP),
     required=(
         "hidden_size",
         "intermediate_size",

@@ -13,10 +13,12 @@ expert; transformers 5 fuses them in memory into ``mlp.experts.gate_up_proj``
 """
 
 from areal_fn.model.families import Family, FusedExperts
+from areal_fn.model.families.mapping import GQA_ATTENTION, ROUTED_EXPERTS, SWIGLU_MLP
 
 FAMILY = Family(
     model_type="qwen3_moe",
     architecture="Qwen3MoeForCausalLM",
+    megatron=(*GQA_ATTENTION, *SWIGLU_MLP, *ROUTED_EXPERTS),
     required=(
         "hidden_size",
         "intermediate_size",

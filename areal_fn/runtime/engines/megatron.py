@@ -66,16 +66,13 @@ from areal_fn.runtime.engines.common import (
     norm_weights,
 )
 from areal_fn.runtime.megatron import build as mb
+from areal_fn.sharding.mesh import Axis
 from areal_fn.strategy.allocation import Component, ParallelDims
 from areal_fn.typecheck import beartype
 
 __all__ = ["MegatronEngine"]
 
 _ADAMW = AdamWConfig()
-
-
-def _plan(spec: ModelSpec, dims: ParallelDims, stages: StagePlan | None) -> StagePlan:
-    return stages if stages is not None else stages_for(spec, dims)
 
 
 def _causal_mask(seq: int) -> Tensor:
@@ -108,12 +105,16 @@ class MegatronEngine(OptimizerSteps):
         seed: int = 0,
     ) -> None:
         pdims = dims.dims if isinstance(dims, Component) else dims
-        plan = _plan(model_spec, pdims, stages)
         self.spec = model_spec
         self.dims = pdims
         self.layout: Layout = megatron_layout(
-            model_spec, pdims, stages=plan, vocab_divisible_by=vocab_divisible_by
+            model_spec,
+            pdims,
+            stages=stages if stages is not None else stages_for(model_spec, pdims),
+            vocab_divisible_by=vocab_divisible_by,
         )  # pure: fails before any process group is touched
+        plan = self.layout.stages
+        assert plan is not None  # a Megatron layout carries its stage plan
         mb.rope_kwargs(attrs.asdict(model_spec))  # rope scaling GPTModel cannot apply fails here
         self.mesh = MegatronMeshes.of(pdims).dense
         self.grad_clip = grad_clip
@@ -192,10 +193,10 @@ class MegatronEngine(OptimizerSteps):
 
         want = dict(zip(self.mesh.names, self.mesh.coords(self.rank), strict=True))
         got = {
-            "pp": ps.get_pipeline_model_parallel_rank(),
-            "dp": ps.get_data_parallel_rank(),
-            "cp": ps.get_context_parallel_rank(),
-            "tp": ps.get_tensor_model_parallel_rank(),
+            Axis.PP: ps.get_pipeline_model_parallel_rank(),
+            Axis.DP: ps.get_data_parallel_rank(),
+            Axis.CP: ps.get_context_parallel_rank(),
+            Axis.TP: ps.get_tensor_model_parallel_rank(),
         }
         if got != want:
             raise LayoutError(
@@ -251,12 +252,12 @@ class MegatronEngine(OptimizerSteps):
     @property
     def dp_size(self) -> int:
         """Data-parallel ranks: how many shares a global batch has."""
-        return self.mesh.axis_size("dp")
+        return self.mesh.axis_size(Axis.DP)
 
     @property
     def dp_rank(self) -> int:
         """This rank's share of a global batch."""
-        return self.mesh.coords(self.rank)[self.mesh.axis_index("dp")]
+        return self.mesh.coords(self.rank)[self.mesh.axis_index(Axis.DP)]
 
     # -- the schedule --------------------------------------------------------------------
     def _nll(self, logits: Tensor, targets: Tensor) -> Tensor:

@@ -38,34 +38,35 @@ from areal_fn.runtime.engines.fsdp2_apply import (
     retie,
     tensor_parallel_style,
 )
+from areal_fn.sharding.mesh import Axis
 from areal_fn.sharding.placement import Placement, Replicate
 from areal_fn.typecheck import beartype
 
 __all__ = ["apply_tp", "check_applied", "layout_rank", "local_tensors", "tp_plan"]
 
-TP = "tp"
+TP = Axis.TP
 
 
 def _tp_placement(t: LogicalTensor) -> Placement:
     mesh = t.sharding.mesh
     for name, size in zip(mesh.names, mesh.sizes, strict=True):
-        if name not in ("dp", "pp", "tp", "tp_kv", "tp_rep"):
+        if name not in (Axis.DP, Axis.PP, Axis.TP, Axis.TP_KV, Axis.TP_REP):
             raise LayoutError(
                 f"{t.name}: mesh axis {name!r} of {mesh} is not an inference axis; build the "
                 "layout with inference_layout"
             )
-        if name in ("dp", "pp") and size != 1:
+        if name in (Axis.DP, Axis.PP) and size != 1:
             raise LayoutError(
                 f"{t.name}: the TP stand-in engine holds one replica of one stage, the layout has "
                 f"{name}={size}; build it with ParallelDims(tp=...) only"
             )
-        if name == "tp_rep" and size != 1:
+        if name == Axis.TP_REP and size != 1:
             raise LayoutError(
                 f"{t.name}: the layout replicates each KV head on tp_rep={size} ranks "
                 "(tp > num_key_value_heads), which column-wise DTensor TP cannot hold; use "
                 "tp <= num_key_value_heads"
             )
-    axis = TP if TP in mesh.names else "tp_kv"
+    axis = TP if TP in mesh.names else Axis.TP_KV
     return t.sharding.placements[mesh.axis_index(axis)]
 
 

@@ -1,0 +1,247 @@
+"""HF <-> Megatron-Core correspondence of a decoder layer, as a table of typed records.
+
+A family's :attr:`~areal_fn.model.families.Family.megatron` is a tuple of
+:class:`MegatronTensor` records, one per Megatron-Core parameter of a decoder layer;
+:func:`areal_fn.layouts.megatron.megatron_layout` interprets the table (one generic
+function), so adding a family is writing its table. Names are relative to the layer
+prefix: ``decoder.layers.{i}.`` on the Megatron side, ``model.layers.{i}.`` on the HF
+side. The embedding, the final norm and the output layer are the same for every family
+and are not in the table.
+
+A record says
+
+- ``local``: the parameter's name under Megatron's local layer spec; ``te`` its name
+  under the Transformer-Engine spec where that differs; ``grouped`` the name of an
+  expert tensor under grouped GEMM (``{local}`` is the expert's index on its EP rank);
+- ``hf``: the canonical (HF checkpoint) tensors it is made of (``{e}``: the expert);
+- ``fusion``: how those tensors are laid into it (:class:`Fusion`);
+- ``tp``: its placement over the tensor-parallel axis (``tp`` on the dense mesh,
+  ``etp`` on the expert mesh for ``expert`` records);
+- ``when``: a boolean :class:`~areal_fn.model.spec.ModelSpec` field that must be true
+  for the parameter to exist (``qkv_bias``, ``qk_norm``, ...), or ``None``;
+- ``layers``: which layers have it (:class:`LayerKind`).
+"""
+
+import enum
+from collections.abc import Iterable
+
+import attrs
+
+from areal_fn.errors import SpecError
+from areal_fn.sharding.placement import Placement, Replicate, Shard, StridedShard
+
+
+class Fusion(enum.Enum):
+    """How the canonical tensors of a record are laid into the Megatron parameter."""
+
+    #: One canonical tensor, copied whole.
+    WHOLE = "whole"
+    #: ``[q heads of group g; k_g; v_g]`` per query group ``g`` (sources: q, k, v).
+    QKV = "qkv"
+    #: ``[gate; up]`` stacked along rows (sources: gate, up).
+    GATE_UP = "gate_up"
+
+    def __repr__(self) -> str:
+        return f"Fusion.{self.name}"
+
+
+#: Number of canonical sources each fusion takes.
+FUSION_SOURCES = {Fusion.WHOLE: 1, Fusion.QKV: 3, Fusion.GATE_UP: 2}
+
+
+class LayerKind(enum.Enum):
+    """Which decoder layers hold a parameter."""
+
+    ALL = "all"
+    #: Layers with a dense MLP.
+    DENSE = "dense"
+    #: Layers with routed experts.
+    MOE = "moe"
+
+    def __repr__(self) -> str:
+        return f"LayerKind.{self.name}"
+
+
+#: ModelSpec fields a record's ``when`` may name.
+CONDITIONS = ("qkv_bias", "o_bias", "mlp_bias", "qk_norm")
+
+
+def _strs(value: Iterable[str]) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return (value,)
+    return tuple(value)
+
+
+def _check_record(inst: "MegatronTensor") -> None:
+    need = FUSION_SOURCES[inst.fusion]
+    if len(inst.hf) != need:
+        raise SpecError(
+            f"MegatronTensor {inst.local!r}: fusion {inst.fusion!r} takes {need} canonical "
+            f"tensors, got hf={inst.hf!r}"
+        )
+    if inst.when is not None and inst.when not in CONDITIONS:
+        raise SpecError(
+            f"MegatronTensor {inst.local!r}: when={inst.when!r} is not a ModelSpec flag; "
+            f"use one of {CONDITIONS} or None"
+        )
+    per_expert = ["{e}" in h for h in inst.hf]
+    if inst.expert != all(per_expert) or any(per_expert) != all(per_expert):
+        raise SpecError(
+            f"MegatronTensor {inst.local!r}: expert={inst.expert} but hf={inst.hf!r}; an "
+            "expert record names every source with '{e}', others name none"
+        )
+    if inst.expert and ("{local}" not in inst.local or "{local}" not in (inst.grouped or "")):
+        raise SpecError(
+            f"MegatronTensor {inst.local!r}: an expert record needs '{{local}}' in local "
+            f"and in grouped (got grouped={inst.grouped!r})"
+        )
+    if inst.expert and inst.layers is not LayerKind.MOE:
+        raise SpecError(f"MegatronTensor {inst.local!r}: expert records belong to MoE layers")
+
+
+@attrs.frozen(kw_only=True)
+class MegatronTensor:
+    """One Megatron-Core parameter of a decoder layer and its canonical sources."""
+
+    local: str
+    hf: tuple[str, ...] = attrs.field(converter=_strs)
+    tp: Placement
+    fusion: Fusion = Fusion.WHOLE
+    te: str | None = None
+    grouped: str | None = None
+    expert: bool = False
+    when: str | None = None
+    layers: LayerKind = LayerKind.ALL
+
+    def __attrs_post_init__(self) -> None:
+        _check_record(self)
+
+    def name(self, naming: str, *, grouped_gemm: bool = False) -> str:
+        """The parameter's name under ``naming`` (``"local"`` or ``"te"``)."""
+        if self.expert and grouped_gemm and self.grouped is not None:
+            return self.grouped
+        if naming == "te" and self.te is not None:
+            return self.te
+        return self.local
+
+
+# -- building blocks the families compose ------------------------------------------------
+
+_COLS = Shard(dim=1)
+_ROWS = Shard(dim=0)
+_GATE_UP_ROWS = StridedShard(dim=0, split_factor=2)
+
+#: Grouped-query attention: fused QKV (optional biases), optional q/k norms, o_proj.
+GQA_ATTENTION: tuple[MegatronTensor, ...] = (
+    MegatronTensor(
+        local="input_layernorm.weight",
+        te="self_attention.linear_qkv.layer_norm_weight",
+        hf="input_layernorm.weight",
+        tp=Replicate(),
+    ),
+    MegatronTensor(
+        local="self_attention.linear_qkv.weight",
+        hf=(
+            "self_attn.q_proj.weight",
+            "self_attn.k_proj.weight",
+            "self_attn.v_proj.weight",
+        ),
+        fusion=Fusion.QKV,
+        tp=_ROWS,
+    ),
+    MegatronTensor(
+        local="self_attention.linear_qkv.bias",
+        hf=("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+        fusion=Fusion.QKV,
+        tp=_ROWS,
+        when="qkv_bias",
+    ),
+    MegatronTensor(
+        local="self_attention.q_layernorm.weight",
+        hf="self_attn.q_norm.weight",
+        tp=Replicate(),
+        when="qk_norm",
+    ),
+    MegatronTensor(
+        local="self_attention.k_layernorm.weight",
+        hf="self_attn.k_norm.weight",
+        tp=Replicate(),
+        when="qk_norm",
+    ),
+    MegatronTensor(
+        local="self_attention.linear_proj.weight", hf="self_attn.o_proj.weight", tp=_COLS
+    ),
+    MegatronTensor(
+        local="self_attention.linear_proj.bias",
+        hf="self_attn.o_proj.bias",
+        tp=Replicate(),
+        when="o_bias",
+    ),
+)
+
+#: A dense SwiGLU MLP: ``linear_fc1 = [gate; up]`` (strided over TP), ``linear_fc2``.
+SWIGLU_MLP: tuple[MegatronTensor, ...] = (
+    MegatronTensor(
+        local="pre_mlp_layernorm.weight",
+        te="mlp.linear_fc1.layer_norm_weight",
+        hf="post_attention_layernorm.weight",
+        tp=Replicate(),
+        layers=LayerKind.DENSE,
+    ),
+    MegatronTensor(
+        local="mlp.linear_fc1.weight",
+        hf=("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+        fusion=Fusion.GATE_UP,
+        tp=_GATE_UP_ROWS,
+        layers=LayerKind.DENSE,
+    ),
+    MegatronTensor(
+        local="mlp.linear_fc1.bias",
+        hf=("mlp.gate_proj.bias", "mlp.up_proj.bias"),
+        fusion=Fusion.GATE_UP,
+        tp=_GATE_UP_ROWS,
+        when="mlp_bias",
+        layers=LayerKind.DENSE,
+    ),
+    MegatronTensor(
+        local="mlp.linear_fc2.weight", hf="mlp.down_proj.weight", tp=_COLS, layers=LayerKind.DENSE
+    ),
+    MegatronTensor(
+        local="mlp.linear_fc2.bias",
+        hf="mlp.down_proj.bias",
+        tp=Replicate(),
+        when="mlp_bias",
+        layers=LayerKind.DENSE,
+    ),
+)
+
+#: Routed SwiGLU experts behind a linear router (no shared expert); the MoE layer's
+#: pre-MLP norm keeps its own name under the TE spec.
+ROUTED_EXPERTS: tuple[MegatronTensor, ...] = (
+    MegatronTensor(
+        local="pre_mlp_layernorm.weight",
+        hf="post_attention_layernorm.weight",
+        tp=Replicate(),
+        layers=LayerKind.MOE,
+    ),
+    MegatronTensor(
+        local="mlp.router.weight", hf="mlp.gate.weight", tp=Replicate(), layers=LayerKind.MOE
+    ),
+    MegatronTensor(
+        local="mlp.experts.local_experts.{local}.linear_fc1.weight",
+        grouped="mlp.experts.linear_fc1.weight{local}",
+        hf=("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"),
+        fusion=Fusion.GATE_UP,
+        tp=_GATE_UP_ROWS,
+        expert=True,
+        layers=LayerKind.MOE,
+    ),
+    MegatronTensor(
+        local="mlp.experts.local_experts.{local}.linear_fc2.weight",
+        grouped="mlp.experts.linear_fc2.weight{local}",
+        hf="mlp.experts.{e}.down_proj.weight",
+        tp=_COLS,
+        expert=True,
+        layers=LayerKind.MOE,
+    ),
+)
