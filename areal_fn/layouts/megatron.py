@@ -32,7 +32,13 @@ import attrs
 from areal_fn.errors import LayoutError
 from areal_fn.layouts.layout import FusionPiece, Layout, LayoutKind, LogicalTensor
 from areal_fn.layouts.vocab import padded_vocab_size
-from areal_fn.model.families.mapping import Fusion, LayerKind, MegatronTensor
+from areal_fn.model.families.mapping import (
+    CONDITIONS,
+    Fusion,
+    MegatronTensor,
+    expert_runs,
+    select,
+)
 from areal_fn.model.spec import ModelSpec
 from areal_fn.pipeline.partition import StagePlan
 from areal_fn.sharding.box import Box
@@ -292,31 +298,16 @@ class _Builder:
     def layer(self, mp: str, layer: int, stage: int) -> None:
         """Decoder layer ``layer`` (HF index) as Megatron's ``mp`` (its chunk-local prefix)."""
         model = self.model
-        kind = LayerKind.MOE if model.moe_layers[layer] else LayerKind.DENSE
         hp = f"model.layers.{layer}."
-        rows = [
-            r
-            for r in model.family.megatron
-            if r.layers in (LayerKind.ALL, kind) and (r.when is None or getattr(model, r.when))
-        ]
-        i = 0
-        while i < len(rows):
-            if not rows[i].expert:
-                r = rows[i]
-                sources = tuple(hp + h for h in r.hf)
-                self.add(
-                    mp + r.name(self.naming),
-                    _fusion(model, self.shapes, r.fusion, sources),
-                    r.tp,
-                    ((Axis.PP, stage),),
-                )
-                i += 1
+        flags = {c: bool(getattr(model, c)) for c in CONDITIONS}
+        rows = select(model.family.megatron, moe=model.moe_layers[layer], flags=flags)
+        for run in expert_runs(rows):
+            if run[0].expert:
+                self._experts(run, mp, hp, stage)
                 continue
-            j = i
-            while j < len(rows) and rows[j].expert:
-                j += 1
-            self._experts(rows[i:j], mp, hp, stage)
-            i = j
+            r = run[0]
+            fused = _fusion(model, self.shapes, r.fusion, tuple(hp + h for h in r.hf))
+            self.add(mp + r.name(self.naming), fused, r.tp, ((Axis.PP, stage),))
 
     def _experts(self, rows: list[MegatronTensor], mp: str, hp: str, stage: int) -> None:
         """A run of per-expert records, expert-major (expert 0's tensors, then expert 1's...)."""

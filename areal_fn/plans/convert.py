@@ -15,6 +15,7 @@ from torch import Tensor
 from areal_fn.errors import ConversionError
 from areal_fn.layouts.layout import Layout, LocalTensor, Piece
 from areal_fn.model.tensor_spec import TensorSpec, torch_dtype
+from areal_fn.plans.tensor_check import check_local_tensors, diff_shapes, listing
 from areal_fn.sharding.box import Box
 from areal_fn.typecheck import beartype
 
@@ -35,23 +36,17 @@ def check_canonical(
     canonical: Mapping[str, Tensor], specs: tuple[TensorSpec, ...], *, allow_missing: bool = False
 ) -> None:
     """Raise ``ConversionError`` listing missing, extra and mis-shaped tensors."""
-    want = {s.name: s for s in specs}
-    missing = [n for n in want if n not in canonical]
-    extra = sorted(n for n in canonical if n not in want)
-    shapes = [
-        f"{n}: got {tuple(canonical[n].shape)}, expected {want[n].shape}"
-        for n in want
-        if n in canonical and tuple(canonical[n].shape) != want[n].shape
-    ]
+    d = diff_shapes(
+        {s.name: s.shape for s in specs}, {n: tuple(t.shape) for n, t in canonical.items()}
+    )
     problems = []
-    if missing and not allow_missing:
-        problems.append(
-            f"missing {len(missing)}: {missing[:8]}{' ...' if len(missing) > 8 else ''}"
-        )
-    if extra:
-        problems.append(f"unexpected {len(extra)}: {extra[:8]}{' ...' if len(extra) > 8 else ''}")
-    if shapes:
-        problems.append(f"mis-shaped {len(shapes)}: {shapes[:8]}")
+    if d.missing and not allow_missing:
+        problems.append(f"missing {len(d.missing)}: {listing(d.missing)}")
+    if d.unexpected:
+        problems.append(f"unexpected {len(d.unexpected)}: {listing(d.unexpected)}")
+    if d.misshaped:
+        shapes = [f"{n}: got {g}, expected {w}" for n, g, w in d.misshaped]
+        problems.append(f"mis-shaped {len(shapes)}: {listing(shapes)}")
     if problems:
         raise ConversionError(
             "canonical tensors do not match the model: "
@@ -124,36 +119,6 @@ def to_megatron(
     return dict(iter_to_megatron(source, layout, rank, dtype=dtype))
 
 
-def _check_locals(states: Mapping[int, Mapping[str, Tensor]], layout: Layout) -> None:
-    problems = []
-    missing_ranks = [r for r in range(layout.world_size) if r not in states]
-    if missing_ranks:
-        problems.append(f"no state for ranks {missing_ranks}")
-    for r in sorted(states):
-        if not 0 <= r < layout.world_size:
-            problems.append(f"rank {r} is outside the layout's {layout.world_size} ranks")
-            continue
-        want = {lt.name: lt for lt in layout.local_tensors(r)}
-        have = states[r]
-        miss = [n for n in want if n not in have]
-        extra = sorted(n for n in have if n not in want)
-        bad = [
-            f"{n} {tuple(have[n].shape)} != {want[n].shape}"
-            for n in want
-            if n in have and tuple(have[n].shape) != want[n].shape
-        ]
-        if miss:
-            problems.append(f"rank {r} misses {miss[:5]}")
-        if extra:
-            problems.append(f"rank {r} has unexpected {extra[:5]}")
-        if bad:
-            problems.append(f"rank {r} mis-shaped {bad[:5]}")
-    if problems:
-        raise ConversionError(
-            f"local states do not match the {layout.kind} layout: " + "; ".join(problems)
-        )
-
-
 @beartype
 def iter_to_hf(
     states: Mapping[int, Mapping[str, Tensor]],
@@ -167,7 +132,12 @@ def iter_to_hf(
     ``check_replicas`` every other copy is compared bitwise and a difference raises
     ``ConversionError`` naming the tensor and ranks.
     """
-    _check_locals(states, layout)
+    check_local_tensors(
+        layout,
+        {r: {n: tuple(t.shape) for n, t in st.items()} for r, st in states.items()},
+        error=ConversionError,
+        every_rank=True,
+    )
     holders: dict[str, list[tuple[int, str, Piece]]] = {}
     for r in range(layout.world_size):
         for lt in layout.local_tensors(r):

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from areal_fn.errors import CheckpointError
 from areal_fn.layouts.fsdp2 import fsdp2_layout
-from areal_fn.layouts.layout import Layout
+from areal_fn.layouts.layout import Layout, LayoutKind
 from areal_fn.model.tensor_spec import TensorSpec
 from areal_fn.plans.checkpoint import (
     CheckpointManifest,
@@ -219,6 +219,7 @@ def test_repr_of_a_plan_is_python(layout):
     plan = plan_save(layout)
     scope = {
         "WritePlan": WritePlan,
+        "LayoutKind": LayoutKind,
         "RankWrites": RankWrites,
         "WritePiece": WritePiece,
         "Box": Box,

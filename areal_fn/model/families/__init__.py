@@ -16,7 +16,7 @@ from typing import Literal
 import attrs
 
 from areal_fn.errors import SpecError
-from areal_fn.model.families.mapping import LayerKind, MegatronTensor
+from areal_fn.model.families.mapping import HfTensor, LayerKind, MegatronTensor
 from areal_fn.typecheck import beartype
 
 #: How a config class switches sliding-window attention on (see :class:`Family`).
@@ -50,6 +50,21 @@ def _fused_tuple(value: Iterable[FusedExperts]) -> tuple[FusedExperts, ...]:
     return tuple(value)
 
 
+def _canonical_tuple(value: Iterable[HfTensor]) -> tuple[HfTensor, ...]:
+    return tuple(value)
+
+
+def _check_canonical(inst: "Family", _attr: object, table: tuple[HfTensor, ...]) -> None:
+    for i, rec in enumerate(table):
+        for other in table[:i]:
+            overlap = LayerKind.ALL in (rec.layers, other.layers) or rec.layers is other.layers
+            if other.name == rec.name and overlap:
+                raise SpecError(
+                    f"family {inst.model_type!r}: its canonical table lists {rec.name!r} twice "
+                    f"for the same layers ({other.layers!r} and {rec.layers!r})"
+                )
+
+
 def _megatron_tuple(value: Iterable[MegatronTensor]) -> tuple[MegatronTensor, ...]:
     return tuple(value)
 
@@ -81,7 +96,8 @@ class Family:
       even when ``head_dim`` is explicit (transformers' ``LlamaConfig`` rejects it).
     - ``moe`` and ``fused_experts``: the family has routed experts and transformers 5
       keeps them fused in memory as described.
-    - ``megatron``: the HF <-> Megatron-Core table of a decoder layer
+    - ``canonical``: a decoder layer's canonical tensors, in state-dict order, and
+      ``megatron``: the HF <-> Megatron-Core table of a decoder layer
       (:mod:`areal_fn.model.families.mapping`).
     - ``hidden_act``: the one MLP activation the family models (SwiGLU with ``silu``);
       a config asking for another is refused.
@@ -107,6 +123,9 @@ class Family:
     hidden_divisible_by_heads: bool = False
     moe: bool = False
     fused_experts: tuple[FusedExperts, ...] = attrs.field(default=(), converter=_fused_tuple)
+    canonical: tuple[HfTensor, ...] = attrs.field(
+        converter=_canonical_tuple, validator=_check_canonical
+    )
     megatron: tuple[MegatronTensor, ...] = attrs.field(
         converter=_megatron_tuple, validator=_check_megatron
     )

@@ -5,11 +5,18 @@ when ``head_dim`` is explicit, so this family checks it too.
 """
 
 from areal_fn.model.families import Family
-from areal_fn.model.families.mapping import GQA_ATTENTION, SWIGLU_MLP
+from areal_fn.model.families.mapping import (
+    GQA_ATTENTION,
+    GQA_ATTENTION_HF,
+    LAYER_NORMS_HF,
+    SWIGLU_MLP,
+    SWIGLU_MLP_HF,
+)
 
 FAMILY = Family(
     model_type="llama",
     architecture="LlamaForCausalLM",
+    canonical=(*GQA_ATTENTION_HF, *SWIGLU_MLP_HF, *LAYER_NORMS_HF),
     megatron=(*GQA_ATTENTION, *SWIGLU_MLP),
     required=(
         "hidden_size",

@@ -1,4 +1,10 @@
-"""HF <-> Megatron-Core correspondence of a decoder layer, as a table of typed records.
+"""A decoder layer's canonical tensors and its HF <-> Megatron-Core correspondence, as
+tables of typed records.
+
+A family's :attr:`~areal_fn.model.families.Family.canonical` is a tuple of
+:class:`HfTensor` records: the checkpoint tensors of one decoder layer, their shapes in
+named model dimensions (:class:`Dim`), in state-dict order;
+:attr:`~areal_fn.model.spec.ModelSpec.tensors` interprets it.
 
 A family's :attr:`~areal_fn.model.families.Family.megatron` is a tuple of
 :class:`MegatronTensor` records, one per Megatron-Core parameter of a decoder layer;
@@ -23,7 +29,8 @@ A record says
 """
 
 import enum
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import TypeVar
 
 import attrs
 
@@ -66,6 +73,63 @@ class LayerKind(enum.Enum):
 CONDITIONS = ("qkv_bias", "o_bias", "mlp_bias", "qk_norm")
 
 
+class Dim(enum.Enum):
+    """A model dimension a canonical shape is written in (its value: how ModelSpec gives it)."""
+
+    HIDDEN = "hidden_size"
+    HEAD_DIM = "head_dim"
+    #: ``num_attention_heads * head_dim``.
+    Q_OUT = "num_attention_heads * head_dim"
+    #: ``num_key_value_heads * head_dim``.
+    KV_OUT = "num_key_value_heads * head_dim"
+    INTER = "intermediate_size"
+    MOE_INTER = "moe_intermediate_size"
+    EXPERTS = "num_experts"
+
+    def __repr__(self) -> str:
+        return f"Dim.{self.name}"
+
+
+def _dims(value: Iterable[Dim]) -> tuple[Dim, ...]:
+    return tuple(value)
+
+
+def _check_when(what: str, when: str | None) -> None:
+    if when is not None and when not in CONDITIONS:
+        raise SpecError(
+            f"{what}: when={when!r} is not a ModelSpec flag; use one of {CONDITIONS} or None"
+        )
+
+
+def _check_hf_record(inst: "HfTensor") -> None:
+    _check_when(f"HfTensor {inst.name!r}", inst.when)
+    if ("{e}" in inst.name) != (inst.layers is LayerKind.MOE and inst.expert):
+        raise SpecError(
+            f"HfTensor {inst.name!r}: expert={inst.expert}, layers={inst.layers!r}; a per-expert "
+            "tensor is named with '{e}', has expert=True and belongs to MoE layers"
+        )
+
+
+@attrs.frozen(kw_only=True)
+class HfTensor:
+    """One canonical (HF checkpoint) tensor of a decoder layer.
+
+    ``name`` is relative to ``model.layers.{i}.``; ``{e}`` names the expert of a
+    per-expert tensor (``expert=True``: one tensor per routed expert; a run of such
+    records is laid out expert-major). ``when`` and ``layers`` as for
+    :class:`MegatronTensor`.
+    """
+
+    name: str
+    shape: tuple[Dim, ...] = attrs.field(converter=_dims)
+    when: str | None = None
+    layers: LayerKind = LayerKind.ALL
+    expert: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        _check_hf_record(self)
+
+
 def _strs(value: Iterable[str]) -> tuple[str, ...]:
     if isinstance(value, str):
         return (value,)
@@ -79,11 +143,7 @@ def _check_record(inst: "MegatronTensor") -> None:
             f"MegatronTensor {inst.local!r}: fusion {inst.fusion!r} takes {need} canonical "
             f"tensors, got hf={inst.hf!r}"
         )
-    if inst.when is not None and inst.when not in CONDITIONS:
-        raise SpecError(
-            f"MegatronTensor {inst.local!r}: when={inst.when!r} is not a ModelSpec flag; "
-            f"use one of {CONDITIONS} or None"
-        )
+    _check_when(f"MegatronTensor {inst.local!r}", inst.when)
     per_expert = ["{e}" in h for h in inst.hf]
     if inst.expert != all(per_expert) or any(per_expert) != all(per_expert):
         raise SpecError(
@@ -126,6 +186,58 @@ class MegatronTensor:
 
 
 # -- building blocks the families compose ------------------------------------------------
+
+
+def _linear(
+    name: str, out: Dim, inp: Dim, bias: str | None, layers: LayerKind = LayerKind.ALL
+) -> tuple[HfTensor, ...]:
+    weight = HfTensor(name=f"{name}.weight", shape=(out, inp), layers=layers)
+    if bias is None:
+        return (weight,)
+    return weight, HfTensor(name=f"{name}.bias", shape=(out,), when=bias, layers=layers)
+
+
+#: Canonical tensors of grouped-query attention: q/k/v (optional biases), o_proj, q/k norms.
+GQA_ATTENTION_HF: tuple[HfTensor, ...] = (
+    *_linear("self_attn.q_proj", Dim.Q_OUT, Dim.HIDDEN, "qkv_bias"),
+    *_linear("self_attn.k_proj", Dim.KV_OUT, Dim.HIDDEN, "qkv_bias"),
+    *_linear("self_attn.v_proj", Dim.KV_OUT, Dim.HIDDEN, "qkv_bias"),
+    *_linear("self_attn.o_proj", Dim.HIDDEN, Dim.Q_OUT, "o_bias"),
+    HfTensor(name="self_attn.q_norm.weight", shape=(Dim.HEAD_DIM,), when="qk_norm"),
+    HfTensor(name="self_attn.k_norm.weight", shape=(Dim.HEAD_DIM,), when="qk_norm"),
+)
+
+#: Canonical tensors of a dense SwiGLU MLP (optional biases).
+SWIGLU_MLP_HF: tuple[HfTensor, ...] = (
+    *_linear("mlp.gate_proj", Dim.INTER, Dim.HIDDEN, "mlp_bias", LayerKind.DENSE),
+    *_linear("mlp.up_proj", Dim.INTER, Dim.HIDDEN, "mlp_bias", LayerKind.DENSE),
+    *_linear("mlp.down_proj", Dim.HIDDEN, Dim.INTER, "mlp_bias", LayerKind.DENSE),
+)
+
+#: Canonical tensors of routed SwiGLU experts (per expert ``gate``, ``up``, ``down``),
+#: then the router.
+ROUTED_EXPERTS_HF: tuple[HfTensor, ...] = (
+    *(
+        HfTensor(
+            name=f"mlp.experts.{{e}}.{part}.weight",
+            shape=shape,
+            layers=LayerKind.MOE,
+            expert=True,
+        )
+        for part, shape in (
+            ("gate_proj", (Dim.MOE_INTER, Dim.HIDDEN)),
+            ("up_proj", (Dim.MOE_INTER, Dim.HIDDEN)),
+            ("down_proj", (Dim.HIDDEN, Dim.MOE_INTER)),
+        )
+    ),
+    HfTensor(name="mlp.gate.weight", shape=(Dim.EXPERTS, Dim.HIDDEN), layers=LayerKind.MOE),
+)
+
+#: The two RMSNorms of a pre-norm decoder layer, last in the state dict.
+LAYER_NORMS_HF: tuple[HfTensor, ...] = (
+    HfTensor(name="input_layernorm.weight", shape=(Dim.HIDDEN,)),
+    HfTensor(name="post_attention_layernorm.weight", shape=(Dim.HIDDEN,)),
+)
 
 _COLS = Shard(dim=1)
 _ROWS = Shard(dim=0)
@@ -245,3 +357,53 @@ ROUTED_EXPERTS: tuple[MegatronTensor, ...] = (
         layers=LayerKind.MOE,
     ),
 )
+
+
+# -- interpreting the tables --------------------------------------------------------------
+
+R = TypeVar("R", HfTensor, MegatronTensor)
+
+
+def layer_tensors(
+    table: tuple[HfTensor, ...],
+    prefix: str,
+    *,
+    moe: bool,
+    flags: Mapping[str, bool],
+    sizes: Mapping[Dim, int],
+    num_experts: int,
+) -> list[tuple[str, tuple[int, ...]]]:
+    """One decoder layer's canonical ``(name, shape)`` pairs from ``table``, in order.
+
+    ``prefix`` is ``model.layers.{i}.``; ``moe`` says whether the layer has routed
+    experts; ``flags`` gives each of :data:`CONDITIONS`; ``sizes`` each :class:`Dim`. A
+    run of per-expert records is laid out expert-major (expert 0's tensors, then expert
+    1's, ...), as checkpoints store them.
+    """
+    out: list[tuple[str, tuple[int, ...]]] = []
+    for run in expert_runs(select(table, moe=moe, flags=flags)):
+        for e in range(num_experts) if run[0].expert else (None,):
+            for r in run:
+                name = r.name.format(e=e) if e is not None else r.name
+                out.append((prefix + name, tuple(sizes[d] for d in r.shape)))
+    return out
+
+
+def select(table: "tuple[R, ...]", *, moe: bool, flags: Mapping[str, bool]) -> "list[R]":
+    """The records of ``table`` a layer has: its kind (``moe``) and its ``when`` flags."""
+    kind = LayerKind.MOE if moe else LayerKind.DENSE
+    return [
+        r for r in table if r.layers in (LayerKind.ALL, kind) and (r.when is None or flags[r.when])
+    ]
+
+
+def expert_runs(rows: "list[R]") -> "list[list[R]]":
+    """``rows`` cut into runs: each non-expert record alone, consecutive expert records
+    together (a run is expanded expert-major)."""
+    out: list[list[R]] = []
+    for r in rows:
+        if r.expert and out and out[-1][0].expert:
+            out[-1].append(r)
+        else:
+            out.append([r])
+    return out

@@ -1,11 +1,18 @@
 """Qwen2 / Qwen2.5: GQA with biases on q/k/v (always) and none on o_proj or the MLP."""
 
 from areal_fn.model.families import Family
-from areal_fn.model.families.mapping import GQA_ATTENTION, SWIGLU_MLP
+from areal_fn.model.families.mapping import (
+    GQA_ATTENTION,
+    GQA_ATTENTION_HF,
+    LAYER_NORMS_HF,
+    SWIGLU_MLP,
+    SWIGLU_MLP_HF,
+)
 
 FAMILY = Family(
     model_type="qwen2",
     architecture="Qwen2ForCausalLM",
+    canonical=(*GQA_ATTENTION_HF, *SWIGLU_MLP_HF, *LAYER_NORMS_HF),
     megatron=(*GQA_ATTENTION, *SWIGLU_MLP),
     required=(
         "hidden_size",

@@ -5,11 +5,18 @@ absent, which is not ``hidden_size // num_attention_heads`` in general.
 """
 
 from areal_fn.model.families import Family
-from areal_fn.model.families.mapping import GQA_ATTENTION, SWIGLU_MLP
+from areal_fn.model.families.mapping import (
+    GQA_ATTENTION,
+    GQA_ATTENTION_HF,
+    LAYER_NORMS_HF,
+    SWIGLU_MLP,
+    SWIGLU_MLP_HF,
+)
 
 FAMILY = Family(
     model_type="qwen3",
     architecture="Qwen3ForCausalLM",
+    canonical=(*GQA_ATTENTION_HF, *SWIGLU_MLP_HF, *LAYER_NORMS_HF),
     megatron=(*GQA_ATTENTION, *SWIGLU_MLP),
     required=(
         "hidden_size",

@@ -13,11 +13,20 @@ expert; transformers 5 fuses them in memory into ``mlp.experts.gate_up_proj``
 """
 
 from areal_fn.model.families import Family, FusedExperts
-from areal_fn.model.families.mapping import GQA_ATTENTION, ROUTED_EXPERTS, SWIGLU_MLP
+from areal_fn.model.families.mapping import (
+    GQA_ATTENTION,
+    GQA_ATTENTION_HF,
+    LAYER_NORMS_HF,
+    ROUTED_EXPERTS,
+    ROUTED_EXPERTS_HF,
+    SWIGLU_MLP,
+    SWIGLU_MLP_HF,
+)
 
 FAMILY = Family(
     model_type="qwen3_moe",
     architecture="Qwen3MoeForCausalLM",
+    canonical=(*GQA_ATTENTION_HF, *SWIGLU_MLP_HF, *ROUTED_EXPERTS_HF, *LAYER_NORMS_HF),
     megatron=(*GQA_ATTENTION, *SWIGLU_MLP, *ROUTED_EXPERTS),
     required=(
         "hidden_size",

@@ -135,6 +135,28 @@ def import_megatron_checkpoint(
     return to_hf({0: state}, layout)
 
 
+def _mcore_tensors(local: Mapping[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:
+    """Megatron-Core's stored tensors from the unsharded local ones: layers stacked along
+    a leading dim (global layer index), embedding and output layer padded with zero rows
+    to ``rows``."""
+    stacked: dict[str, list[torch.Tensor]] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in local.items():
+        key, layer = _mcore_key(name)
+        if layer is None:
+            if rows > t.shape[0] and name in (
+                "embedding.word_embeddings.weight",
+                "output_layer.weight",
+            ):
+                t = torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))])
+            tensors[key] = t
+        else:
+            stacked.setdefault(key, []).append(t)
+    for key, layers in stacked.items():
+        tensors[key] = torch.stack(layers)
+    return tensors
+
+
 def export_megatron_checkpoint(
     source: "Mapping[str, torch.Tensor] | Callable[[str, Box], torch.Tensor]",
     model: ModelSpec,
@@ -162,22 +184,7 @@ def export_megatron_checkpoint(
             f"vocab_size_padded={rows} is smaller than vocab_size={model.vocab_size}"
         )
     layout = _mcore_layout(model)
-    local = to_megatron(source, layout, 0)
-    stacked: dict[str, list[torch.Tensor]] = {}
-    tensors: dict[str, torch.Tensor] = {}
-    for name, t in local.items():
-        key, layer = _mcore_key(name)
-        if layer is None:
-            if rows > t.shape[0] and name in (
-                "embedding.word_embeddings.weight",
-                "output_layer.weight",
-            ):
-                t = torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))])
-            tensors[key] = t
-        else:
-            stacked.setdefault(key, []).append(t)
-    for key, layers in stacked.items():
-        tensors[key] = torch.stack(layers)
+    tensors = _mcore_tensors(to_megatron(source, layout, 0), rows)
     extras = {
         f"decoder.layers.{module}._extra_state/shard_{layer}_{model.num_layers}": _to_bytes([None])
         for module in _MCORE_EXTRA_STATE

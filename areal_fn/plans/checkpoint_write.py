@@ -1,0 +1,198 @@
+"""The save plan of a checkpoint: which rank writes which canonical box.
+
+:func:`plan_save` deduplicates replicas: every canonical element is written by exactly
+one rank. ``dedup="balanced"`` (default) gives each element to the replica that has
+written the fewest bytes so far (ties to the lower rank); ``"first"`` to the first
+holder in rank order. The plan is a function of the layout alone, so every rank
+computes the same one. Pure: no files, no ranks, no clock.
+"""
+
+import itertools
+from collections.abc import Sequence
+from typing import Literal
+
+import attrs
+
+from areal_fn.errors import CheckpointError
+from areal_fn.layouts.layout import Layout, LayoutKind
+from areal_fn.model.tensor_spec import DTYPE_BYTES, TensorSpec
+from areal_fn.sharding.box import Box
+from areal_fn.typecheck import beartype
+
+Dedup = Literal["balanced", "first"]
+
+
+@attrs.frozen(kw_only=True)
+class WritePiece:
+    """Write ``box`` of ``canonical`` from ``tensor[local_box]`` (local dtype ``dtype``)."""
+
+    canonical: str
+    box: Box
+    tensor: str
+    local_box: Box
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.box.numel * DTYPE_BYTES[self.dtype]
+
+    def __str__(self) -> str:
+        return f"{self.canonical}{self.box} <- {self.tensor}{self.local_box}"
+
+
+@attrs.frozen(kw_only=True)
+class RankWrites:
+    """The pieces one rank writes, in canonical order."""
+
+    rank: int
+    pieces: tuple[WritePiece, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.pieces)
+
+
+def _check_ranks(inst: "WritePlan", _attr: object, ranks: tuple[RankWrites, ...]) -> None:
+    got = tuple(r.rank for r in ranks)
+    if got != tuple(range(len(ranks))):
+        raise CheckpointError(
+            f"WritePlan.ranks must list ranks 0..{len(ranks) - 1} in order, got {got}"
+        )
+
+
+@attrs.frozen(kw_only=True)
+class WritePlan:
+    """Which rank writes which canonical box; every element exactly once."""
+
+    kind: LayoutKind = attrs.field(converter=LayoutKind)
+    world_size: int
+    canonical: tuple[TensorSpec, ...]
+    ranks: tuple[RankWrites, ...] = attrs.field(validator=_check_ranks)
+
+    def for_rank(self, rank: int) -> tuple[WritePiece, ...]:
+        if not 0 <= rank < self.world_size:
+            raise CheckpointError(f"rank={rank} is outside this plan's {self.world_size} ranks")
+        return self.ranks[rank].pieces
+
+    def chunks(self) -> dict[str, tuple[tuple[Box, int], ...]]:
+        """Canonical name -> its (box, writer rank) chunks, sorted by box."""
+        out: dict[str, list[tuple[Box, int]]] = {c.name: [] for c in self.canonical}
+        for rw in self.ranks:
+            for p in rw.pieces:
+                out[p.canonical].append((p.box, rw.rank))
+        return {k: tuple(sorted(v, key=lambda c: c[0].ranges)) for k, v in out.items()}
+
+    def __str__(self) -> str:
+        lines = [
+            f"WritePlan ({self.kind}, {self.world_size} ranks): "
+            + ", ".join(f"rank {r.rank} {len(r.pieces)} pieces {r.nbytes} B" for r in self.ranks)
+        ]
+        for rw in self.ranks:
+            lines.extend(f"  {rw.rank}: {p}" for p in rw.pieces)
+        return "\n".join(lines)
+
+
+@attrs.frozen
+class _Holder:
+    rank: int
+    tensor: str
+    cbox: Box
+    lbox: Box
+    dtype: str
+
+
+def _cuts(boxes: Sequence[Box], outer: Box) -> list[list[int]]:
+    out = []
+    for d, (lo, hi) in enumerate(outer.ranges):
+        pts = {lo, hi}
+        for b in boxes:
+            pts.update(x for x in b.ranges[d] if lo < x < hi)
+        out.append(sorted(pts))
+    return out
+
+
+def _merge(cells: list[tuple[Box, int]]) -> list[tuple[Box, int]]:
+    """Merge adjacent cells given to the same holder into larger boxes, dim by dim."""
+    if not cells:
+        return cells
+    for d in reversed(range(cells[0][0].ndim)):
+        groups: dict[tuple[object, ...], list[tuple[Box, int]]] = {}
+        for box, h in cells:
+            groups.setdefault((h, box.ranges[:d], box.ranges[d + 1 :]), []).append((box, h))
+        merged: list[tuple[Box, int]] = []
+        for items in groups.values():
+            items.sort(key=lambda x: x[0].ranges[d])
+            cur = items[0]
+            for nxt in items[1:]:
+                if cur[0].ranges[d][1] == nxt[0].ranges[d][0]:
+                    r = list(cur[0].ranges)
+                    r[d] = (cur[0].ranges[d][0], nxt[0].ranges[d][1])
+                    cur = (Box(ranges=tuple(r)), cur[1])
+                else:
+                    merged.append(cur)
+                    cur = nxt
+            merged.append(cur)
+        cells = merged
+    return sorted(cells, key=lambda x: x[0].ranges)
+
+
+@beartype
+def plan_save(layout: Layout, *, dedup: Dedup = "balanced") -> WritePlan:
+    """Every rank's writes under ``layout``: each canonical element exactly once.
+
+    Raises ``CheckpointError`` when some canonical element is held by no rank (the
+    layout cannot save a whole model).
+    """
+    holders: dict[str, list[_Holder]] = {c.name: [] for c in layout.canonical}
+    for r in range(layout.world_size):
+        for lt in layout.local_tensors(r):
+            for p in lt.pieces:
+                if p.canonical is not None and p.canonical_box is not None:
+                    holders[p.canonical].append(
+                        _Holder(r, lt.name, p.canonical_box, p.local_box, lt.dtype)
+                    )
+    written = [0] * layout.world_size
+    out: list[list[WritePiece]] = [[] for _ in range(layout.world_size)]
+    for spec in layout.canonical:
+        hs = holders[spec.name]
+        full = Box.full(spec.shape)
+        if full.is_empty:
+            continue
+        cuts = _cuts([h.cbox for h in hs], full)
+        cells: list[tuple[Box, int]] = []
+        for idx in itertools.product(*(range(len(c) - 1) for c in cuts)):
+            cell = Box(ranges=tuple((c[k], c[k + 1]) for c, k in zip(cuts, idx, strict=True)))
+            options = [i for i, h in enumerate(hs) if h.cbox.contains(cell)]
+            if not options:
+                raise CheckpointError(
+                    f"{spec.name}{cell} is held by no rank of the {layout.kind} layout "
+                    f"({layout.world_size} ranks); a checkpoint stores whole canonical tensors, "
+                    "save from a layout that holds every element"
+                )
+            if dedup == "first":
+                choice = options[0]
+            else:
+                choice = min(options, key=lambda i: (written[hs[i].rank], hs[i].rank, i))
+            written[hs[choice].rank] += cell.numel * DTYPE_BYTES[hs[choice].dtype]
+            cells.append((cell, choice))
+        for box, i in _merge(cells):
+            h = hs[i]
+            k = h.lbox.ndim - box.ndim
+            inner = box.shift(
+                tuple(lo - c for lo, c in zip(h.lbox.start[k:], h.cbox.start, strict=True))
+            )
+            out[h.rank].append(
+                WritePiece(
+                    canonical=spec.name,
+                    box=box,
+                    tensor=h.tensor,
+                    local_box=Box(ranges=h.lbox.ranges[:k] + inner.ranges),
+                    dtype=h.dtype,
+                )
+            )
+    return WritePlan(
+        kind=layout.kind,
+        world_size=layout.world_size,
+        canonical=layout.canonical,
+        ranks=tuple(RankWrites(rank=r, pieces=tuple(p)) for r, p in enumerate(out)),
+    )
