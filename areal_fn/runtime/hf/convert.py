@@ -202,22 +202,10 @@ def convert_to_local(
         done: list[int] = []
         try:
             for r in chosen:
-                state: dict[str, torch.Tensor] = {}
-                for name, t in iter_to_megatron(ckpt.read, layout, r, dtype=dtype):
-                    state[name] = t
-                    tensors += 1
-                    nbytes += t.numel() * t.element_size()
-                    if progress is not None:
-                        progress(name)
-                metadata = {
-                    "format": "pt",
-                    "areal_fn": LOCAL_FORMAT,
-                    "layout": layout.kind,
-                    "allocation": alloc or "",
-                    "rank": str(r),
-                    "world_size": str(layout.world_size),
-                    "model_type": model.model_type,
-                }
+                state = _rank_state(ckpt, layout, r, dtype=dtype, progress=progress)
+                tensors += len(state)
+                nbytes += sum(t.numel() * t.element_size() for t in state.values())
+                metadata = _rank_metadata(layout, alloc, model, r)
                 tmp = out / f".{rank_file(r)}.tmp"
                 writing = dst / rank_file(r)
                 save_file(state, str(tmp), metadata=metadata)
@@ -233,20 +221,10 @@ def convert_to_local(
             if fresh:
                 os.replace(out, dst)
         except BaseException as e:
-            if fresh:
-                shutil.rmtree(out, ignore_errors=True)
-            else:  # the temporary files of this call, not what the directory held
-                names = [rank_file(r) for r in chosen] + [CONFIG] + [n for n, _ in hf.files]
-                for name in names:
-                    (out / f".{name}.tmp").unlink(missing_ok=True)
+            names = [rank_file(r) for r in chosen] + [CONFIG] + [n for n, _ in hf.files]
+            _discard(out, fresh=fresh, names=names)
             if writing is not None and is_write_failure(e):
-                left = f"nothing was written to {dst}"
-                if not fresh:
-                    left = f"{dst} holds what it held before" + (
-                        f" but the files of ranks {done}, written before the failure"
-                        if done
-                        else ""
-                    )
+                left = _left(dst, fresh=fresh, done=done)
                 raise write_error(e, writing, dest=dst, left=left) from None
             raise
     return ConvertSummary(
@@ -256,6 +234,57 @@ def convert_to_local(
         bytes=nbytes,
         seconds=round(time.perf_counter() - start, 4),
         **_carried(hf),
+    )
+
+
+def _rank_state(
+    ckpt: HfCheckpoint,
+    layout: Layout,
+    rank: int,
+    *,
+    dtype: torch.dtype | None,
+    progress: Callable[[str], None] | None,
+) -> dict[str, torch.Tensor]:
+    """``rank``'s local tensors, read from ``ckpt``; ``progress`` hears each name."""
+    state: dict[str, torch.Tensor] = {}
+    for name, t in iter_to_megatron(ckpt.read, layout, rank, dtype=dtype):
+        state[name] = t
+        if progress is not None:
+            progress(name)
+    return state
+
+
+def _rank_metadata(
+    layout: Layout, alloc: str | None, model: ModelSpec, rank: int
+) -> dict[str, str]:
+    """``metadata`` of ``rank``'s file: the format, the layout, the allocation, the model."""
+    return {
+        "format": "pt",
+        "areal_fn": LOCAL_FORMAT,
+        "layout": layout.kind,
+        "allocation": alloc or "",
+        "rank": str(rank),
+        "world_size": str(layout.world_size),
+        "model_type": model.model_type,
+    }
+
+
+def _discard(out: Path, *, fresh: bool, names: Sequence[str]) -> None:
+    """Remove what a failed conversion wrote: all of a fresh ``out``, else only the
+    temporary files of ``names`` (not what the directory held)."""
+    if fresh:
+        shutil.rmtree(out, ignore_errors=True)
+    else:
+        for name in names:
+            (out / f".{name}.tmp").unlink(missing_ok=True)
+
+
+def _left(dst: Path, *, fresh: bool, done: Sequence[int]) -> str:
+    """What a failed conversion left of ``dst`` (``done``: the ranks it wrote there)."""
+    if fresh:
+        return f"nothing was written to {dst}"
+    return f"{dst} holds what it held before" + (
+        f" but the files of ranks {list(done)}, written before the failure" if done else ""
     )
 
 

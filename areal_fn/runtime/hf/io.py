@@ -235,18 +235,11 @@ def write_hf_checkpoint(
     are written next to it byte for byte (``generation_config.json``, tokenizer files:
     see :mod:`areal_fn.runtime.hf.files`).
     """
-    from areal_fn.runtime.hf.files import HfFiles, carried_files
+    from areal_fn.runtime.hf.files import carried_files
 
     extra = carried_files(files)
-    if isinstance(config, bytes):
-        HfFiles(config=config)  # a JSON object, or ConversionError
     dest = Path(path)
-    if dest.exists() and not overwrite:
-        raise ConversionError(
-            f"{dest} already exists; pass overwrite=True or choose another directory"
-        )
-    if max_shard_bytes < 1:
-        raise ConversionError(f"max_shard_bytes={max_shard_bytes} must be >= 1")
+    _check_write(dest, config, overwrite=overwrite, max_shard_bytes=max_shard_bytes)
     items: Iterator[tuple[str, torch.Tensor]] = iter(
         tensors.items() if isinstance(tensors, Mapping) else tensors
     )
@@ -257,66 +250,18 @@ def write_hf_checkpoint(
         if not dest.exists()
         else f"{dest} holds what it held before"
     )
-    writing: str | None = None  # what is being written (None: reading the tensors)
-    try:
-        shards: list[list[str]] = []
-        current: dict[str, torch.Tensor] = {}
-        size = 0
-        total = 0
-        seen: dict[str, tuple[int, ...]] = {}
-
-        def flush() -> None:
-            nonlocal current, size, writing
-            if current:
-                writing = f"{dest} (its shard {len(shards) + 1})"
-                save_file(
-                    current, str(tmp / f"shard-{len(shards):05d}.tmp"), metadata={"format": "pt"}
-                )
-                writing = None
-                shards.append(list(current))
-                current, size = {}, 0
-
-        for name, t in items:
-            if name in seen:
-                raise ConversionError(f"tensor {name!r} given twice")
-            seen[name] = tuple(t.shape)
-            nbytes = t.numel() * t.element_size()
-            if current and size + nbytes > max_shard_bytes:
-                flush()
-            current[name] = t.detach().contiguous()
-            size += nbytes
-            total += nbytes
-        flush()
+    try:  # reading the tensors, writing the shards (their write failures named there)
+        shards, shapes, total = _write_shards(
+            items, tmp, dest=dest, max_shard_bytes=max_shard_bytes, left=left
+        )
         if model is not None:
-            fake = {n: torch.empty(s, device="meta") for n, s in seen.items()}
+            fake = {n: torch.empty(s, device="meta") for n, s in shapes.items()}
             check_canonical(fake, model.tensors)
-        writing = str(dest)
-        n = len(shards)
-        weight_map: dict[str, str] = {}
-        for i, names in enumerate(shards):
-            final = SINGLE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            os.replace(tmp / f"shard-{i:05d}.tmp", tmp / final)
-            for name in names:
-                weight_map[name] = final
-        if n > 1:
-            (tmp / INDEX).write_text(
-                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
-            )
-        if isinstance(config, bytes):
-            (tmp / "config.json").write_bytes(config)
-        else:
-            cfg = (
-                dict(config)
-                if config is not None
-                else (model.hf_config() if model is not None else None)
-            )
-            if cfg is not None:
-                (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
-        for name, data in extra:
-            (tmp / name).write_bytes(data)
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    try:  # completing the checkpoint in ``tmp``, then putting it in place
+        _complete(tmp, shards, total, config=config, model=model, files=extra)
         if dest.exists():
             left = f"{dest} may be partly deleted: write it again"
             shutil.rmtree(dest)
@@ -324,7 +269,113 @@ def write_hf_checkpoint(
         return dest
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        if writing is not None and is_write_failure(e):
-            what = writing if writing != str(dest) else _written(e, tmp, dest)
-            raise write_error(e, what, dest=dest, left=left) from None
+        if is_write_failure(e):
+            raise write_error(e, _written(e, tmp, dest), dest=dest, left=left) from None
         raise
+
+
+def _check_write(
+    dest: Path,
+    config: Mapping[str, object] | bytes | None,
+    *,
+    overwrite: bool,
+    max_shard_bytes: int,
+) -> None:
+    """``ConversionError`` for arguments of :func:`write_hf_checkpoint` it must refuse."""
+    from areal_fn.runtime.hf.files import HfFiles
+
+    if isinstance(config, bytes):
+        HfFiles(config=config)  # a JSON object, or ConversionError
+    if dest.exists() and not overwrite:
+        raise ConversionError(
+            f"{dest} already exists; pass overwrite=True or choose another directory"
+        )
+    if max_shard_bytes < 1:
+        raise ConversionError(f"max_shard_bytes={max_shard_bytes} must be >= 1")
+
+
+def _write_shards(
+    items: Iterator[tuple[str, torch.Tensor]],
+    tmp: Path,
+    *,
+    dest: Path,
+    max_shard_bytes: int,
+    left: str,
+) -> tuple[list[list[str]], dict[str, tuple[int, ...]], int]:
+    """Stream ``items`` into ``tmp/shard-*.tmp`` files of at most ``max_shard_bytes`` each
+    (a bigger tensor alone); each shard's names, every name's shape, and the total bytes."""
+    shards: list[list[str]] = []
+    current: dict[str, torch.Tensor] = {}
+    size = 0
+    total = 0
+    seen: dict[str, tuple[int, ...]] = {}
+    for name, t in items:
+        if name in seen:
+            raise ConversionError(f"tensor {name!r} given twice")
+        seen[name] = tuple(t.shape)
+        nbytes = t.numel() * t.element_size()
+        if current and size + nbytes > max_shard_bytes:
+            shards.append(_save_shard(current, tmp, len(shards), dest=dest, left=left))
+            current, size = {}, 0
+        current[name] = t.detach().contiguous()
+        size += nbytes
+        total += nbytes
+    if current:
+        shards.append(_save_shard(current, tmp, len(shards), dest=dest, left=left))
+    return shards, seen, total
+
+
+def _save_shard(
+    tensors: dict[str, torch.Tensor], tmp: Path, i: int, *, dest: Path, left: str
+) -> list[str]:
+    """Write shard ``i`` as ``tmp/shard-{i:05d}.tmp``; its tensor names."""
+    try:
+        save_file(tensors, str(tmp / f"shard-{i:05d}.tmp"), metadata={"format": "pt"})
+    except BaseException as e:
+        if is_write_failure(e):
+            raise write_error(e, f"{dest} (its shard {i + 1})", dest=dest, left=left) from None
+        raise
+    return list(tensors)
+
+
+def _complete(
+    tmp: Path,
+    shards: list[list[str]],
+    total: int,
+    *,
+    config: Mapping[str, object] | bytes | None,
+    model: ModelSpec | None,
+    files: Iterable[tuple[str, bytes]],
+) -> None:
+    """Give the shards in ``tmp`` their final names, write the index (when sharded),
+    ``config.json`` and the carried ``files``, and sync every file to disk."""
+    n = len(shards)
+    weight_map: dict[str, str] = {}
+    for i, names in enumerate(shards):
+        final = SINGLE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        os.replace(tmp / f"shard-{i:05d}.tmp", tmp / final)
+        for name in names:
+            weight_map[name] = final
+    if n > 1:
+        (tmp / INDEX).write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+        )
+    _write_config(tmp, config, model)
+    for name, data in files:
+        (tmp / name).write_bytes(data)
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+
+
+def _write_config(
+    tmp: Path, config: Mapping[str, object] | bytes | None, model: ModelSpec | None
+) -> None:
+    """``tmp/config.json``: ``config`` as given (bytes), a mapping with sorted keys, else
+    the model's ``hf_config()``; nothing without either."""
+    if isinstance(config, bytes):
+        (tmp / "config.json").write_bytes(config)
+        return
+    cfg = dict(config) if config is not None else (model.hf_config() if model is not None else None)
+    if cfg is not None:
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))

@@ -1,12 +1,14 @@
 """Weight sync: executing bucketed transfer plans over a process group of its own.
 
-``from areal_fn.runtime.sync import SyncGroup, send_and_receive`` (they live in
-:mod:`areal_fn.runtime.sync.executor`).
+``from areal_fn.runtime.sync import SyncGroup, send_and_receive`` (also importable
+from :mod:`areal_fn.runtime.sync.executor`). The modules: ``group`` (the group and
+its store), ``messages`` (what travels, packed and checked), ``progress`` (buckets
+started, the commit vote), ``executor`` (``send_and_receive``).
 """
 
-from areal_fn.runtime.sync.executor import SyncError as SyncError
-from areal_fn.runtime.sync.executor import SyncGroup as SyncGroup
 from areal_fn.runtime.sync.executor import SyncReport as SyncReport
-from areal_fn.runtime.sync.executor import Transport as Transport
-from areal_fn.runtime.sync.executor import open_store as open_store
 from areal_fn.runtime.sync.executor import send_and_receive as send_and_receive
+from areal_fn.runtime.sync.group import SyncError as SyncError
+from areal_fn.runtime.sync.group import SyncGroup as SyncGroup
+from areal_fn.runtime.sync.group import Transport as Transport
+from areal_fn.runtime.sync.group import open_store as open_store
