@@ -31,10 +31,11 @@ Degrees: ``d``, ``t``, ``p``; anything else is refused
 Mesh: ``(dp, pp, tp)``, replicas outermost; ``tp`` varies fastest.
 """
 
-from areal_fn.layouts.layout import FusionPiece, Layout, LogicalTensor
+from areal_fn.layouts.layout import FusionPiece, Layout, LayoutKind, LogicalTensor
 from areal_fn.model.spec import ModelSpec, layer_of
+from areal_fn.model.tensor_spec import TensorSpec
 from areal_fn.sharding.box import Box
-from areal_fn.sharding.mesh import Mesh
+from areal_fn.sharding.mesh import Axis, Mesh
 from areal_fn.sharding.placement import Placement, Replicate, Shard
 from areal_fn.sharding.sharding import Sharding
 from areal_fn.strategy.allocation import ParallelDims
@@ -55,6 +56,20 @@ def layer_stage(layer: int, num_layers: int, pp: int) -> int:
     raise AssertionError("layer out of range")
 
 
+#: Weight names (suffixes) by their ``tp`` placement.
+_VOCAB = ("embed_tokens.weight", "lm_head.weight")
+_KV = ("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")
+_COLUMN = (
+    "q_proj.weight",
+    "q_proj.bias",
+    "gate_proj.weight",
+    "up_proj.weight",
+    "gate_proj.bias",
+    "up_proj.bias",
+)
+_ROW = ("o_proj.weight", "down_proj.weight")
+
+
 @beartype
 def inference_layout(
     model: ModelSpec, dims: ParallelDims, *, vocab_multiple: int = VOCAB_PADDING
@@ -66,77 +81,87 @@ def inference_layout(
     """
     check_dims(model, "inference", dims, vocab_multiple=vocab_multiple)
     tp, nkv = dims.tp, model.num_key_value_heads
-    mesh = Mesh.of(dp=dims.dp, pp=dims.pp, tp=tp)
-    kv_mesh = mesh.split("tp", tp_kv=min(tp, nkv), tp_rep=max(1, tp // nkv))
-    tensors = []
+    mesh = Mesh(names=(Axis.DP, Axis.PP, Axis.TP), sizes=(dims.dp, dims.pp, tp))
+    kv_mesh = mesh.split(Axis.TP, **{Axis.TP_KV: min(tp, nkv), Axis.TP_REP: max(1, tp // nkv)})
     vpad = engine_padded_vocab(model.vocab_size, vocab_multiple)
-    for spec in model.tensors:
-        name, shape = spec.name, spec.shape
-        layer = layer_of(name)
-        if layer is not None:
-            stage = layer_stage(layer, model.num_layers, dims.pp)
-        elif name.startswith("model.embed_tokens"):
-            stage = 0
-        else:
-            stage = dims.pp - 1
-        fusion = (
-            FusionPiece(canonical=name, canonical_box=Box.full(shape), logical_box=Box.full(shape)),
-        )
-        lshape = shape
-        placement: Placement = Replicate()
-        m = mesh
-        if name.endswith(("embed_tokens.weight", "lm_head.weight")):
-            lshape = (vpad, shape[1])
-            placement = Shard(dim=0)
-        elif name.endswith(("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")):
-            m = kv_mesh
-            placement = Shard(dim=0)
-        elif name.endswith(
-            (
-                "q_proj.weight",
-                "q_proj.bias",
-                "gate_proj.weight",
-                "up_proj.weight",
-                "gate_proj.bias",
-                "up_proj.bias",
-            )
-        ):
-            placement = Shard(dim=0)
-        elif name.endswith(("o_proj.weight", "down_proj.weight")):
-            placement = Shard(dim=1)
-        placements: tuple[Placement, ...]
-        if m is kv_mesh:
-            placements = (Replicate(), Replicate(), placement, Replicate())
-        else:
-            placements = (Replicate(), Replicate(), placement)
-        tensors.append(
-            LogicalTensor(
-                name=name,
-                shape=lshape,
-                dtype=model.dtype,
-                fusion=fusion,
-                sharding=Sharding(mesh=m, placements=placements),
-                present=(("pp", stage),),
-            )
-        )
+    tensors = [
+        _logical_tensor(spec, model, dims, mesh=mesh, kv_mesh=kv_mesh, vpad=vpad)
+        for spec in model.tensors
+    ]
     if model.tie_word_embeddings and dims.pp > 1:
-        # the last stage's output layer: a copy of the embedding the engines hold there
-        hidden = model.hidden_size
-        rows = Box(ranges=((0, model.vocab_size), (0, hidden)))
-        tensors.append(
-            LogicalTensor(
-                name="lm_head.weight",
-                shape=(vpad, hidden),
-                dtype=model.dtype,
-                fusion=(
-                    FusionPiece(
-                        canonical="model.embed_tokens.weight", canonical_box=rows, logical_box=rows
-                    ),
-                ),
-                sharding=Sharding(mesh=mesh, placements=(Replicate(), Replicate(), Shard(dim=0))),
-                present=(("pp", dims.pp - 1),),
-            )
-        )
+        tensors.append(_tied_output_layer(model, dims, mesh=mesh, vpad=vpad))
     return Layout(
-        kind="inference", world_size=mesh.size, canonical=model.tensors, tensors=tuple(tensors)
+        kind=LayoutKind.INFERENCE,
+        world_size=mesh.size,
+        canonical=model.tensors,
+        tensors=tuple(tensors),
+    )
+
+
+def _stage(name: str, model: ModelSpec, pp: int) -> int:
+    """The pipeline stage holding canonical tensor ``name``: its layer's, else the
+    first (embeddings) or the last (final norm, head)."""
+    layer = layer_of(name)
+    if layer is not None:
+        return layer_stage(layer, model.num_layers, pp)
+    if name.startswith("model.embed_tokens"):
+        return 0
+    return pp - 1
+
+
+def _tp_placement(name: str) -> Placement:
+    """The ``tp`` placement of canonical tensor ``name`` (KV weights: on ``tp_kv``)."""
+    if name.endswith(_VOCAB + _KV + _COLUMN):
+        return Shard(dim=0)
+    if name.endswith(_ROW):
+        return Shard(dim=1)
+    return Replicate()
+
+
+def _logical_tensor(
+    spec: TensorSpec, model: ModelSpec, dims: ParallelDims, *, mesh: Mesh, kv_mesh: Mesh, vpad: int
+) -> LogicalTensor:
+    """The engines' tensor of canonical ``spec``: one fusion piece, vocab rows padded to
+    ``vpad``, KV weights on ``kv_mesh`` (``tp`` split into ``tp_kv`` x ``tp_rep``)."""
+    name, shape = spec.name, spec.shape
+    fusion = (
+        FusionPiece(canonical=name, canonical_box=Box.full(shape), logical_box=Box.full(shape)),
+    )
+    lshape = (vpad, shape[1]) if name.endswith(_VOCAB) else shape
+    placement = _tp_placement(name)
+    placements: tuple[Placement, ...]
+    if name.endswith(_KV):
+        m = kv_mesh
+        placements = (Replicate(), Replicate(), placement, Replicate())
+    else:
+        m = mesh
+        placements = (Replicate(), Replicate(), placement)
+    return LogicalTensor(
+        name=name,
+        shape=lshape,
+        dtype=model.dtype,
+        fusion=fusion,
+        sharding=Sharding(mesh=m, placements=placements),
+        present=((Axis.PP, _stage(name, model, dims.pp)),),
+    )
+
+
+def _tied_output_layer(
+    model: ModelSpec, dims: ParallelDims, *, mesh: Mesh, vpad: int
+) -> LogicalTensor:
+    """The last stage's output layer of a tied model: a copy of the embedding the engines
+    hold there, padded and split over ``tp`` like the embedding."""
+    hidden = model.hidden_size
+    rows = Box(ranges=((0, model.vocab_size), (0, hidden)))
+    return LogicalTensor(
+        name="lm_head.weight",
+        shape=(vpad, hidden),
+        dtype=model.dtype,
+        fusion=(
+            FusionPiece(
+                canonical="model.embed_tokens.weight", canonical_box=rows, logical_box=rows
+            ),
+        ),
+        sharding=Sharding(mesh=mesh, placements=(Replicate(), Replicate(), Shard(dim=0))),
+        present=((Axis.PP, dims.pp - 1),),
     )

@@ -34,17 +34,21 @@ What each step reads from the layout:
 placements, local shape) and raises :class:`FSDP2MismatchError` on any difference.
 :func:`load_canonical` and :func:`export_canonical` move data by the layout's pieces
 only, so both are bitwise exact whenever the layout describes the data.
+
+This module performs the FSDP2 step and re-exports the rest, each in a module of its
+own: the mesh and placements (:mod:`~areal_fn.runtime.engines.fsdp2_mesh`), the TP
+plan (:mod:`~areal_fn.runtime.engines.tp_styles`) and the data moves
+(:mod:`~areal_fn.runtime.engines.fsdp2_data`).
 """
 
-import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import attrs
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     MixedPrecisionPolicy,
@@ -52,23 +56,31 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor import Partial as TPartial
-from torch.distributed.tensor import Placement as TPlacement
-from torch.distributed.tensor import Replicate as TReplicate
 from torch.distributed.tensor import Shard as TShard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    RowwiseParallel,
-    parallelize_module,
-)
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor.parallel import parallelize_module
 
-from areal_fn.errors import ConversionError, LayoutError, SpecError
+from areal_fn.errors import LayoutError, SpecError
 from areal_fn.layouts.layout import Layout, LocalTensor, LogicalTensor
 from areal_fn.model.spec import layer_of
+from areal_fn.runtime.engines.fsdp2_data import export_canonical as export_canonical
+from areal_fn.runtime.engines.fsdp2_data import load_canonical as load_canonical
+from areal_fn.runtime.engines.fsdp2_data import materialize_local as materialize_local
+from areal_fn.runtime.engines.fsdp2_mesh import DP_REPLICATE as DP_REPLICATE
+from areal_fn.runtime.engines.fsdp2_mesh import DP_SHARD as DP_SHARD
+from areal_fn.runtime.engines.fsdp2_mesh import TP as TP
+from areal_fn.runtime.engines.fsdp2_mesh import FSDP2MismatchError as FSDP2MismatchError
+from areal_fn.runtime.engines.fsdp2_mesh import check_device_mesh, layout_mesh
+from areal_fn.runtime.engines.fsdp2_mesh import init_mesh as init_mesh
+from areal_fn.runtime.engines.fsdp2_mesh import torch_placement as torch_placement
+from areal_fn.runtime.engines.fsdp2_mesh import torch_placements as torch_placements
+from areal_fn.runtime.engines.tp_styles import ReplicateParallel as ReplicateParallel
+from areal_fn.runtime.engines.tp_styles import module_placements as module_placements
+from areal_fn.runtime.engines.tp_styles import param_names as param_names
+from areal_fn.runtime.engines.tp_styles import retie as retie
+from areal_fn.runtime.engines.tp_styles import tensor_parallel_style as tensor_parallel_style
+from areal_fn.runtime.engines.tp_styles import tp_plan as tp_plan
 from areal_fn.sharding.mesh import Mesh
-from areal_fn.sharding.placement import Partial, Placement, Replicate, Shard, StridedShard
+from areal_fn.sharding.placement import Shard, StridedShard
 from areal_fn.typecheck import beartype
 
 __all__ = [
@@ -86,17 +98,7 @@ __all__ = [
     "tp_plan",
 ]
 
-#: Axis names of an FSDP2 layout mesh (see :func:`~areal_fn.layouts.fsdp2.fsdp2_mesh`).
-DP_REPLICATE, DP_SHARD, TP = "dp_replicate", "dp_shard", "tp"
-_AXES = (DP_REPLICATE, DP_SHARD, TP)
-#: Modules whose input is sharded over attention heads (dim -2) under TP.
-_HEAD_SHARDED_INPUT = ("self_attn.q_norm", "self_attn.k_norm")
-
 _DTYPES = ("float32", "bfloat16", "float16", "float64")
-
-
-class FSDP2MismatchError(RuntimeError):
-    """The module FSDP2 built does not hold what the layout says (mesh, placement, shape)."""
 
 
 def _dtype_or_none(_inst: object, attr: "attrs.Attribute[str | None]", value: str | None) -> None:
@@ -129,223 +131,6 @@ class Fsdp2RunOptions:
 
     def offload(self) -> OffloadPolicy:
         return CPUOffloadPolicy(pin_memory=False) if self.cpu_offload else OffloadPolicy()
-
-
-# -- placements ------------------------------------------------------------------------
-def torch_placement(p: Placement) -> TPlacement:
-    """The DTensor placement equal to our placement ``p``."""
-    if isinstance(p, Replicate):
-        return TReplicate()
-    if isinstance(p, Shard):
-        return TShard(p.dim)
-    if isinstance(p, StridedShard):
-        return _StridedShard(p.dim, split_factor=p.split_factor)
-    if isinstance(p, Partial):
-        return TPartial(p.op)
-    raise TypeError(f"not a placement: {p!r}")
-
-
-def torch_placements(placements: Sequence[Placement]) -> tuple[TPlacement, ...]:
-    return tuple(torch_placement(p) for p in placements)
-
-
-# -- mesh ------------------------------------------------------------------------------
-@beartype
-def init_mesh(mesh: Mesh, *, device_type: str = "cpu") -> DeviceMesh:
-    """The ``DeviceMesh`` of ``mesh`` (same axis names, sizes and row-major rank order).
-
-    Needs an initialised default process group of ``mesh.size`` ranks.
-    """
-    world = dist.get_world_size()
-    if world != mesh.size:
-        raise LayoutError(
-            f"{mesh} has {mesh.size} ranks but the process group has {world}; launch "
-            f"{mesh.size} processes or plan for {world} ranks"
-        )
-    return init_device_mesh(device_type, mesh.sizes, mesh_dim_names=mesh.names)
-
-
-def _layout_mesh(layout: Layout) -> Mesh:
-    meshes = layout.meshes
-    if len(meshes) != 1:
-        raise LayoutError(
-            f"an FSDP2 layout has one mesh, this {layout.kind} layout has {len(meshes)}: "
-            f"{[str(m) for m in meshes]}; build it with fsdp2_layout"
-        )
-    mesh = meshes[0]
-    unknown = [n for n in mesh.names if n not in _AXES]
-    if unknown or DP_SHARD not in mesh.names:
-        raise LayoutError(
-            f"{mesh} is not an FSDP2 mesh: axes must be drawn from {_AXES} and include "
-            f"{DP_SHARD!r}; build the layout with fsdp2_layout"
-        )
-    return mesh
-
-
-def _check_device_mesh(mesh: Mesh, device_mesh: DeviceMesh) -> None:
-    names = tuple(device_mesh.mesh_dim_names or ())
-    if names != mesh.names or tuple(device_mesh.shape) != mesh.sizes:
-        raise LayoutError(
-            f"device mesh {names}={tuple(device_mesh.shape)} is not the layout's {mesh}; "
-            "build it with init_mesh(layout.meshes[0])"
-        )
-
-
-# -- tensor parallelism ----------------------------------------------------------------
-class ReplicateParallel(ParallelStyle):
-    """Parameters as ``Replicate()`` DTensors over the TP mesh, computed on local views.
-
-    The parameters become replicated DTensors (so that FSDP2 lays them on the same mesh
-    as the TP-sharded ones); during the module's forward each is swapped for its local
-    tensor, so the module runs on plain tensors (any op works, inputs and outputs stay
-    local). ``partial_grads`` declares that each TP rank sees only part of the input
-    (per-head norms over column-parallel heads): gradients then leave as ``Partial()``
-    and FSDP2 sums them over ``tp``. Otherwise the input is replicated and every TP rank
-    computes the same full gradient.
-    """
-
-    def __init__(self, *, partial_grads: bool = False) -> None:
-        super().__init__()
-        self.partial_grads = partial_grads
-        self._swapped: dict[int, dict[str, nn.Parameter]] = {}
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        for pname, param in list(module.named_parameters(recurse=False)):
-            if isinstance(param, DTensor):
-                if param.placements != (TReplicate(),):
-                    raise LayoutError(
-                        f"ReplicateParallel got a parameter {pname!r} already placed "
-                        f"{param.placements}; tie it to a replicated parameter or shard its module"
-                    )
-                continue
-            dparam = nn.Parameter(
-                DTensor.from_local(param.data, device_mesh, [TReplicate()], run_check=False),
-                requires_grad=param.requires_grad,
-            )
-            module.register_parameter(pname, dparam)
-        grads = (TPartial(),) if self.partial_grads else (TReplicate(),)
-
-        def to_local(mod: nn.Module, _args: Any) -> None:
-            saved: dict[str, nn.Parameter] = {}
-            for name, p in list(mod._parameters.items()):
-                if isinstance(p, DTensor):
-                    saved[name] = p
-                    mod._parameters[name] = p.to_local(grad_placements=grads)  # type: ignore[assignment]
-            self._swapped[id(mod)] = saved
-
-        def restore(mod: nn.Module, _args: Any, _out: Any) -> None:
-            mod._parameters.update(self._swapped.pop(id(mod), {}))
-
-        module.register_forward_pre_hook(to_local)
-        module.register_forward_hook(restore, always_call=True)
-        return module
-
-    def __repr__(self) -> str:
-        return f"ReplicateParallel(partial_grads={self.partial_grads})"
-
-
-def param_names(model: nn.Module) -> dict[tuple[str, str], str]:
-    """(module name, local parameter name) -> the parameter's name in ``named_parameters()``.
-
-    A tied parameter (``lm_head.weight`` of a tied model) maps to its first name.
-    """
-    first: dict[int, str] = {}
-    out: dict[tuple[str, str], str] = {}
-    for mname, module in model.named_modules(remove_duplicate=False):
-        for pname, param in module.named_parameters(recurse=False):
-            full = f"{mname}.{pname}" if mname else pname
-            out[(mname, pname)] = first.setdefault(id(param), full)
-    return out
-
-
-def _tp_placements(layout: Layout, mesh: Mesh) -> dict[str, Placement]:
-    i = mesh.axis_index(TP)
-    return {t.name: t.sharding.placements[i] for t in layout.tensors}
-
-
-def tensor_parallel_style(
-    mname: str, module: nn.Module, placements: Mapping[str, Placement]
-) -> ParallelStyle:
-    """The DTensor style of a Linear or Embedding whose parameters have these ``tp``
-    placements: Linear ``S(0)`` column-wise (gathering its output outside decoder
-    layers), ``S(1)`` row-wise (bias replicated), Embedding ``S(0)`` row-wise over the
-    vocabulary with replicated input ids, ``S(1)`` column-wise."""
-    weight = placements.get("weight")
-    others = {n: p for n, p in placements.items() if n != "weight"}
-    inside_layer = layer_of(mname + ".") is not None
-    if isinstance(module, nn.Linear) and set(placements) <= {"weight", "bias"}:
-        if weight == Shard(dim=0) and all(p == Shard(dim=0) for p in others.values()):
-            return (
-                ColwiseParallel() if inside_layer else ColwiseParallel(output_layouts=TReplicate())
-            )
-        if weight == Shard(dim=1) and all(isinstance(p, Replicate) for p in others.values()):
-            return RowwiseParallel()
-    if isinstance(module, nn.Embedding) and set(placements) == {"weight"}:
-        if weight == Shard(dim=0):
-            return RowwiseParallel(input_layouts=TReplicate())
-        if weight == Shard(dim=1):
-            return ColwiseParallel()
-    described = ", ".join(f"{n}: {p}" for n, p in placements.items())
-    raise LayoutError(
-        f"no tensor-parallel style fits module {mname!r} ({type(module).__name__}) with tp "
-        f"placements {{{described}}}; the runtime supports Linear S(0) (column-wise) / S(1) "
-        "(row-wise, bias R), Embedding S(0)/S(1), and modules whose parameters are all R"
-    )
-
-
-def module_placements(
-    model: nn.Module, by_name: Mapping[str, Placement], *, remedy: str, kind: str
-) -> dict[str, dict[str, Placement]]:
-    """``tp`` placements grouped by module: module name -> {parameter attribute: placement}.
-
-    Every model parameter must be in ``by_name`` (a tied one under its first name);
-    otherwise ``LayoutError`` lists the missing ones and says ``remedy``.
-    """
-    names = param_names(model)
-    missing = sorted({n for n in names.values() if n not in by_name})
-    if missing:
-        raise LayoutError(f"model parameters {missing[:5]} are not in the {kind} layout; {remedy}")
-    grouped: dict[str, dict[str, Placement]] = {}
-    for (mname, pname), name in names.items():
-        grouped.setdefault(mname, {})[pname] = by_name[name]
-    return grouped
-
-
-def _style(mname: str, module: nn.Module, placements: Mapping[str, Placement]) -> ParallelStyle:
-    if all(isinstance(p, Replicate) for p in placements.values()):
-        return ReplicateParallel(partial_grads=mname.endswith(_HEAD_SHARDED_INPUT))
-    return tensor_parallel_style(mname, module, placements)
-
-
-@beartype
-def tp_plan(model: nn.Module, layout: Layout) -> dict[str, ParallelStyle]:
-    """The ``parallelize_module`` plan (module name -> style) the layout's ``tp`` axis implies.
-
-    Empty when the layout has no ``tp`` axis. Module order is ``named_modules()`` order.
-    """
-    mesh = _layout_mesh(layout)
-    if TP not in mesh.names:
-        return {}
-    grouped = module_placements(
-        model,
-        _tp_placements(layout, mesh),
-        kind=layout.kind,
-        remedy="build the layout from this model's config (model_from_hf_config(model.config.to_dict()))",
-    )
-    plan: dict[str, ParallelStyle] = {}
-    for mname, module in model.named_modules():
-        if mname in grouped:
-            plan[mname] = _style(mname, module, grouped[mname])
-    return plan
-
-
-def retie(model: nn.Module, names: Mapping[tuple[str, str], str]) -> None:
-    """Point every alias (tied weight) at the parameter its first name now holds."""
-    for (mname, pname), name in names.items():
-        full = f"{mname}.{pname}" if mname else pname
-        if full != name:
-            module = model.get_submodule(mname)
-            module.register_parameter(pname, model.get_parameter(name))
 
 
 # -- FSDP2 -----------------------------------------------------------------------------
@@ -409,8 +194,8 @@ def apply_fsdp2(
     layout afterwards (:func:`check_applied`) and a difference raises
     :class:`FSDP2MismatchError`.
     """
-    mesh = _layout_mesh(layout)
-    _check_device_mesh(mesh, device_mesh)
+    mesh = layout_mesh(layout)
+    check_device_mesh(mesh, device_mesh)
     names = param_names(model)
     plan = tp_plan(model, layout)
     if plan:
@@ -483,140 +268,3 @@ def _param_problems(t: LogicalTensor, param: nn.Parameter, local: LocalTensor | 
             f"{t.name}: local shape {lshape}, layout {None if local is None else local.shape}"
         )
     return out
-
-
-# -- data ------------------------------------------------------------------------------
-def _canonical_source(canonical: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
-    try:
-        return canonical[name]
-    except KeyError:
-        raise ConversionError(
-            f"canonical tensor {name!r} is missing; pass every canonical tensor of the model "
-            "(hf_state_to_canonical(model.state_dict(), spec) gives them)"
-        ) from None
-
-
-def materialize_local(
-    local: LocalTensor,
-    canonical: Mapping[str, torch.Tensor],
-    *,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``local`` filled from canonical tensors by its pieces (padding pieces zero).
-
-    Writes into ``out`` (which must have ``local.shape``) when given, else a new tensor
-    of the canonical dtype.
-    """
-    if out is None:
-        first = next((p.canonical for p in local.pieces if p.canonical is not None), None)
-        dtype = _canonical_source(canonical, first).dtype if first else getattr(torch, local.dtype)
-        out = torch.zeros(local.shape, dtype=dtype)
-    elif tuple(out.shape) != local.shape:
-        raise ConversionError(
-            f"{local.name}: the target holds shape {tuple(out.shape)}, the layout says "
-            f"{local.shape}; the model and the layout disagree"
-        )
-    for piece in local.pieces:
-        region = out[piece.local_box.slices()]
-        if piece.canonical is None or piece.canonical_box is None:
-            region.zero_()
-            continue
-        src = _canonical_source(canonical, piece.canonical)
-        region.copy_(src[piece.canonical_box.slices()].reshape(piece.local_box.shape))
-    return out
-
-
-@beartype
-def load_canonical(
-    model: nn.Module, layout: Layout, rank: int, canonical: Mapping[str, torch.Tensor]
-) -> None:
-    """Write ``rank``'s pieces of the canonical tensors into its local parameter shards.
-
-    ``canonical`` holds full canonical tensors (checkpoint names and shapes); each rank
-    copies only its pieces (cast to the parameter dtype). No communication.
-    """
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for local in layout.local_tensors(rank):
-            param = params.get(local.name)
-            if param is None:
-                raise ConversionError(
-                    f"layout tensor {local.name!r} is not a parameter of the model; apply the "
-                    "same layout with apply_fsdp2 first"
-                )
-            target = param.to_local() if isinstance(param, DTensor) else param
-            materialize_local(local, canonical, out=target)
-
-
-@beartype
-def export_canonical(
-    model: nn.Module,
-    layout: Layout,
-    *,
-    group: dist.ProcessGroup | None = None,
-    check_replicas: bool = True,
-) -> dict[str, torch.Tensor]:
-    """Every canonical tensor, gathered from all ranks' local shards by the layout's pieces.
-
-    Collective over ``group`` (default: the world, which the layout must cover): one
-    all-gather per layout tensor, then each rank's pieces are written back into
-    canonical tensors (CPU). Bitwise exact; with ``check_replicas`` replicas that
-    disagree raise, and a canonical tensor not covered exactly raises.
-    """
-    world = dist.get_world_size(group)
-    if world != layout.world_size:
-        raise LayoutError(
-            f"the {layout.kind} layout spans {layout.world_size} ranks, the group {world}"
-        )
-    params = dict(model.named_parameters())
-    specs = {c.name: c for c in layout.canonical}
-    out: dict[str, torch.Tensor] = {}
-    written: dict[str, torch.Tensor] = {}
-    locals_by_rank = [{lt.name: lt for lt in layout.local_tensors(r)} for r in range(world)]
-    for t in layout.tensors:
-        param = params.get(t.name)
-        if param is None:
-            raise ConversionError(f"layout tensor {t.name!r} is not a parameter of the model")
-        mine = param.to_local() if isinstance(param, DTensor) else param
-        mine = mine.detach().contiguous().reshape(-1)
-        sizes = [lt[t.name].numel if t.name in lt else 0 for lt in locals_by_rank]
-        pad = max(sizes)
-        buf = torch.zeros(pad, dtype=mine.dtype, device=mine.device)
-        buf[: mine.numel()] = mine
-        gathered = [torch.empty_like(buf) for _ in range(world)]
-        dist.all_gather(gathered, buf, group=group)
-        for r in range(world):
-            local = locals_by_rank[r].get(t.name)
-            if local is None:
-                continue
-            data = gathered[r][: sizes[r]].reshape(local.shape).cpu()
-            for piece in local.pieces:
-                if piece.canonical is None or piece.canonical_box is None:
-                    continue
-                if piece.canonical not in out:
-                    spec = specs[piece.canonical]
-                    out[piece.canonical] = torch.empty(spec.shape, dtype=data.dtype)
-                    written[piece.canonical] = torch.zeros(spec.shape, dtype=torch.bool)
-                dst = out[piece.canonical][piece.canonical_box.slices()]
-                seen = written[piece.canonical][piece.canonical_box.slices()]
-                src = data[piece.local_box.slices()].reshape(piece.canonical_box.shape)
-                if check_replicas and bool(seen.any()):
-                    if not torch.equal(_bits(dst[seen]), _bits(src[seen])):
-                        raise FSDP2MismatchError(
-                            f"{piece.canonical} {piece.canonical_box}: rank {r}'s replica differs "
-                            "from an earlier rank's; the replicas are out of sync"
-                        )
-                dst.copy_(src)
-                seen.fill_(True)
-    for c in layout.canonical:
-        if c.name not in written or not bool(written[c.name].all()):
-            held = 0 if c.name not in written else int(written[c.name].sum())
-            raise ConversionError(
-                f"the layout covers {held} of {math.prod(c.shape)} elements of {c.name!r}; "
-                "every canonical element must lie in some rank's pieces"
-            )
-    return {c.name: out[c.name] for c in layout.canonical}
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8) if t.dtype != torch.bool else t

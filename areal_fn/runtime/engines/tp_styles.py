@@ -1,0 +1,196 @@
+"""The ``parallelize_module`` plan a layout's ``tp`` axis implies: DTensor parallel styles.
+
+Every module with parameters gets a DTensor parallel style from its parameters'
+placements on the ``tp`` axis: a ``Linear`` placed ``Shard(0)`` is ``ColwiseParallel``,
+``Shard(1)`` is ``RowwiseParallel``, an ``Embedding`` placed ``Shard(0)`` (vocabulary)
+is ``RowwiseParallel``, ``Shard(1)`` ``ColwiseParallel``, and a module whose parameters
+are all ``Replicate()`` gets :class:`ReplicateParallel`. Used by
+:func:`~areal_fn.runtime.engines.fsdp2_apply.apply_fsdp2` (which re-exports these names)
+and by the TP stand-in inference engine (:mod:`areal_fn.runtime.engines.tp`).
+"""
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Partial as TPartial
+from torch.distributed.tensor import Replicate as TReplicate
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+from areal_fn.errors import LayoutError
+from areal_fn.layouts.layout import Layout
+from areal_fn.model.spec import layer_of
+from areal_fn.runtime.engines.fsdp2_mesh import TP, layout_mesh
+from areal_fn.sharding.mesh import Mesh
+from areal_fn.sharding.placement import Placement, Replicate, Shard
+from areal_fn.typecheck import beartype
+
+__all__ = [
+    "ReplicateParallel",
+    "module_placements",
+    "param_names",
+    "retie",
+    "tensor_parallel_style",
+    "tp_plan",
+]
+
+#: Modules whose input is sharded over attention heads (dim -2) under TP.
+_HEAD_SHARDED_INPUT = ("self_attn.q_norm", "self_attn.k_norm")
+
+
+class ReplicateParallel(ParallelStyle):
+    """Parameters as ``Replicate()`` DTensors over the TP mesh, computed on local views.
+
+    The parameters become replicated DTensors (so that FSDP2 lays them on the same mesh
+    as the TP-sharded ones); during the module's forward each is swapped for its local
+    tensor, so the module runs on plain tensors (any op works, inputs and outputs stay
+    local). ``partial_grads`` declares that each TP rank sees only part of the input
+    (per-head norms over column-parallel heads): gradients then leave as ``Partial()``
+    and FSDP2 sums them over ``tp``. Otherwise the input is replicated and every TP rank
+    computes the same full gradient.
+    """
+
+    def __init__(self, *, partial_grads: bool = False) -> None:
+        super().__init__()
+        self.partial_grads = partial_grads
+        self._swapped: dict[int, dict[str, nn.Parameter]] = {}
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for pname, param in list(module.named_parameters(recurse=False)):
+            if isinstance(param, DTensor):
+                if param.placements != (TReplicate(),):
+                    raise LayoutError(
+                        f"ReplicateParallel got a parameter {pname!r} already placed "
+                        f"{param.placements}; tie it to a replicated parameter or shard its module"
+                    )
+                continue
+            dparam = nn.Parameter(
+                DTensor.from_local(param.data, device_mesh, [TReplicate()], run_check=False),
+                requires_grad=param.requires_grad,
+            )
+            module.register_parameter(pname, dparam)
+        grads = (TPartial(),) if self.partial_grads else (TReplicate(),)
+
+        def to_local(mod: nn.Module, _args: Any) -> None:
+            saved: dict[str, nn.Parameter] = {}
+            for name, p in list(mod._parameters.items()):
+                if isinstance(p, DTensor):
+                    saved[name] = p
+                    mod._parameters[name] = p.to_local(grad_placements=grads)  # type: ignore[assignment]
+            self._swapped[id(mod)] = saved
+
+        def restore(mod: nn.Module, _args: Any, _out: Any) -> None:
+            mod._parameters.update(self._swapped.pop(id(mod), {}))
+
+        module.register_forward_pre_hook(to_local)
+        module.register_forward_hook(restore, always_call=True)
+        return module
+
+    def __repr__(self) -> str:
+        return f"ReplicateParallel(partial_grads={self.partial_grads})"
+
+
+def param_names(model: nn.Module) -> dict[tuple[str, str], str]:
+    """(module name, local parameter name) -> the parameter's name in ``named_parameters()``.
+
+    A tied parameter (``lm_head.weight`` of a tied model) maps to its first name.
+    """
+    first: dict[int, str] = {}
+    out: dict[tuple[str, str], str] = {}
+    for mname, module in model.named_modules(remove_duplicate=False):
+        for pname, param in module.named_parameters(recurse=False):
+            full = f"{mname}.{pname}" if mname else pname
+            out[(mname, pname)] = first.setdefault(id(param), full)
+    return out
+
+
+def _tp_placements(layout: Layout, mesh: Mesh) -> dict[str, Placement]:
+    i = mesh.axis_index(TP)
+    return {t.name: t.sharding.placements[i] for t in layout.tensors}
+
+
+def tensor_parallel_style(
+    mname: str, module: nn.Module, placements: Mapping[str, Placement]
+) -> ParallelStyle:
+    """The DTensor style of a Linear or Embedding whose parameters have these ``tp``
+    placements: Linear ``S(0)`` column-wise (gathering its output outside decoder
+    layers), ``S(1)`` row-wise (bias replicated), Embedding ``S(0)`` row-wise over the
+    vocabulary with replicated input ids, ``S(1)`` column-wise."""
+    weight = placements.get("weight")
+    others = {n: p for n, p in placements.items() if n != "weight"}
+    inside_layer = layer_of(mname + ".") is not None
+    if isinstance(module, nn.Linear) and set(placements) <= {"weight", "bias"}:
+        if weight == Shard(dim=0) and all(p == Shard(dim=0) for p in others.values()):
+            return (
+                ColwiseParallel() if inside_layer else ColwiseParallel(output_layouts=TReplicate())
+            )
+        if weight == Shard(dim=1) and all(isinstance(p, Replicate) for p in others.values()):
+            return RowwiseParallel()
+    if isinstance(module, nn.Embedding) and set(placements) == {"weight"}:
+        if weight == Shard(dim=0):
+            return RowwiseParallel(input_layouts=TReplicate())
+        if weight == Shard(dim=1):
+            return ColwiseParallel()
+    described = ", ".join(f"{n}: {p}" for n, p in placements.items())
+    raise LayoutError(
+        f"no tensor-parallel style fits module {mname!r} ({type(module).__name__}) with tp "
+        f"placements {{{described}}}; the runtime supports Linear S(0) (column-wise) / S(1) "
+        "(row-wise, bias R), Embedding S(0)/S(1), and modules whose parameters are all R"
+    )
+
+
+def module_placements(
+    model: nn.Module, by_name: Mapping[str, Placement], *, remedy: str, kind: str
+) -> dict[str, dict[str, Placement]]:
+    """``tp`` placements grouped by module: module name -> {parameter attribute: placement}.
+
+    Every model parameter must be in ``by_name`` (a tied one under its first name);
+    otherwise ``LayoutError`` lists the missing ones and says ``remedy``.
+    """
+    names = param_names(model)
+    missing = sorted({n for n in names.values() if n not in by_name})
+    if missing:
+        raise LayoutError(f"model parameters {missing[:5]} are not in the {kind} layout; {remedy}")
+    grouped: dict[str, dict[str, Placement]] = {}
+    for (mname, pname), name in names.items():
+        grouped.setdefault(mname, {})[pname] = by_name[name]
+    return grouped
+
+
+def _style(mname: str, module: nn.Module, placements: Mapping[str, Placement]) -> ParallelStyle:
+    if all(isinstance(p, Replicate) for p in placements.values()):
+        return ReplicateParallel(partial_grads=mname.endswith(_HEAD_SHARDED_INPUT))
+    return tensor_parallel_style(mname, module, placements)
+
+
+@beartype
+def tp_plan(model: nn.Module, layout: Layout) -> dict[str, ParallelStyle]:
+    """The ``parallelize_module`` plan (module name -> style) the layout's ``tp`` axis implies.
+
+    Empty when the layout has no ``tp`` axis. Module order is ``named_modules()`` order.
+    """
+    mesh = layout_mesh(layout)
+    if TP not in mesh.names:
+        return {}
+    grouped = module_placements(
+        model,
+        _tp_placements(layout, mesh),
+        kind=layout.kind,
+        remedy="build the layout from this model's config (model_from_hf_config(model.config.to_dict()))",
+    )
+    plan: dict[str, ParallelStyle] = {}
+    for mname, module in model.named_modules():
+        if mname in grouped:
+            plan[mname] = _style(mname, module, grouped[mname])
+    return plan
+
+
+def retie(model: nn.Module, names: Mapping[tuple[str, str], str]) -> None:
+    """Point every alias (tied weight) at the parameter its first name now holds."""
+    for (mname, pname), name in names.items():
+        full = f"{mname}.{pname}" if mname else pname
+        if full != name:
+            module = model.get_submodule(mname)
+            module.register_parameter(pname, model.get_parameter(name))

@@ -1,0 +1,181 @@
+"""Hugging Face-style architecture fields -> a CPU-safe Megatron-Core ``TransformerConfig``.
+
+The architecture comes in as a plain mapping (see :data:`ARCH_FIELDS`), the parallel
+sizes as a :class:`~areal_fn.runtime.megatron.parallel.MegatronSizes`.
+:func:`transformer_config` gathers its fields in named steps: the architecture, the MoE
+fields (MoE models only), the parallel sizes, and the CPU settings (no fused kernels,
+weights created on CPU). Re-exported by :mod:`areal_fn.runtime.megatron.build`.
+"""
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from areal_fn.runtime.megatron.parallel import MegatronSizes
+from areal_fn.typecheck import beartype
+
+__all__ = ["ARCH_FIELDS", "arch_field", "transformer_config"]
+
+#: The architecture fields read from the ``arch`` mapping (``None`` = optional).
+ARCH_FIELDS: Mapping[str, str] = {
+    "hidden_size": "int",
+    "num_layers": "int (HF num_hidden_layers)",
+    "num_attention_heads": "int",
+    "num_key_value_heads": "int",
+    "head_dim": "int or None (default hidden_size // num_attention_heads)",
+    "intermediate_size": "int (dense MLP width)",
+    "vocab_size": "int",
+    "max_position_embeddings": "int or None (default 4096)",
+    "tie_word_embeddings": "bool",
+    "qkv_bias": "bool (qwen2)",
+    "qk_norm": "bool (qwen3: RMSNorm over head_dim on q and k)",
+    "rms_norm_eps": "float",
+    "rope_theta": "float",
+    "rope_scaling": "mapping, (key, value) pairs or None (only rope_type 'llama3'; see rope_kwargs)",
+    "num_experts": "int or None (MoE when set)",
+    "moe_intermediate_size": "int or None (expert MLP width)",
+    "num_experts_per_tok": "int or None (router top-k)",
+    "norm_topk_prob": "bool or None (renormalise top-k probabilities; default True)",
+    "moe_layer_pattern": "sequence of 0/1 per layer or None (all layers MoE)",
+}
+
+
+def arch_field(arch: Mapping[str, Any], name: str, default: Any = None) -> Any:
+    """``arch[name]``, or ``default`` when it is absent or ``None``."""
+    value = arch.get(name, default)
+    return default if value is None else value
+
+
+@beartype
+def transformer_config(
+    arch: Mapping[str, Any],
+    sizes: MegatronSizes,
+    *,
+    num_layers_in_first_pipeline_stage: int | None = None,
+    num_layers_in_last_pipeline_stage: int | None = None,
+    pipeline_model_parallel_layout: str | None = None,
+    moe_grouped_gemm: bool = False,
+    params_dtype: torch.dtype = torch.float32,
+    overrides: Mapping[str, Any] | None = None,
+) -> Any:
+    """A CPU-safe fp32 ``TransformerConfig`` for ``arch`` under ``sizes``.
+
+    Fusions off (rope, masked softmax, bias-activation, bias-dropout, persistent
+    layer norm, gradient-accumulation), no dropout, ``use_cpu_initialization``,
+    RMSNorm, SwiGLU, no linear biases (qkv bias from ``arch["qkv_bias"]``), allgather
+    MoE dispatcher, no load-balancing loss. Uneven pipeline stages: either
+    ``num_layers_in_first/last_pipeline_stage`` or a ``pipeline_model_parallel_layout``
+    string such as ``"Et|tt|tL"`` (E = embedding, t = layer, L = loss, ``|`` = next
+    stage, virtual stages included). ``overrides`` are further ``TransformerConfig``
+    fields, applied last (e.g. ``{"moe_token_dispatcher_type": "alltoall"}``).
+    """
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    fields: dict[str, Any] = dict(
+        **_architecture_fields(arch),
+        **_parallel_fields(
+            sizes,
+            num_layers_in_first_pipeline_stage=num_layers_in_first_pipeline_stage,
+            num_layers_in_last_pipeline_stage=num_layers_in_last_pipeline_stage,
+            pipeline_model_parallel_layout=pipeline_model_parallel_layout,
+            pipeline_dtype=params_dtype,
+        ),
+        **_cpu_fields(params_dtype),
+        **_moe_fields(arch, moe_grouped_gemm=moe_grouped_gemm),
+    )
+    fields.update(overrides or {})
+    return TransformerConfig(**fields)
+
+
+def _architecture_fields(arch: Mapping[str, Any]) -> dict[str, Any]:
+    """The model's shape: sizes, heads, RMSNorm, SwiGLU, biases, q/k norms, no dropout."""
+    heads = arch["num_attention_heads"]
+    hidden = arch["hidden_size"]
+    return dict(
+        num_layers=arch["num_layers"],
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=arch["num_key_value_heads"],
+        kv_channels=arch_field(arch, "head_dim", hidden // heads),
+        ffn_hidden_size=arch["intermediate_size"],
+        normalization="RMSNorm",
+        layernorm_epsilon=arch["rms_norm_eps"],
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=bool(arch.get("qkv_bias", False)),
+        qk_layernorm=bool(arch.get("qk_norm", False)),
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+
+
+def _moe_fields(arch: Mapping[str, Any], *, moe_grouped_gemm: bool) -> dict[str, Any]:
+    """The MoE fields (none for a dense model): softmax top-k router, no load balancing."""
+    num_experts = arch.get("num_experts")
+    if not num_experts:
+        return {}
+    pattern = arch.get("moe_layer_pattern")
+    return {
+        "num_moe_experts": num_experts,
+        "moe_ffn_hidden_size": arch["moe_intermediate_size"],
+        "moe_router_topk": arch["num_experts_per_tok"],
+        "moe_router_pre_softmax": not arch_field(arch, "norm_topk_prob", True),
+        "moe_router_score_function": "softmax",
+        "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0,
+        "moe_token_dispatcher_type": "allgather",
+        "moe_grouped_gemm": moe_grouped_gemm,
+        "moe_layer_freq": 1 if pattern is None else [int(bool(x)) for x in pattern],
+        "moe_shared_expert_intermediate_size": None,
+        "moe_router_dtype": "fp32",
+    }
+
+
+def _parallel_fields(
+    sizes: MegatronSizes,
+    *,
+    num_layers_in_first_pipeline_stage: int | None,
+    num_layers_in_last_pipeline_stage: int | None,
+    pipeline_model_parallel_layout: str | None,
+    pipeline_dtype: torch.dtype,
+) -> dict[str, Any]:
+    """The parallel sizes, no sequence parallelism, and the pipeline's stage split."""
+    return dict(
+        tensor_model_parallel_size=sizes.tp,
+        pipeline_model_parallel_size=sizes.pp,
+        virtual_pipeline_model_parallel_size=sizes.vpp,
+        context_parallel_size=sizes.cp,
+        expert_model_parallel_size=sizes.ep,
+        expert_tensor_parallel_size=sizes.etp,
+        sequence_parallel=False,
+        num_layers_in_first_pipeline_stage=num_layers_in_first_pipeline_stage,
+        num_layers_in_last_pipeline_stage=num_layers_in_last_pipeline_stage,
+        pipeline_model_parallel_layout=pipeline_model_parallel_layout,
+        pipeline_dtype=pipeline_dtype,
+    )
+
+
+def _cpu_fields(params_dtype: torch.dtype) -> dict[str, Any]:
+    """CPU: no fused kernels, ``params_dtype`` (fp32 by default), weights created on CPU."""
+    return dict(
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        attention_softmax_in_fp32=True,
+        # gloo matches same-peer p2p messages in posting order, and the interleaved
+        # schedule posts both directions between two pipeline ranks in one batch in
+        # opposite orders (pp=2): batched p2p would silently swap activations and
+        # gradients. Unbatched p2p sends the two directions over different groups.
+        batch_p2p_comm=not (dist.is_initialized() and dist.get_backend() == "gloo"),
+    )
