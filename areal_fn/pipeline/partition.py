@@ -53,19 +53,40 @@ Outputs for the real systems: :func:`megatron_layout_string` (Megatron-Core's
 :func:`module_names` (per-stage fully qualified module names, torchtitan style).
 Bad input raises :class:`~areal_fn.errors.PlanError` naming the value, the rule and a
 remedy; there is no silent fallback to another split.
+
+The searches on exact integers live in :mod:`areal_fn.pipeline.exact`, the input
+checks in :mod:`areal_fn.pipeline.inputs`.
 """
 
 import bisect
 import enum
 import itertools
 import math
-import operator
 from collections.abc import Sequence
 
 import attrs
 import numpy as np
 
 from areal_fn.errors import PlanError
+from areal_fn.pipeline.exact import (
+    _balanced_boundaries,
+    _min_bottleneck,
+    _OverBudget,
+    _prefix_sums,
+    _rank_exact,
+    _rank_loads_int,
+    _rank_local,
+)
+from areal_fn.pipeline.inputs import (
+    _check_count,
+    _check_extra,
+    _check_lengths,
+    _check_problem,
+    _costs,
+    _extra,
+    _lengths,
+    _validated,
+)
 from areal_fn.typecheck import beartype
 
 __all__ = [
@@ -90,107 +111,6 @@ class Objective(enum.Enum):
 
     def __repr__(self) -> str:
         return f"Objective.{self.name}"
-
-
-# ----------------------------------------------------------------------------- checks
-
-
-def _num(value: object) -> bool:
-    return isinstance(value, int | float | np.integer | np.floating) and not isinstance(
-        value, bool | np.bool_
-    )
-
-
-def _costs(value: object) -> tuple[float, ...]:
-    if isinstance(value, np.ndarray):
-        value = value.tolist()
-    if isinstance(value, str | bytes) or not isinstance(value, Sequence):
-        raise PlanError(
-            f"costs={value!r} is not a sequence of per-layer costs; pass one positive "
-            "number per decoder layer, in layer order"
-        )
-    if set(map(type, value)) <= {float}:
-        out = tuple(value)
-    else:
-        for i, c in enumerate(value):
-            if not _num(c):
-                raise PlanError(
-                    f"costs[{i}]={c!r} is not a number; every layer cost must be a float > 0"
-                )
-        out = tuple(float(c) for c in value)
-    if out and not (min(out) > 0.0 and max(out) < math.inf and not any(map(math.isnan, out))):
-        i, c = next((i, c) for i, c in enumerate(out) if not 0.0 < c < math.inf)
-        raise PlanError(
-            f"costs[{i}]={c!r} is not a positive finite number; every layer cost must be "
-            "> 0 and finite (a zero or NaN cost makes the balance meaningless); fix the "
-            "cost model, or give the layer a small positive cost"
-        )
-    return out
-
-
-def _extra(value: object) -> float:
-    if not _num(value):
-        raise PlanError(f"extra cost {value!r} is not a number; pass a float >= 0")
-    return float(value)  # type: ignore[arg-type]
-
-
-def _check_extra(inst: object, attr: "attrs.Attribute[float]", value: float) -> None:
-    if not (math.isfinite(value) and value >= 0.0):
-        raise PlanError(
-            f"{attr.name}={value!r} must be finite and >= 0 (it is added to the "
-            f"{'first' if attr.name == 'first_extra' else 'last'} chunk's load); pass 0.0 "
-            "for no extra cost"
-        )
-
-
-def _check_count(inst: object, attr: "attrs.Attribute[int]", value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise PlanError(f"{attr.name}={value!r} must be an int >= 1")
-
-
-def _check_problem(costs: tuple[float, ...], num_stages: int, vpp: int) -> None:
-    if vpp > 1 and num_stages == 1:
-        raise PlanError(
-            f"vpp={vpp} with num_stages=1: virtual pipeline stages interleave chunks over "
-            "several pipeline ranks, so they need num_stages >= 2; use vpp=1, or "
-            "num_stages >= 2"
-        )
-    k = num_stages * vpp
-    if not costs:
-        raise PlanError(
-            "costs is empty: there are no layers to place; give one cost per decoder layer"
-        )
-    if len(costs) < k:
-        fits = [
-            f"num_stages={s}, vpp={v}"
-            for s in range(1, len(costs) + 1)
-            for v in range(1, len(costs) // s + 1)
-            if s * v <= len(costs) and (v == 1 or s > 1) and s <= num_stages and v <= vpp
-        ]
-        hint = f"e.g. {fits[-1]}"
-        raise PlanError(
-            f"{len(costs)} layers cannot fill num_stages={num_stages} x vpp={vpp} = {k} "
-            f"chunks: every chunk needs at least one layer; use num_stages * vpp <= "
-            f"{len(costs)} ({hint}), or a model with more layers"
-        )
-
-
-def _lengths(value: object) -> tuple[int, ...]:
-    if isinstance(value, str | bytes) or not isinstance(value, Sequence):
-        raise PlanError(
-            f"StagePlan.stage_lengths={value!r} is not a sequence; give the number of "
-            "layers of each chunk, e.g. (3, 4, 4, 3)"
-        )
-    return tuple(value)
-
-
-def _check_lengths(inst: object, attr: object, value: tuple[int, ...]) -> None:
-    for i, n in enumerate(value):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise PlanError(
-                f"StagePlan.stage_lengths[{i}]={n!r} must be an int >= 1: every chunk holds "
-                "at least one layer"
-            )
 
 
 # ----------------------------------------------------------------------------- record
@@ -352,297 +272,7 @@ class StagePlan:
         return "\n".join([head, *rows, tail])
 
 
-# ----------------------------------------------------------------------------- exact core
-
-
-def _scaled(values: Sequence[float]) -> list[int]:
-    """The values as integers, all multiplied by one power of two: exact for floats."""
-    if all(map(float.is_integer, values)):
-        return list(map(int, values))
-    ratios = [v.as_integer_ratio() for v in values]
-    den = max(d for _, d in ratios)
-    return [n * (den // d) for n, d in ratios]
-
-
-def _prefix_sums(costs: tuple[float, ...], first_extra: float, last_extra: float) -> list[int]:
-    """Exact prefix sums of the layer costs with the extras folded into the first and
-    last layer (every chunk is non-empty, so chunk 0 always holds layer 0 and the last
-    chunk always holds layer L-1)."""
-    *ints, first, last = _scaled([*costs, first_extra, last_extra])
-    ints[0] += first
-    ints[-1] += last
-    return [0, *itertools.accumulate(ints)]
-
-
-def _reach(prefix: list[int], start: int, cap: int) -> int:
-    """The largest end such that layers ``start .. end-1`` weigh at most ``cap``."""
-    return bisect.bisect_right(prefix, prefix[start] + cap) - 1
-
-
-def _probe(prefix: list[int], k: int, cap: int) -> tuple[bool, int]:
-    """Can the layers be cut into at most ``k`` chunks of load <= ``cap``?
-
-    Greedy from the left, each chunk as long as possible. Returns ``(True, worst)``
-    with the heaviest greedy chunk (an achievable bottleneck <= cap), or ``(False,
-    grow)`` with the smallest cap above ``cap`` under which some greedy chunk would
-    grow: every cap below ``grow`` gives the same failing cut.
-    """
-    n = len(prefix) - 1
-    pos, worst = 0, 0
-    grow = prefix[n] + 1
-    for _ in range(k):
-        end = _reach(prefix, pos, cap)
-        if end == pos:  # one layer alone is heavier than cap
-            return False, prefix[pos + 1] - prefix[pos]
-        if end == n:
-            return True, max(worst, prefix[n] - prefix[pos])
-        worst = max(worst, prefix[end] - prefix[pos])
-        grow = min(grow, prefix[end + 1] - prefix[pos])
-        pos = end
-    return False, grow
-
-
-def _min_bottleneck(prefix: list[int], k: int) -> int:
-    """The exact minimum over partitions into ``k`` non-empty chunks of the heaviest."""
-    n = len(prefix) - 1
-    heaviest = max(map(operator.sub, prefix[1:], prefix[:-1]))
-    lo = max(heaviest, -(-prefix[n] // k))
-    hi = prefix[n]
-    mid = lo  # the lower bound is often optimal (near-uniform layers): try it first
-    while lo < hi:
-        ok, snap = _probe(prefix, k, mid)
-        if ok:
-            hi = snap
-        else:
-            lo = max(mid + 1, snap)
-        mid = (lo + hi) // 2
-    return hi
-
-
-def _suffix_starts(prefix: list[int], k: int, cap: int) -> list[int]:
-    """``e[t]``: the earliest layer from which the rest fits in ``t`` chunks <= cap."""
-    e = [len(prefix) - 1]
-    for _ in range(k):
-        e.append(bisect.bisect_left(prefix, prefix[e[-1]] - cap))
-    return e
-
-
-def _prefix_ends(prefix: list[int], k: int, cap: int) -> list[int]:
-    """``f[t]``: the latest layer up to which the layers fit in ``t`` chunks <= cap."""
-    f = [0]
-    for _ in range(k):
-        f.append(_reach(prefix, f[-1], cap))
-    return f
-
-
-def _cut_key(prefix: list[int], k: int, j: int, pos: int) -> tuple[int, int]:
-    """Tie-break key of boundary ``j`` at ``pos``: the distance of the load before it
-    from the ideal ``j * total / k`` (scaled by ``k``), then the position."""
-    return abs(k * prefix[pos] - j * prefix[-1]), pos
-
-
-def _closest(prefix: list[int], k: int, j: int, lo: int, hi: int) -> int:
-    """The position in ``lo..hi`` with the smallest :func:`_cut_key` for boundary ``j``."""
-    below = bisect.bisect_right(prefix, (j * prefix[-1]) // k) - 1
-    cands = {min(max(below, lo), hi), min(max(below + 1, lo), hi)}
-    return min(cands, key=lambda p: _cut_key(prefix, k, j, p))
-
-
-def _balanced_boundaries(prefix: list[int], k: int, cap: int) -> list[int]:
-    """Among partitions with bottleneck <= cap, the one whose boundaries, in order, are
-    lexicographically closest to the ideal cuts (:func:`_cut_key`).
-
-    Given ``b_{j-1}``, the positions ``b_j`` that extend to a full partition are exactly
-    ``max(b_{j-1} + 1, e[k-j]) .. min(reach(b_{j-1}), n - (k - j))``, so choosing the
-    best key in that interval, boundary after boundary, is the lexicographic optimum.
-    """
-    n = len(prefix) - 1
-    e = _suffix_starts(prefix, k, cap)
-    b = [0]
-    for j in range(1, k):
-        lo = max(b[-1] + 1, e[k - j])
-        hi = min(_reach(prefix, b[-1], cap), n - (k - j))
-        b.append(_closest(prefix, k, j, lo, hi))
-    b.append(n)
-    return b
-
-
-def _windows(prefix: list[int], k: int, cap: int) -> tuple[list[int], list[int]]:
-    """For every boundary ``j``, the interval of positions it can take in a partition
-    into ``k`` non-empty chunks of load <= cap (prefix and suffix split independently)."""
-    n = len(prefix) - 1
-    e = _suffix_starts(prefix, k, cap)
-    f = _prefix_ends(prefix, k, cap)
-    lo = [max(j, e[k - j]) for j in range(k + 1)]
-    hi = [min(n - (k - j), f[j]) for j in range(k + 1)]
-    return lo, hi
-
-
-def _rank_loads_int(prefix: list[int], b: Sequence[int], s: int) -> list[int]:
-    loads = [0] * s
-    for j in range(len(b) - 1):
-        loads[j % s] += prefix[b[j + 1]] - prefix[b[j]]
-    return loads
-
-
-class _OverBudget(Exception):
-    pass
-
-
-def _rank_exact(
-    prefix: list[int], s: int, v: int, cap: int, upper: int, budget: int
-) -> list[int] | None:
-    """Exact minimum of the heaviest rank over partitions with chunk loads <= cap.
-
-    Rank step ``r`` moves the ``v`` boundaries ``x = (b_r, b_{S+r}, ..)`` to
-    ``x' = (b_{r+1}, b_{S+r+1}, ..)`` and puts ``Phi(x') - Phi(x)`` on rank ``r``,
-    ``Phi(x) = sum_v prefix[x_v]``. For each choice of the pass links
-    ``m = (b_S, .., b_{(V-1)S})`` a backward min-max dynamic program over the boundary
-    windows gives the best rank bottleneck; the optimal path with the smallest tie-break
-    keys (see the module docstring) is then read forward. Raises :class:`_OverBudget`
-    after ``budget`` transitions.
-    """
-    n = len(prefix) - 1
-    k = s * v
-    wlo, whi = _windows(prefix, k, cap)
-    reach: dict[int, int] = {}
-
-    def far(p: int) -> int:
-        if p not in reach:
-            reach[p] = _reach(prefix, p, cap)
-        return reach[p]
-
-    work = 0
-    best: (
-        tuple[int, tuple[tuple[int, int], ...], tuple[int, ...], list[dict[tuple[int, ...], int]]]
-        | None
-    ) = None
-    links = itertools.product(*(range(wlo[i * s], whi[i * s] + 1) for i in range(1, v)))
-    for m in links:
-        ends = (0, *m, n)
-        if any(ends[i + 1] - ends[i] < s for i in range(v)):
-            continue
-        ranges = [[(e, e) for e in ends[:-1]]]
-        for r in range(1, s):
-            row = []
-            for i in range(v):
-                lo = max(wlo[i * s + r], ends[i] + r)
-                hi = min(whi[i * s + r], ends[i + 1] - (s - r))
-                row.append((lo, hi))
-            ranges.append(row)
-        ranges.append([(e, e) for e in ends[1:]])
-        if any(lo > hi for row in ranges for lo, hi in row):
-            continue
-        phi0 = sum(prefix[p] for p in ends[:-1])
-        phi_end = sum(prefix[p] for p in ends[1:])
-        layers: list[dict[tuple[int, ...], int]] = [{} for _ in range(s + 1)]
-        layers[s][tuple(ends[1:])] = 0
-        for r in range(s - 1, -1, -1):
-            nxt, here = layers[r + 1], layers[r]
-            if not nxt:
-                break
-            nrow = ranges[r + 1]
-            for x in itertools.product(*(range(lo, hi + 1) for lo, hi in ranges[r])):
-                succ = [(max(x[i] + 1, nrow[i][0]), min(far(x[i]), nrow[i][1])) for i in range(v)]
-                if any(lo > hi for lo, hi in succ):
-                    continue
-                base = sum(prefix[p] for p in x)
-                if base - phi0 > r * upper or phi_end - base > (s - r) * upper:
-                    continue  # the ranks before or after cannot carry that much
-                val = upper + 1
-                for y in itertools.product(*(range(lo, hi + 1) for lo, hi in succ)):
-                    work += 1
-                    g = nxt.get(y)
-                    if g is None:
-                        continue
-                    w = sum(prefix[p] for p in y) - base
-                    val = min(val, max(w, g))
-                if work > budget:
-                    raise _OverBudget
-                if val <= upper:
-                    here[x] = val
-        start = (0, *m)
-        got = layers[0].get(start)
-        if got is not None:
-            key = tuple(_cut_key(prefix, k, i * s, p) for i, p in enumerate(m, start=1))
-            if best is None or (got, key) < best[:2]:
-                best = (got, key, start, layers)
-                upper = got
-    if best is None:  # pragma: no cover - the chunk plan itself is a candidate
-        return None
-    target, _, x, layers = best
-    path = [x]
-    for r in range(s):
-        nxt = layers[r + 1]
-        base = sum(prefix[p] for p in x)
-
-        def score(y: tuple[int, ...], r: int = r) -> tuple[tuple[int, int], ...]:
-            return tuple(_cut_key(prefix, k, i * s + r + 1, p) for i, p in enumerate(y))
-
-        x = min(
-            (
-                y
-                for y, g in nxt.items()
-                if all(a < c <= far(a) for a, c in zip(x, y, strict=True))
-                and max(sum(prefix[p] for p in y) - base, g) <= target
-            ),
-            key=score,
-        )
-        path.append(x)
-    b = [0] * (k + 1)
-    for r, x in enumerate(path):
-        for i, p in enumerate(x):
-            b[i * s + r] = p
-    return b
-
-
-def _rank_local(prefix: list[int], s: int, cap: int, b: list[int]) -> list[int]:
-    """Deterministic local search: move one boundary by one layer while that lowers the
-    rank loads sorted from the heaviest (lexicographically); keeps chunk loads <= cap."""
-    b = list(b)
-    k = len(b) - 1
-    loads = _rank_loads_int(prefix, b, s)
-    key = sorted(loads, reverse=True)
-    improved = True
-    while improved:
-        improved = False
-        for j in range(1, k):
-            for d in (-1, 1):
-                nb = b[j] + d
-                if not (b[j - 1] < nb < b[j + 1]):
-                    continue
-                if prefix[nb] - prefix[b[j - 1]] > cap or prefix[b[j + 1]] - prefix[nb] > cap:
-                    continue
-                shift = prefix[nb] - prefix[b[j]]
-                trial = list(loads)
-                trial[(j - 1) % s] += shift
-                trial[j % s] -= shift
-                tkey = sorted(trial, reverse=True)
-                if tkey < key:
-                    b[j], loads, key, improved = nb, trial, tkey, True
-    return b
-
-
 # ----------------------------------------------------------------------------- verbs
-
-
-def _validated(
-    costs: object, num_stages: int, vpp: int, first_extra: object, last_extra: object
-) -> tuple[tuple[float, ...], float, float]:
-    for name, value in (("num_stages", num_stages), ("vpp", vpp)):
-        if isinstance(value, bool) or value < 1:
-            raise PlanError(f"{name}={value!r} must be an int >= 1")
-    cs = _costs(costs)
-    fe, le = _extra(first_extra), _extra(last_extra)
-    for name, x in (("first_extra", fe), ("last_extra", le)):
-        if not (math.isfinite(x) and x >= 0.0):
-            raise PlanError(
-                f"{name}={x!r} must be finite and >= 0 (it is added to the "
-                f"{'first' if name == 'first_extra' else 'last'} chunk's load); pass 0.0 "
-                "for no extra cost"
-            )
-    _check_problem(cs, num_stages, vpp)
-    return cs, fe, le
 
 
 @beartype

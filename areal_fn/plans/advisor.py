@@ -80,7 +80,7 @@ Defaults (:class:`Hardware`): 8 devices per node, 300 GB/s within a node, 40 GB/
 across nodes, 400 TFLOP/s and 2 TB/s sustained per device. Ties (equal scores) go to
 more free memory, then to fewer parallel dimensions, then to the allocation string:
 the result is deterministic. Everything here is a model for ranking strategies, not a
-prediction of wall time.
+prediction of wall time. The score is computed in :mod:`areal_fn.plans.advisor_score`.
 """
 
 import math
@@ -91,7 +91,10 @@ import attrs
 from areal_fn.errors import PlanError, SpecError
 from areal_fn.layouts.megatron import stages_for
 from areal_fn.model.spec import ModelSpec
-from areal_fn.model.tensor_spec import DTYPE_BYTES
+from areal_fn.plans.advisor_score import CommEstimate as CommEstimate
+from areal_fn.plans.advisor_score import CommTerm as CommTerm
+from areal_fn.plans.advisor_score import Hardware as Hardware
+from areal_fn.plans.advisor_score import _estimate, _Workload
 from areal_fn.plans.census import Census, CensusIndex, fsdp2_census, megatron_census
 from areal_fn.plans.memory import (
     GIB,
@@ -115,77 +118,6 @@ MAX_CP = 8
 MIN_TOKENS_PER_CP_RANK = 4096
 
 
-def _positive(inst: object, attr: "attrs.Attribute[float]", value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
-        raise SpecError(f"{type(inst).__name__}.{attr.name}={value!r} must be a finite number > 0")
-
-
-def _positive_int(inst: object, attr: "attrs.Attribute[int]", value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise SpecError(f"{type(inst).__name__}.{attr.name}={value!r} must be an int >= 1")
-
-
-@attrs.frozen(kw_only=True)
-class Hardware:
-    """What the score assumes of a device and its links (defaults: an 8-GPU H100-class
-    node: NVLink within the node, one 400 Gb/s NIC per GPU across nodes, about 40% of
-    the bf16 peak and 60% of the HBM bandwidth sustained). Bandwidths in bytes/s,
-    ``flops`` in FLOP/s."""
-
-    devices_per_node: int = attrs.field(default=8, validator=_positive_int)
-    intra_node_bandwidth: float = attrs.field(default=300e9, validator=_positive)
-    inter_node_bandwidth: float = attrs.field(default=40e9, validator=_positive)
-    flops: float = attrs.field(default=400e12, validator=_positive)
-    memory_bandwidth: float = attrs.field(default=2.0e12, validator=_positive)
-
-
-@attrs.frozen(kw_only=True)
-class CommTerm:
-    """One kind of communication: bytes one rank sends per step, over ``group`` ranks
-    ``intra`` or ``inter`` node, taking ``seconds``, of which ``exposed`` are not hidden."""
-
-    kind: str
-    group: int
-    link: str
-    bytes: int
-    seconds: float
-    exposed: float
-
-    def __str__(self) -> str:
-        hidden = self.seconds - self.exposed
-        tail = f", {hidden:.2f} s hidden" if hidden > 5e-3 else ""
-        return (
-            f"{self.kind} {self.exposed:.2f} s ({self.bytes / 1e9:.1f} GB/rank over "
-            f"{self.group} ranks, {self.link}-node{tail})"
-        )
-
-
-@attrs.frozen(kw_only=True)
-class CommEstimate:
-    """Compute, bubble and communication of one optimizer step on the slowest pipeline
-    stage ``stage``. ``weight_bound_seconds``: the part of ``compute_seconds`` spent
-    reading weights beyond the FLOP time (small expert GEMMs)."""
-
-    compute_seconds: float
-    weight_bound_seconds: float
-    bubble_seconds: float
-    micro_batches: int
-    stage: int
-    terms: tuple[CommTerm, ...]
-
-    @property
-    def comm_bytes(self) -> int:
-        return sum(t.bytes for t in self.terms)
-
-    @property
-    def exposed_seconds(self) -> float:
-        return math.fsum(t.exposed for t in self.terms)
-
-    @property
-    def step_seconds(self) -> float:
-        return math.fsum([self.compute_seconds, self.bubble_seconds, self.exposed_seconds])
-
-
 @attrs.frozen(kw_only=True)
 class Suggestion:
     """One strategy that fits: its allocation string, memory, communication and score
@@ -201,16 +133,6 @@ class Suggestion:
 
     def __str__(self) -> str:
         return self.why
-
-
-@attrs.frozen(kw_only=True)
-class _Workload:
-    model: ModelSpec
-    n: int
-    policy: PrecisionPolicy
-    act: ActivationModel
-    batch: int
-    hw: Hardware
 
 
 @attrs.frozen(kw_only=True)
@@ -285,128 +207,7 @@ def _screen(w: _Workload, dims: ParallelDims, census: Census) -> RankMemory:
     return max(rows, key=lambda r: (r.total, -r.rank))
 
 
-# -- the score ------------------------------------------------------------------------
-
-
-def _stage_compute(
-    w: _Workload, backend: Backend, dims: ParallelDims, layers: Sequence[int], last: bool
-) -> tuple[float, float]:
-    """Seconds one micro-batch spends in the compute of one pipeline stage, and the part
-    of it spent waiting on weight reads rather than on FLOPs (roofline per part)."""
-    model, act, hw = w.model, w.act, w.hw
-    rc = 1 if act.recompute else 0
-    fl = 6 + 2 * rc  # FLOPs per weight per token: forward, backward (x2), recompute
-    wb = (2 + rc) * DTYPE_BYTES[w.policy.param_dtype] + 2 * DTYPE_BYTES[w.policy.grad_dtype]
-    tokens = act.tokens / dims.cp
-    tp = dims.tp
-    h, hd = model.hidden_size, model.head_dim
-    q, kv = model.num_attention_heads * hd, model.num_key_value_heads * hd
-    attn = 2 * q * h + 2 * kv * h
-    total = bound = 0.0
-
-    def part(flops: float, weights: float) -> None:
-        nonlocal total, bound
-        t_flops, t_bytes = flops / hw.flops, weights * wb / hw.memory_bandwidth
-        total += max(t_flops, t_bytes)
-        bound += max(0.0, t_bytes - t_flops)
-
-    k, e = model.num_experts_per_tok, model.num_experts
-    expert = 3 * h * model.moe_intermediate_size
-    for i in layers:
-        moe = model.moe_layers[i]
-        dense = model.num_experts * h if moe else 3 * h * model.intermediate_size
-        core = fl * act.seq_len * q / tp * tokens  # causal attention scores and values
-        part(fl * (attn + dense) / tp * tokens + core, (attn + dense) / tp)
-        if moe:
-            if backend is Backend.MEGATRON:
-                part(fl * expert * k * tokens / tp, e // dims.ep * expert)
-            else:  # FSDP2 gathers every expert; TP leaves experts replicated
-                part(fl * expert * k * tokens, e * expert)
-    if last:
-        head = model.vocab_size * h / tp
-        part(fl * head * tokens, head)
-    return total, bound
-
-
-def _estimate(
-    w: _Workload,
-    backend: Backend,
-    dims: ParallelDims,
-    index: CensusIndex,
-    reps: Sequence[int],
-) -> CommEstimate:
-    """Compute, bubble and communication of the slowest pipeline stage."""
-    model, act, hw, n = w.model, w.act, w.hw, w.n
-    cb = DTYPE_BYTES[w.policy.compute_dtype]
-    rc = 1 if act.recompute else 0
-    m = max(1, -(-w.batch // (dims.dp * act.micro_batch_size)))
-    h, hd = model.hidden_size, model.head_dim
-    kv = model.num_key_value_heads * hd
-    tokens = act.tokens
-    tp, cp, ep, pp = dims.tp, dims.cp, dims.ep, dims.pp
-
-    def link(span: int) -> tuple[str, float]:
-        if span <= hw.devices_per_node:
-            return "intra", hw.intra_node_bandwidth
-        return "inter", hw.inter_node_bandwidth
-
-    def term(kind: str, group: int, span: int, nbytes: float, window: float = 0.0) -> CommTerm:
-        where, bw = link(span)
-        seconds = nbytes / bw
-        return CommTerm(
-            kind=kind,
-            group=group,
-            link=where,
-            bytes=round(nbytes),
-            seconds=seconds,
-            exposed=max(0.0, seconds - window),
-        )
-
-    stages = []
-    for stage, rank in enumerate(reps):
-        share = index.share(rank)
-        t_mb, bound = _stage_compute(w, backend, dims, share.layers, stage == pp - 1)
-        lr = len(share.layers)
-        moe_r = sum(model.moe_layers[i] for i in share.layers)
-        terms: list[CommTerm] = []
-        if tp > 1:
-            vol = m * lr * (8 + 4 * rc) * (tp - 1) / tp * tokens / cp * h * cb
-            terms.append(term("TP", tp, tp, vol))
-        if cp > 1:  # Megatron ring attention (fsdp's c is not enumerated: see the docstring)
-            vol = m * lr * (3 + rc) * (cp - 1) * tokens / cp * 2 * kv / tp * cb
-            terms.append(term("CP", cp, tp * cp, vol))
-        if ep > 1:
-            k = model.num_experts_per_tok
-            vol = m * moe_r * (4 + 2 * rc) * (ep - 1) / ep * tokens / (cp * tp) * k * h * cb
-            terms.append(term("EP", ep, ep * dims.etp, vol))
-        if pp > 1:
-            terms.append(term("PP", pp, n, m * 2 * dims.vpp * tokens / (cp * tp) * h * cb))
-        moved = DTYPE_BYTES[w.policy.grad_dtype] + DTYPE_BYTES[w.policy.param_dtype]
-        if backend is Backend.MEGATRON:
-            vol = math.fsum((g - 1) / g * numel * moved for g, numel in share.by_dp_group)
-            if vol > 0:
-                terms.append(term("DP", dims.dp * cp, n // pp, vol, window=t_mb))
-        elif dims.dp * cp > 1:
-            g = dims.dp * cp
-            per_mb = (g - 1) * share.numel * (2 * cb + DTYPE_BYTES[w.policy.grad_dtype])
-            one = term("FSDP", g, n, per_mb, window=t_mb)
-            terms.append(
-                attrs.evolve(
-                    one, bytes=m * one.bytes, seconds=m * one.seconds, exposed=m * one.exposed
-                )
-            )
-        busy = m * t_mb + math.fsum(t.exposed for t in terms)
-        stages.append((busy, stage, t_mb, bound, tuple(terms)))
-    _, worst, t_worst, bound_worst, terms_worst = max(stages, key=lambda s: (s[0], -s[1]))
-    slowest = max(s[2] for s in stages)
-    return CommEstimate(
-        compute_seconds=m * t_worst,
-        weight_bound_seconds=m * bound_worst,
-        bubble_seconds=(pp - 1) / dims.vpp * slowest,
-        micro_batches=m,
-        stage=worst,
-        terms=terms_worst,
-    )
+# -- the reasons ----------------------------------------------------------------------
 
 
 def _why(c: _Candidate, capacity: int, device_memory: int) -> str:
@@ -513,6 +314,19 @@ def suggest_strategy(
         hw=hardware,
     )
     capacity = math.floor(device_memory_bytes * (1 - memory_margin))
+    fitting, tried, skipped, smallest = _screened(w, chosen, capacity)
+    out = _suggestions(w, fitting, top, capacity, device_memory_bytes)
+    if not out:
+        raise PlanError(_nothing_fits(w, chosen, tried, skipped, smallest, device_memory_bytes))
+    return tuple(out)
+
+
+def _screened(
+    w: _Workload, chosen: tuple[Backend, ...], capacity: int
+) -> tuple[list[_Candidate], dict[Backend, int], list[str], tuple[int, str] | None]:
+    """Every enumerated strategy screened: those whose screened peak fits ``capacity``
+    (with their score), the count tried per backend, the labels the checks rejected,
+    and the smallest screened peak with its label."""
     skipped: list[str] = []
     fitting: list[_Candidate] = []
     tried: dict[Backend, int] = {}
@@ -537,12 +351,19 @@ def suggest_strategy(
             fitting.append(
                 _Candidate(backend=backend, dims=dims, census=census, peak=peak, comm=comm)
             )
-    fitting.sort(key=lambda c: c.key())
+    return fitting, tried, skipped, smallest
+
+
+def _suggestions(
+    w: _Workload, fitting: list[_Candidate], top: int, capacity: int, device_memory: int
+) -> list[Suggestion]:
+    """The best ``top`` of ``fitting`` whose full per-rank report still fits ``capacity``."""
+    fitting = sorted(fitting, key=lambda c: c.key())
     out: list[Suggestion] = []
     for c in fitting:
         if len(out) == top:
             break
-        report = estimate_memory(c.census, policy, activation=activation, model=model, dims=c.dims)
+        report = estimate_memory(c.census, w.policy, activation=w.act, model=w.model, dims=c.dims)
         if report.max_total > capacity:
             continue
         c = attrs.evolve(c, peak=report.max_rank)
@@ -554,12 +375,10 @@ def suggest_strategy(
                 memory=report,
                 comm=c.comm,
                 score=c.comm.step_seconds,
-                why=_why(c, capacity, device_memory_bytes),
+                why=_why(c, capacity, device_memory),
             )
         )
-    if not out:
-        raise PlanError(_nothing_fits(w, chosen, tried, skipped, smallest, device_memory_bytes))
-    return tuple(out)
+    return out
 
 
 def _nothing_fits(

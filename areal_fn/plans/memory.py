@@ -23,41 +23,14 @@ the layout's logical tensors, padding rows included):
   0.1%) is left out. ``inference``: weights only, no gradients, no optimizer.
 
 **Estimated part** (needs ``activation``, ``model`` and ``dims``; an estimate, not a
-measurement):
-
-- ``activations``: bytes kept for the backward pass. Per token and decoder layer, in
-  ``compute_dtype`` elements: ``4h + 2q + 2kv`` (two norm inputs, the attention and
-  MLP inputs, q/k/v after rotary, the attention output) plus ``3I`` for a dense
-  SwiGLU MLP (gate, up, activation output) or ``k(2h + 3I_moe)`` for an MoE layer
-  (per routed copy: input, gate, up, activation, output); plus fp32 extras: one
-  log-sum-exp per head (flash attention keeps no ``s x s`` matrix) and, for MoE, the
-  router logits ``E``. ``h`` hidden size, ``q``/``kv`` query/key-value widths
-  (heads x head_dim), ``I`` intermediate size, ``k`` experts per token. This plays
-  the role of the ``s*b*h*(34 + 5*a*s/h)/t`` of Korthikanti et al. (2022, "Reducing
-  Activation Recomputation in Large Transformer Models") for GQA, SwiGLU and MoE
-  models with flash attention. A micro-batch of ``T = micro_batch_size * seq_len``
-  tokens costs ``ceil(T * per_token / (tp * cp))`` per layer (tensor and sequence
-  parallelism split every activation ``tp`` ways, context parallelism splits the
-  sequence ``cp`` ways; balanced routing assumed). With ``recompute`` only each
-  layer's input is kept (``h`` elements per token) plus one layer's full
-  activations, recomputed during the backward pass. The last pipeline stage (every
-  FSDP rank) adds the head: final-norm and output-layer inputs (``2h``) and the
-  logits in ``compute_dtype`` and fp32 for the loss (``V`` each), split ``tp * cp``
-  ways. Pipelines keep several micro-batches in flight: stage ``i`` of ``pp`` under
-  1F1B holds ``pp - i`` of them; with ``vpp`` virtual stages it holds
-  ``2(pp - i - 1) + (vpp - 1) pp + 1`` model chunks of ``1/vpp`` of its layers
-  (Megatron's warm-up count plus one), enough micro-batches assumed.
-- ``buffers`` (``fsdp2`` layouts with more than one shard): FSDP2's unsharded
-  parameters of the two largest units (decoder layers, the embedding, the final norm
-  with the output layer: the unit running and the one prefetched) in
-  ``compute_dtype``, plus the largest unit's unsharded gradient in ``grad_dtype``,
-  over ``tp``.
+measurement): ``activations``, the bytes a rank keeps for the backward pass, and
+``buffers``, FSDP2's unsharded parameters and gradient in flight; the formulas are in
+:mod:`areal_fn.plans.activations`.
 
 Everything is integer arithmetic, so reports are deterministic and exact where stated.
 """
 
 import enum
-import functools
 import math
 from collections.abc import Iterable, Sequence
 
@@ -65,8 +38,12 @@ import attrs
 
 from areal_fn.errors import SpecError
 from areal_fn.layouts.layout import Layout
-from areal_fn.model.spec import ModelSpec, layer_of
+from areal_fn.model.spec import ModelSpec
 from areal_fn.model.tensor_spec import DTYPE_BYTES, dtype_name
+from areal_fn.plans.activations import ActivationModel as ActivationModel
+from areal_fn.plans.activations import _activations, _buffers, _check_bool, _positive_int
+from areal_fn.plans.activations import in_flight_chunks as in_flight_chunks
+from areal_fn.plans.activations import layer_token_bytes as layer_token_bytes
 from areal_fn.plans.census import Census, CensusIndex, RankShare, census_of
 from areal_fn.sharding.sharding import local_shape
 from areal_fn.strategy.allocation import ParallelDims
@@ -131,11 +108,6 @@ def _float_dtype(value: object) -> str:
             f"state use one of {list(_FLOAT_DTYPES)}"
         )
     return name
-
-
-def _check_bool(inst: object, attr: "attrs.Attribute[bool]", value: object) -> None:
-    if not isinstance(value, bool):
-        raise SpecError(f"{type(inst).__name__}.{attr.name}={value!r} must be True or False")
 
 
 @attrs.frozen(kw_only=True)
@@ -211,33 +183,6 @@ class PrecisionPolicy:
             f"{self.optimizer.value} states {self.state_dtype}, compute {self.compute_dtype} "
             f"({self.bytes_per_param} B/param)"
         )
-
-
-def _positive_int(inst: object, attr: "attrs.Attribute[int]", value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise SpecError(
-            f"{type(inst).__name__}.{attr.name}={value!r} must be an int >= 1; pass e.g. "
-            f"{attr.name}=1"
-        )
-
-
-@attrs.frozen(kw_only=True)
-class ActivationModel:
-    """One micro-batch: ``micro_batch_size`` sequences of ``seq_len`` tokens, and
-    whether each layer recomputes its activations in the backward pass (full
-    activation checkpointing). See the module docstring for the formula."""
-
-    micro_batch_size: int = attrs.field(validator=_positive_int)
-    seq_len: int = attrs.field(validator=_positive_int)
-    recompute: bool = attrs.field(default=False, validator=_check_bool)
-
-    @property
-    def tokens(self) -> int:
-        return self.micro_batch_size * self.seq_len
-
-    def __str__(self) -> str:
-        rc = ", recompute" if self.recompute else ", no recompute"
-        return f"micro-batch {self.micro_batch_size} x {self.seq_len} tokens{rc}"
 
 
 def _nonneg(inst: object, attr: "attrs.Attribute[int]", value: object) -> None:
@@ -379,80 +324,6 @@ def _state(
     return params, grads, optimizer
 
 
-# -- estimated activations and buffers ------------------------------------------------
-
-
-def layer_token_bytes(model: ModelSpec, moe: bool, compute_bytes: int) -> int:
-    """Activation bytes one token keeps in one decoder layer (no recompute, no sharding)."""
-    h, hd = model.hidden_size, model.head_dim
-    q, kv = model.num_attention_heads * hd, model.num_key_value_heads * hd
-    elems = 4 * h + 2 * q + 2 * kv
-    fp32 = model.num_attention_heads
-    if moe:
-        elems += model.num_experts_per_tok * (2 * h + 3 * model.moe_intermediate_size)
-        fp32 += model.num_experts
-    else:
-        elems += 3 * model.intermediate_size
-    return elems * compute_bytes + 4 * fp32
-
-
-def in_flight_chunks(stage: int, pp: int, vpp: int) -> tuple[int, int]:
-    """``(chunks, vpp)``: stage ``stage`` keeps ``chunks`` model chunks of ``1/vpp`` of
-    its layers in flight (1F1B: ``pp - stage`` micro-batches of all its layers)."""
-    if pp == 1:
-        return 1, 1
-    if vpp == 1:
-        return pp - stage, 1
-    return 2 * (pp - stage - 1) + (vpp - 1) * pp + 1, vpp
-
-
-def _activations(
-    model: ModelSpec,
-    dims: ParallelDims,
-    act: ActivationModel,
-    policy: PrecisionPolicy,
-    layers: Sequence[int],
-    stage: int,
-) -> int:
-    cb = DTYPE_BYTES[policy.compute_dtype]
-    split = dims.tp * dims.cp
-    t = act.tokens
-
-    def per_mb(token_bytes: int) -> int:
-        return -(-t * token_bytes // split)
-
-    full = [per_mb(layer_token_bytes(model, model.moe_layers[i], cb)) for i in layers]
-    if act.recompute:
-        kept = len(layers) * per_mb(model.hidden_size * cb)
-        transient = max(full, default=0)
-    else:
-        kept, transient = sum(full), 0
-    chunks, per = in_flight_chunks(stage, dims.pp, dims.vpp)
-    total = -(-kept * chunks // per) + transient
-    if stage == dims.pp - 1:
-        total += per_mb(2 * model.hidden_size * cb + model.vocab_size * (cb + 4))
-    return total
-
-
-@functools.lru_cache(maxsize=16)
-def _fsdp_units(model: ModelSpec) -> tuple[int, ...]:
-    """Numels of FSDP2 units: each decoder layer, the embedding, the rest of the root."""
-    units = [sum(t.numel for t in model.layer_tensors(i)) for i in range(model.num_layers)]
-    embed = model.tensor("model.embed_tokens.weight").numel
-    rest = sum(t.numel for t in model.tensors if layer_of(t.name) is None) - embed
-    return (*units, embed, rest)
-
-
-def _buffers(census: Census, model: ModelSpec, dims: ParallelDims, policy: PrecisionPolicy) -> int:
-    if census.kind != "fsdp2" or census.world_size // dims.tp == 1:
-        return 0
-    units = sorted(_fsdp_units(model), reverse=True)
-    top2 = units[0] + (units[1] if len(units) > 1 else 0)
-    params = top2 * DTYPE_BYTES[policy.compute_dtype]
-    grads = units[0] * DTYPE_BYTES[policy.grad_dtype]
-    return -(-(params + grads) // dims.tp)
-
-
 # -- the report -----------------------------------------------------------------------
 
 
@@ -504,8 +375,9 @@ def _row(
     params, grads, optimizer = _state(index.census, share, policy, distributed_optimizer)
     acts = bufs = 0
     if activation is not None and model is not None and dims is not None:
-        acts = _activations(model, dims, activation, policy, share.layers, index.stage(rank))
-        bufs = _buffers(index.census, model, dims, policy)
+        cb, gb = DTYPE_BYTES[policy.compute_dtype], DTYPE_BYTES[policy.grad_dtype]
+        acts = _activations(model, dims, activation, cb, share.layers, index.stage(rank))
+        bufs = _buffers(index.census, model, dims, cb, gb)
     return RankMemory(
         rank=rank,
         params=params,

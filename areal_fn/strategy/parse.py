@@ -2,12 +2,12 @@
 
 A hand-written recursive-descent parser for the grammar in ``docs/allocation.md``.
 Every invalid string raises :class:`~areal_fn.errors.ParseError`; its message says
-what was expected, then shows the input with a caret under the offending character.
+what was expected, then shows the input with a caret under the offending character
+(:mod:`areal_fn.strategy.parse_errors` draws it).
 """
 
 import re
 import string
-import unicodedata
 from typing import NoReturn
 
 from areal_fn.errors import ParseError, SpecError
@@ -20,12 +20,11 @@ from areal_fn.strategy.allocation import (
     ParallelDims,
     choices,
 )
+from areal_fn.strategy.parse_errors import _WS, _char, _pointer, _short
 from areal_fn.typecheck import beartype
 
 __all__ = ["parse_allocation"]
 
-#: Whitespace stripped at both ends and allowed around '+' and '|'.
-_WS = " \t\r\n"
 _DIGITS = "0123456789"
 _LETTERS = frozenset(string.ascii_letters)
 _NAME_START = frozenset(string.ascii_letters + "_")
@@ -45,8 +44,6 @@ _DIM_NAMES = {
 _NOT_ALLOWED = re.compile(r"[^\x20-\x7e\t\r\n]")
 _BARE_DIMS = re.compile(r"[dptcev][dptcev0-9]*")
 _WELL_FORMED_DIMS = re.compile(r"(?:[dptcev][1-9][0-9]*)+")
-#: Characters shown on either side of the caret in a message.
-_WINDOW = 60
 
 # (section, backend) -> (dims taken with any value, dims taken only as 1).
 _SECTION_DIMS: dict[tuple[str, Backend], tuple[str, str]] = {
@@ -74,57 +71,6 @@ def parse_allocation(text: str) -> Allocation:
     Raises :class:`~areal_fn.errors.ParseError` for every invalid string.
     """
     return _Parser(text).allocation()
-
-
-def _show(ch: str) -> str:
-    if ch == "\t":
-        return "\\t"
-    if ch == "\n":
-        return "\\n"
-    if ch == "\r":
-        return "\\r"
-    if ch.isprintable():
-        return ch
-    code = ord(ch)
-    return (
-        f"\\x{code:02x}"
-        if code < 0x100
-        else f"\\u{code:04x}"
-        if code < 0x10000
-        else f"\\U{code:08x}"
-    )
-
-
-def _width(shown: str) -> int:
-    if len(shown) != 1:
-        return len(shown)
-    if unicodedata.combining(shown):
-        return 0
-    return 2 if unicodedata.east_asian_width(shown) in "WF" else 1
-
-
-def _pointer(text: str, pos: int) -> str:
-    """Two lines: the input (escaped, windowed if long) and a caret under ``pos``."""
-    lo = max(0, pos - _WINDOW)
-    hi = min(len(text), pos + _WINDOW)
-    head = "..." if lo > 0 else ""
-    tail = "..." if hi < len(text) else ""
-    shown = [_show(ch) for ch in text[lo:hi]]
-    column = len(head) + sum(_width(s) for s in shown[: pos - lo])
-    return f"    {head}{''.join(shown)}{tail}\n    {' ' * column}^"
-
-
-def _char(ch: str) -> str:
-    if ch in _WS:
-        return f"whitespace {ch!r}"
-    if " " <= ch <= "~":
-        return repr(ch)
-    name = unicodedata.name(ch, "")
-    return f"'{_show(ch)}' (U+{ord(ch):04X}{' ' + name if name else ''})"
-
-
-def _short(word: str) -> str:
-    return word if len(word) <= 24 else word[:20] + "..."
 
 
 class _Parser:

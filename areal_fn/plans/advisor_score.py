@@ -1,0 +1,241 @@
+"""The score :func:`~areal_fn.plans.advisor.suggest_strategy` ranks strategies by.
+
+Estimated seconds per optimizer step of the slowest pipeline stage: a roofline of each
+stage's compute (:func:`_stage_compute`), the pipeline bubble, and the exposed part of
+every communication (:class:`CommTerm`: TP, CP, EP, PP, DP or FSDP), on a
+:class:`Hardware`. The formulas and their notation are in the docstring of
+:mod:`areal_fn.plans.advisor`. A model for ranking strategies, not a prediction of
+wall time.
+"""
+
+import math
+from collections.abc import Sequence
+
+import attrs
+
+from areal_fn.errors import SpecError
+from areal_fn.model.spec import ModelSpec
+from areal_fn.model.tensor_spec import DTYPE_BYTES
+from areal_fn.plans.activations import ActivationModel
+from areal_fn.plans.census import CensusIndex, RankShare
+from areal_fn.plans.memory import PrecisionPolicy
+from areal_fn.strategy.allocation import Backend, ParallelDims
+
+__all__ = ["CommEstimate", "CommTerm", "Hardware"]
+
+
+def _positive(inst: object, attr: "attrs.Attribute[float]", value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        raise SpecError(f"{type(inst).__name__}.{attr.name}={value!r} must be a finite number > 0")
+
+
+def _positive_int(inst: object, attr: "attrs.Attribute[int]", value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SpecError(f"{type(inst).__name__}.{attr.name}={value!r} must be an int >= 1")
+
+
+@attrs.frozen(kw_only=True)
+class Hardware:
+    """What the score assumes of a device and its links (defaults: an 8-GPU H100-class
+    node: NVLink within the node, one 400 Gb/s NIC per GPU across nodes, about 40% of
+    the bf16 peak and 60% of the HBM bandwidth sustained). Bandwidths in bytes/s,
+    ``flops`` in FLOP/s."""
+
+    devices_per_node: int = attrs.field(default=8, validator=_positive_int)
+    intra_node_bandwidth: float = attrs.field(default=300e9, validator=_positive)
+    inter_node_bandwidth: float = attrs.field(default=40e9, validator=_positive)
+    flops: float = attrs.field(default=400e12, validator=_positive)
+    memory_bandwidth: float = attrs.field(default=2.0e12, validator=_positive)
+
+
+@attrs.frozen(kw_only=True)
+class CommTerm:
+    """One kind of communication: bytes one rank sends per step, over ``group`` ranks
+    ``intra`` or ``inter`` node, taking ``seconds``, of which ``exposed`` are not hidden."""
+
+    kind: str
+    group: int
+    link: str
+    bytes: int
+    seconds: float
+    exposed: float
+
+    def __str__(self) -> str:
+        hidden = self.seconds - self.exposed
+        tail = f", {hidden:.2f} s hidden" if hidden > 5e-3 else ""
+        return (
+            f"{self.kind} {self.exposed:.2f} s ({self.bytes / 1e9:.1f} GB/rank over "
+            f"{self.group} ranks, {self.link}-node{tail})"
+        )
+
+
+@attrs.frozen(kw_only=True)
+class CommEstimate:
+    """Compute, bubble and communication of one optimizer step on the slowest pipeline
+    stage ``stage``. ``weight_bound_seconds``: the part of ``compute_seconds`` spent
+    reading weights beyond the FLOP time (small expert GEMMs)."""
+
+    compute_seconds: float
+    weight_bound_seconds: float
+    bubble_seconds: float
+    micro_batches: int
+    stage: int
+    terms: tuple[CommTerm, ...]
+
+    @property
+    def comm_bytes(self) -> int:
+        return sum(t.bytes for t in self.terms)
+
+    @property
+    def exposed_seconds(self) -> float:
+        return math.fsum(t.exposed for t in self.terms)
+
+    @property
+    def step_seconds(self) -> float:
+        return math.fsum([self.compute_seconds, self.bubble_seconds, self.exposed_seconds])
+
+
+@attrs.frozen(kw_only=True)
+class _Workload:
+    model: ModelSpec
+    n: int
+    policy: PrecisionPolicy
+    act: ActivationModel
+    batch: int
+    hw: Hardware
+
+
+def _stage_compute(
+    w: _Workload, backend: Backend, dims: ParallelDims, layers: Sequence[int], last: bool
+) -> tuple[float, float]:
+    """Seconds one micro-batch spends in the compute of one pipeline stage, and the part
+    of it spent waiting on weight reads rather than on FLOPs (roofline per part)."""
+    model, act, hw = w.model, w.act, w.hw
+    rc = 1 if act.recompute else 0
+    fl = 6 + 2 * rc  # FLOPs per weight per token: forward, backward (x2), recompute
+    wb = (2 + rc) * DTYPE_BYTES[w.policy.param_dtype] + 2 * DTYPE_BYTES[w.policy.grad_dtype]
+    tokens = act.tokens / dims.cp
+    tp = dims.tp
+    h, hd = model.hidden_size, model.head_dim
+    q, kv = model.num_attention_heads * hd, model.num_key_value_heads * hd
+    attn = 2 * q * h + 2 * kv * h
+    total = bound = 0.0
+
+    def part(flops: float, weights: float) -> None:
+        nonlocal total, bound
+        t_flops, t_bytes = flops / hw.flops, weights * wb / hw.memory_bandwidth
+        total += max(t_flops, t_bytes)
+        bound += max(0.0, t_bytes - t_flops)
+
+    k, e = model.num_experts_per_tok, model.num_experts
+    expert = 3 * h * model.moe_intermediate_size
+    for i in layers:
+        moe = model.moe_layers[i]
+        dense = model.num_experts * h if moe else 3 * h * model.intermediate_size
+        core = fl * act.seq_len * q / tp * tokens  # causal attention scores and values
+        part(fl * (attn + dense) / tp * tokens + core, (attn + dense) / tp)
+        if moe:
+            if backend is Backend.MEGATRON:
+                part(fl * expert * k * tokens / tp, e // dims.ep * expert)
+            else:  # FSDP2 gathers every expert; TP leaves experts replicated
+                part(fl * expert * k * tokens, e * expert)
+    if last:
+        head = model.vocab_size * h / tp
+        part(fl * head * tokens, head)
+    return total, bound
+
+
+def _micro_batches(w: _Workload, dims: ParallelDims) -> int:
+    """``m = ceil(B / (dp*b))``: micro-batches per data-parallel replica and step."""
+    return max(1, -(-w.batch // (dims.dp * w.act.micro_batch_size)))
+
+
+def _term(
+    hw: Hardware, kind: str, group: int, span: int, nbytes: float, window: float = 0.0
+) -> CommTerm:
+    """``nbytes`` over a group of ``group`` ranks spanning ``span`` consecutive ranks
+    (within a node when ``span <= devices_per_node``), hidden behind ``window`` seconds."""
+    if span <= hw.devices_per_node:
+        where, bw = "intra", hw.intra_node_bandwidth
+    else:
+        where, bw = "inter", hw.inter_node_bandwidth
+    seconds = nbytes / bw
+    return CommTerm(
+        kind=kind,
+        group=group,
+        link=where,
+        bytes=round(nbytes),
+        seconds=seconds,
+        exposed=max(0.0, seconds - window),
+    )
+
+
+def _stage_terms(
+    w: _Workload, backend: Backend, dims: ParallelDims, share: RankShare, t_mb: float
+) -> list[CommTerm]:
+    """The communication of one pipeline stage whose rank holds ``share`` and spends
+    ``t_mb`` seconds computing one micro-batch."""
+    model, act, hw, n = w.model, w.act, w.hw, w.n
+    cb = DTYPE_BYTES[w.policy.compute_dtype]
+    rc = 1 if act.recompute else 0
+    m = _micro_batches(w, dims)
+    h, kv = model.hidden_size, model.num_key_value_heads * model.head_dim
+    tokens = act.tokens
+    tp, cp, ep, pp = dims.tp, dims.cp, dims.ep, dims.pp
+    lr = len(share.layers)
+    moe_r = sum(model.moe_layers[i] for i in share.layers)
+    terms: list[CommTerm] = []
+    if tp > 1:
+        vol = m * lr * (8 + 4 * rc) * (tp - 1) / tp * tokens / cp * h * cb
+        terms.append(_term(hw, "TP", tp, tp, vol))
+    if cp > 1:  # Megatron ring attention (fsdp's c is not enumerated: see the docstring)
+        vol = m * lr * (3 + rc) * (cp - 1) * tokens / cp * 2 * kv / tp * cb
+        terms.append(_term(hw, "CP", cp, tp * cp, vol))
+    if ep > 1:
+        k = model.num_experts_per_tok
+        vol = m * moe_r * (4 + 2 * rc) * (ep - 1) / ep * tokens / (cp * tp) * k * h * cb
+        terms.append(_term(hw, "EP", ep, ep * dims.etp, vol))
+    if pp > 1:
+        terms.append(_term(hw, "PP", pp, n, m * 2 * dims.vpp * tokens / (cp * tp) * h * cb))
+    moved = DTYPE_BYTES[w.policy.grad_dtype] + DTYPE_BYTES[w.policy.param_dtype]
+    if backend is Backend.MEGATRON:
+        vol = math.fsum((g - 1) / g * numel * moved for g, numel in share.by_dp_group)
+        if vol > 0:
+            terms.append(_term(hw, "DP", dims.dp * cp, n // pp, vol, window=t_mb))
+    elif dims.dp * cp > 1:
+        g = dims.dp * cp
+        per_mb = (g - 1) * share.numel * (2 * cb + DTYPE_BYTES[w.policy.grad_dtype])
+        one = _term(hw, "FSDP", g, n, per_mb, window=t_mb)
+        terms.append(
+            attrs.evolve(one, bytes=m * one.bytes, seconds=m * one.seconds, exposed=m * one.exposed)
+        )
+    return terms
+
+
+def _estimate(
+    w: _Workload,
+    backend: Backend,
+    dims: ParallelDims,
+    index: CensusIndex,
+    reps: Sequence[int],
+) -> CommEstimate:
+    """Compute, bubble and communication of the slowest pipeline stage (``reps``: one
+    rank per stage)."""
+    m, pp = _micro_batches(w, dims), dims.pp
+    stages = []
+    for stage, rank in enumerate(reps):
+        share = index.share(rank)
+        t_mb, bound = _stage_compute(w, backend, dims, share.layers, stage == pp - 1)
+        terms = _stage_terms(w, backend, dims, share, t_mb)
+        busy = m * t_mb + math.fsum(t.exposed for t in terms)
+        stages.append((busy, stage, t_mb, bound, tuple(terms)))
+    _, worst, t_worst, bound_worst, terms_worst = max(stages, key=lambda s: (s[0], -s[1]))
+    slowest = max(s[2] for s in stages)
+    return CommEstimate(
+        compute_seconds=m * t_worst,
+        weight_bound_seconds=m * bound_worst,
+        bubble_seconds=(pp - 1) / dims.vpp * slowest,
+        micro_batches=m,
+        stage=worst,
+        terms=terms_worst,
+    )
