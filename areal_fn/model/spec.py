@@ -27,6 +27,7 @@ import attrs
 
 from areal_fn.errors import SpecError
 from areal_fn.model.families import FAMILIES, Family, family
+from areal_fn.model.families.mapping import CONDITIONS, Dim, layer_tensors
 from areal_fn.model.hf_config import ROPE_TYPES as ROPE_TYPES
 from areal_fn.model.hf_config import _positive_float, _rope_pairs, _spec_fields
 from areal_fn.model.tensor_spec import TensorSpec, dtype_name
@@ -282,38 +283,30 @@ class ModelSpec:
 
 
 def _canonical_shapes(spec: ModelSpec) -> list[tuple[str, tuple[int, ...]]]:
+    """The embedding, each decoder layer from the family's canonical table, the final
+    norm and the (untied) output layer."""
     hid, hd = spec.hidden_size, spec.head_dim
-    q_out, kv_out = spec.num_attention_heads * hd, spec.num_key_value_heads * hd
+    sizes = {
+        Dim.HIDDEN: hid,
+        Dim.HEAD_DIM: hd,
+        Dim.Q_OUT: spec.num_attention_heads * hd,
+        Dim.KV_OUT: spec.num_key_value_heads * hd,
+        Dim.INTER: spec.intermediate_size,
+        Dim.MOE_INTER: spec.moe_intermediate_size,
+        Dim.EXPERTS: spec.num_experts,
+    }
+    flags = {c: bool(getattr(spec, c)) for c in CONDITIONS}
+    table = spec.family.canonical
     out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (spec.vocab_size, hid))]
-
-    def linear(name: str, n_out: int, n_in: int, bias: bool) -> None:
-        out.append((f"{name}.weight", (n_out, n_in)))
-        if bias:
-            out.append((f"{name}.bias", (n_out,)))
-
     for i in range(spec.num_layers):
-        p = f"model.layers.{i}."
-        linear(p + "self_attn.q_proj", q_out, hid, spec.qkv_bias)
-        linear(p + "self_attn.k_proj", kv_out, hid, spec.qkv_bias)
-        linear(p + "self_attn.v_proj", kv_out, hid, spec.qkv_bias)
-        linear(p + "self_attn.o_proj", hid, q_out, spec.o_bias)
-        if spec.qk_norm:
-            out.append((p + "self_attn.q_norm.weight", (hd,)))
-            out.append((p + "self_attn.k_norm.weight", (hd,)))
-        if spec.moe_layers[i]:
-            inter = spec.moe_intermediate_size
-            for e in range(spec.num_experts):
-                out.append((f"{p}mlp.experts.{e}.gate_proj.weight", (inter, hid)))
-                out.append((f"{p}mlp.experts.{e}.up_proj.weight", (inter, hid)))
-                out.append((f"{p}mlp.experts.{e}.down_proj.weight", (hid, inter)))
-            out.append((p + "mlp.gate.weight", (spec.num_experts, hid)))
-        else:
-            inter = spec.intermediate_size
-            linear(p + "mlp.gate_proj", inter, hid, spec.mlp_bias)
-            linear(p + "mlp.up_proj", inter, hid, spec.mlp_bias)
-            linear(p + "mlp.down_proj", hid, inter, spec.mlp_bias)
-        out.append((p + "input_layernorm.weight", (hid,)))
-        out.append((p + "post_attention_layernorm.weight", (hid,)))
+        out += layer_tensors(
+            table,
+            f"model.layers.{i}.",
+            moe=spec.moe_layers[i],
+            flags=flags,
+            sizes=sizes,
+            num_experts=spec.num_experts,
+        )
     out.append(("model.norm.weight", (hid,)))
     if not spec.tie_word_embeddings:
         out.append(("lm_head.weight", (spec.vocab_size, hid)))

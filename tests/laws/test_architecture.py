@@ -138,3 +138,34 @@ def test_the_public_api_is_the_listed_one() -> None:
     names = sorted(n for n in vars(areal_fn) if not n.startswith("_") or n == "__version__")
     names = [n for n in names if not isinstance(getattr(areal_fn, n), type(areal_fn))]
     assert names == PUBLIC
+
+
+# -- sizes: one concept per module, functions that fit on a screen ------------------------
+
+MAX_FILE_LINES = 520
+MAX_FUNCTION_LINES = 80
+#: Files or functions allowed over the limits, with the reason.
+OVER_LIMIT: dict[str, str] = {}
+
+
+def _sources() -> list[pathlib.Path]:
+    return sorted(ROOT.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", _sources(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_modules_and_functions_stay_small(path):
+    rel = str(path.relative_to(ROOT))
+    text = path.read_text()
+    lines = text.count("\n")
+    assert lines <= MAX_FILE_LINES or rel in OVER_LIMIT, (
+        f"{rel} has {lines} lines (> {MAX_FILE_LINES}); split it by concept, or list it in "
+        "OVER_LIMIT with the reason"
+    )
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            n = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+            key = f"{rel}::{node.name}"
+            assert n <= MAX_FUNCTION_LINES or key in OVER_LIMIT, (
+                f"{key} has {n} lines (> {MAX_FUNCTION_LINES}, docstring included); break it "
+                "into named steps, or list it in OVER_LIMIT with the reason"
+            )
