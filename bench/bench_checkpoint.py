@@ -159,6 +159,95 @@ def _same(a: dict[int, RankState], b: dict[int, RankState]) -> bool:
     )
 
 
+def _save_rounds(
+    tmp: Path, spec: ModelSpec, src: Layout, states: dict[int, RankState]
+) -> dict[str, list[float]]:
+    """Save times of ours and of ``torch.save``, ``SAVE_REPEATS`` rounds each."""
+    saves: dict[str, list[float]] = {"ours": [], "torch": []}
+    for i in range(SAVE_REPEATS):  # alternate, so both see the same disk weather
+        saves["ours"].append(
+            _timed(
+                functools.partial(
+                    save_checkpoint,
+                    tmp / "ours",
+                    layout=src,
+                    states=states,
+                    model=spec,
+                    allocation="fsdp:d2",
+                    step=i,
+                    optimizer="adam",
+                    keep=1,
+                    save_rng=False,
+                )
+            )
+        )
+        shutil.rmtree(tmp / "torch", ignore_errors=True)
+        saves["torch"].append(_timed(lambda: _torch_save(states, tmp / "torch")))
+    return saves
+
+
+def _load_rounds(
+    tmp: Path, src: Layout, dst: Layout
+) -> tuple[dict[str, list[float]], dict[int, RankState]]:
+    """Load times (same strategy with and without verification, ``torch.load``, resharded),
+    ``LOAD_REPEATS`` rounds each, and the states the same-strategy loads filled."""
+    loads: dict[str, list[float]] = {"ours": [], "ours_nv": [], "torch": [], "reshard": []}
+    same, resharded = _blank(src), _blank(dst)
+    for _ in range(LOAD_REPEATS):
+        loads["ours_nv"].append(
+            _timed(
+                lambda: load_checkpoint(
+                    tmp / "ours", layout=src, states=same, optimizer="adam", verify=False
+                )
+            )
+        )
+        loads["ours"].append(
+            _timed(lambda: load_checkpoint(tmp / "ours", layout=src, states=same, optimizer="adam"))
+        )
+        loads["torch"].append(_timed(lambda: _torch_load(tmp / "torch", src.world_size)))
+        loads["reshard"].append(
+            _timed(
+                lambda: load_checkpoint(
+                    tmp / "ours", layout=dst, states=resharded, optimizer="adam", verify=False
+                )
+            )
+        )
+    return loads, same
+
+
+def _row(gb: float, name: str, s: float, ref: float | None = None) -> None:
+    ratio = f"  x{s / ref:.2f} of torch" if ref else ""
+    print(f"  {name:<46} {s:7.2f} s  {gb / s:6.2f} GB/s{ratio}")
+
+
+def _report(
+    gb: float,
+    saves: dict[str, list[float]],
+    loads: dict[str, list[float]],
+    on_disk: int,
+    base_disk: int,
+) -> None:
+    ours_save, base_save = min(saves["ours"]), min(saves["torch"])
+    ours_load, ours_load_nv = min(loads["ours"]), min(loads["ours_nv"])
+    base_load, reshard_load = min(loads["torch"]), min(loads["reshard"])
+    print(
+        f"best of {SAVE_REPEATS} saves (with fsync) and {LOAD_REPEATS} loads (files in the page cache)"
+    )
+    print(
+        f"files: ours {on_disk / 1e9:.2f} GB (DCP + manifest), torch.save {base_disk / 1e9:.2f} GB"
+    )
+    _row(gb, "save_checkpoint (fsync, sha256, commit)", ours_save, base_save)
+    _row(gb, "torch.save + fsync", base_save)
+    _row(gb, "load_checkpoint, same strategy, verified", ours_load, base_load)
+    _row(gb, "load_checkpoint, same strategy, verify=False", ours_load_nv, base_load)
+    _row(gb, "torch.load", base_load)
+    _row(gb, "load_checkpoint, resharded to megatron:t2", reshard_load)
+    print(
+        f"  reshard-on-load / same-strategy load (both verify=False): x{reshard_load / ours_load_nv:.2f}; "
+        f"save time ratio ours/torch x{ours_save / base_save:.2f}, load ratio (verified) x{ours_load / base_load:.2f}"
+    )
+
+
 def run() -> None:
     spec = _model()
     src = _layout(spec, "fsdp:d2")
@@ -174,76 +263,12 @@ def run() -> None:
     print(
         f"directory: {tmp.parent} ({'tmpfs: no disk in the figures' if tmp.parent == SHM else 'disk'})"
     )
-    saves: dict[str, list[float]] = {"ours": [], "torch": []}
-    loads: dict[str, list[float]] = {"ours": [], "ours_nv": [], "torch": [], "reshard": []}
     try:
-        for i in range(SAVE_REPEATS):  # alternate, so both see the same disk weather
-            saves["ours"].append(
-                _timed(
-                    functools.partial(
-                        save_checkpoint,
-                        tmp / "ours",
-                        layout=src,
-                        states=states,
-                        model=spec,
-                        allocation="fsdp:d2",
-                        step=i,
-                        optimizer="adam",
-                        keep=1,
-                        save_rng=False,
-                    )
-                )
-            )
-            shutil.rmtree(tmp / "torch", ignore_errors=True)
-            saves["torch"].append(_timed(lambda: _torch_save(states, tmp / "torch")))
+        saves = _save_rounds(tmp, spec, src, states)
         on_disk = _warm(tmp / "ours")
         base_disk = _warm(tmp / "torch")
-        same, resharded = _blank(src), _blank(dst)
-        for _ in range(LOAD_REPEATS):
-            loads["ours_nv"].append(
-                _timed(
-                    lambda: load_checkpoint(
-                        tmp / "ours", layout=src, states=same, optimizer="adam", verify=False
-                    )
-                )
-            )
-            loads["ours"].append(
-                _timed(
-                    lambda: load_checkpoint(tmp / "ours", layout=src, states=same, optimizer="adam")
-                )
-            )
-            loads["torch"].append(_timed(lambda: _torch_load(tmp / "torch", src.world_size)))
-            loads["reshard"].append(
-                _timed(
-                    lambda: load_checkpoint(
-                        tmp / "ours", layout=dst, states=resharded, optimizer="adam", verify=False
-                    )
-                )
-            )
+        loads, same = _load_rounds(tmp, src, dst)
         assert _same(same, states), "same-strategy load is not bitwise equal"
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    ours_save, base_save = min(saves["ours"]), min(saves["torch"])
-    ours_load, ours_load_nv = min(loads["ours"]), min(loads["ours_nv"])
-    base_load, reshard_load = min(loads["torch"]), min(loads["reshard"])
-    print(
-        f"best of {SAVE_REPEATS} saves (with fsync) and {LOAD_REPEATS} loads (files in the page cache)"
-    )
-
-    def row(name: str, s: float, ref: float | None = None) -> None:
-        ratio = f"  x{s / ref:.2f} of torch" if ref else ""
-        print(f"  {name:<46} {s:7.2f} s  {gb / s:6.2f} GB/s{ratio}")
-
-    print(
-        f"files: ours {on_disk / 1e9:.2f} GB (DCP + manifest), torch.save {base_disk / 1e9:.2f} GB"
-    )
-    row("save_checkpoint (fsync, sha256, commit)", ours_save, base_save)
-    row("torch.save + fsync", base_save)
-    row("load_checkpoint, same strategy, verified", ours_load, base_load)
-    row("load_checkpoint, same strategy, verify=False", ours_load_nv, base_load)
-    row("torch.load", base_load)
-    row("load_checkpoint, resharded to megatron:t2", reshard_load)
-    print(
-        f"  reshard-on-load / same-strategy load (both verify=False): x{reshard_load / ours_load_nv:.2f}; "
-        f"save time ratio ours/torch x{ours_save / base_save:.2f}, load ratio (verified) x{ours_load / base_load:.2f}"
-    )
+    _report(gb, saves, loads, on_disk, base_disk)

@@ -256,6 +256,158 @@ def _row(label: str, m: tuple[float, int, int, int], copy_gbs: float | None) -> 
     )
 
 
+def _write_checkpoint(ckpt_dir: Path, model: ModelSpec, layout: Layout) -> None:
+    """Write the random checkpoint and print what was written."""
+    start = time.perf_counter()
+    write_hf_checkpoint(ckpt_dir, _random_tensors(model), model=model, max_shard_bytes=SHARD_BYTES)
+    size = sum(f.stat().st_size for f in ckpt_dir.glob("*.safetensors"))
+    print(
+        f"checkpoint: {model.num_params / 1e9:.2f} B params, {size / GB:.2f} GB bf16 in "
+        f"{len(list(ckpt_dir.glob('*.safetensors')))} shards, written in "
+        f"{time.perf_counter() - start:.1f} s; strategy megatron:{DIMS} "
+        f"({layout.world_size} ranks), threads {torch.get_num_threads()}",
+        flush=True,
+    )
+
+
+def _check_agreement(ckpt_dir: Path, layout: Layout) -> None:
+    """Bitwise agreement of the conversions, rank 0."""
+    with HfCheckpoint(ckpt_dir) as ckpt:
+        ours0 = dict(iter_to_megatron(ckpt.read, layout, 0))
+        naive0 = naive_rank(ckpt, layout, 0)
+        views0 = dict(iter_to_megatron(_view_reader(ckpt_dir), layout, 0))
+        for other in (naive0, views0):
+            assert list(ours0) == list(other)
+            assert all(torch.equal(ours0[k], other[k]) for k in ours0)
+        del ours0, naive0, views0
+
+
+def _copy_of(sizes: list[int]) -> Callable[[], int]:
+    src = torch.ones(max(sizes), dtype=torch.uint8)  # freed with the closure
+
+    def copy() -> int:
+        total = 0
+        for n in sizes:  # one fresh buffer per rank, dropped like a rank's state
+            total += src[:n].clone().numel()
+        return total
+
+    return copy
+
+
+def _memcpy_of(sizes: list[int]) -> Callable[[], int]:
+    src = torch.ones(max(sizes), dtype=torch.uint8)
+    dst = torch.zeros(max(sizes), dtype=torch.uint8)  # touched: no page faults
+
+    def memcpy() -> int:
+        for n in sizes:
+            dst[:n].copy_(src[:n])
+        return sum(sizes)
+
+    return memcpy
+
+
+def _ours_one(ckpt_dir: Path, layout: Layout) -> Callable[[], int]:
+    def ours_one() -> int:
+        with HfCheckpoint(ckpt_dir) as ckpt:
+            state = dict(iter_to_megatron(ckpt.read, layout, 0))
+            return _bytes(state)
+
+    return ours_one
+
+
+def _views_one(ckpt_dir: Path, layout: Layout) -> Callable[[], int]:
+    def views_one() -> int:
+        state = dict(iter_to_megatron(_view_reader(ckpt_dir), layout, 0))
+        return _bytes(state)
+
+    return views_one
+
+
+def _views_all(ckpt_dir: Path, layout: Layout) -> Callable[[], int]:
+    def views_all() -> int:
+        read = _view_reader(ckpt_dir)
+        return sum(
+            _bytes(dict(iter_to_megatron(read, layout, r))) for r in range(layout.world_size)
+        )
+
+    return views_all
+
+
+def _naive_one(ckpt_dir: Path, layout: Layout) -> Callable[[], int]:
+    def naive_one() -> int:
+        with HfCheckpoint(ckpt_dir) as ckpt:
+            return _bytes(naive_rank(ckpt, layout, 0))
+
+    return naive_one
+
+
+def _ours_all(ckpt_dir: Path, layout: Layout) -> Callable[[], int]:
+    def ours_all() -> int:
+        total = 0
+        with HfCheckpoint(ckpt_dir) as ckpt:
+            for r in range(layout.world_size):
+                total += _bytes(dict(iter_to_megatron(ckpt.read, layout, r)))
+        return total
+
+    return ours_all
+
+
+def _naive_all(ckpt_dir: Path, layout: Layout) -> Callable[[], int]:
+    def naive_all() -> int:
+        total = 0
+        with HfCheckpoint(ckpt_dir) as ckpt:
+            for t in layout.tensors:
+                full = _full_logical(t, ckpt)
+                for r in range(layout.world_size):
+                    if t.is_present(r):
+                        total += _naive_local(full, t, r).numel() * 2
+                del full
+        return total
+
+    return naive_all
+
+
+Group = tuple[str, list[int], dict[str, Callable[[], int]]]
+
+
+def _groups(ckpt_dir: Path, layout: Layout) -> list[Group]:
+    """(title, bytes per rank, functions) for one rank and for all ranks."""
+    rank_bytes = [
+        sum(lt.numel * 2 for lt in layout.local_tensors(r)) for r in range(layout.world_size)
+    ]
+    return [
+        (
+            f"one rank (rank 0 of {layout.world_size}, {rank_bytes[0] / GB:.2f} GB):",
+            [rank_bytes[0]],
+            {
+                "ours (iter_to_megatron)": _ours_one(ckpt_dir, layout),
+                "ours, mmap views": _views_one(ckpt_dir, layout),
+                "naive (full, then chunk)": _naive_one(ckpt_dir, layout),
+            },
+        ),
+        (
+            f"all {layout.world_size} ranks ({sum(rank_bytes) / GB:.2f} GB):",
+            rank_bytes,
+            {
+                "ours (rank by rank)": _ours_all(ckpt_dir, layout),
+                "ours, mmap views": _views_all(ckpt_dir, layout),
+                "naive (full once, chunk x4)": _naive_all(ckpt_dir, layout),
+            },
+        ),
+    ]
+
+
+def _run_group(title: str, sizes: list[int], fns: dict[str, Callable[[], int]]) -> None:
+    """Measure one group against ``copy`` and print its rows (``memcpy`` last)."""
+    print(title, flush=True)
+    ceiling = _measure({"memcpy (into touched memory)": _memcpy_of(sizes)})
+    got = _measure({"copy (clone, same bytes)": _copy_of(sizes), **fns})
+    copy = got["copy (clone, same bytes)"]
+    copy_gbs = copy[1] / copy[0] / GB
+    for label, m in {**got, **ceiling}.items():
+        _row(label, m, None if m is copy else copy_gbs)
+
+
 def run() -> None:
     torch.manual_seed(0)
     model = model_from_hf_config(QWEN25_15B)
@@ -263,120 +415,11 @@ def run() -> None:
     root = Path(tempfile.mkdtemp(prefix="areal_fn_bench_convert_"))
     try:
         ckpt_dir = root / "Qwen2.5-1.5B-random"
-        start = time.perf_counter()
-        write_hf_checkpoint(
-            ckpt_dir, _random_tensors(model), model=model, max_shard_bytes=SHARD_BYTES
-        )
-        size = sum(f.stat().st_size for f in ckpt_dir.glob("*.safetensors"))
-        print(
-            f"checkpoint: {model.num_params / 1e9:.2f} B params, {size / GB:.2f} GB bf16 in "
-            f"{len(list(ckpt_dir.glob('*.safetensors')))} shards, written in "
-            f"{time.perf_counter() - start:.1f} s; strategy megatron:{DIMS} "
-            f"({layout.world_size} ranks), threads {torch.get_num_threads()}",
-            flush=True,
-        )
+        _write_checkpoint(ckpt_dir, model, layout)
         _warm(ckpt_dir)
-        with HfCheckpoint(ckpt_dir) as ckpt:
-            # bitwise agreement of the two conversions, rank 0
-            ours0 = dict(iter_to_megatron(ckpt.read, layout, 0))
-            naive0 = naive_rank(ckpt, layout, 0)
-            views0 = dict(iter_to_megatron(_view_reader(ckpt_dir), layout, 0))
-            for other in (naive0, views0):
-                assert list(ours0) == list(other)
-                assert all(torch.equal(ours0[k], other[k]) for k in ours0)
-            del ours0, naive0, views0
-
-        rank_bytes = [
-            sum(lt.numel * 2 for lt in layout.local_tensors(r)) for r in range(layout.world_size)
-        ]
-
-        def copy_of(sizes: list[int]) -> Callable[[], int]:
-            src = torch.ones(max(sizes), dtype=torch.uint8)  # freed with the closure
-
-            def copy() -> int:
-                total = 0
-                for n in sizes:  # one fresh buffer per rank, dropped like a rank's state
-                    total += src[:n].clone().numel()
-                return total
-
-            return copy
-
-        def memcpy_of(sizes: list[int]) -> Callable[[], int]:
-            src = torch.ones(max(sizes), dtype=torch.uint8)
-            dst = torch.zeros(max(sizes), dtype=torch.uint8)  # touched: no page faults
-
-            def memcpy() -> int:
-                for n in sizes:
-                    dst[:n].copy_(src[:n])
-                return sum(sizes)
-
-            return memcpy
-
-        def ours_one() -> int:
-            with HfCheckpoint(ckpt_dir) as ckpt:
-                state = dict(iter_to_megatron(ckpt.read, layout, 0))
-                return _bytes(state)
-
-        def views_one() -> int:
-            state = dict(iter_to_megatron(_view_reader(ckpt_dir), layout, 0))
-            return _bytes(state)
-
-        def views_all() -> int:
-            read = _view_reader(ckpt_dir)
-            return sum(
-                _bytes(dict(iter_to_megatron(read, layout, r))) for r in range(layout.world_size)
-            )
-
-        def naive_one() -> int:
-            with HfCheckpoint(ckpt_dir) as ckpt:
-                return _bytes(naive_rank(ckpt, layout, 0))
-
-        def ours_all() -> int:
-            total = 0
-            with HfCheckpoint(ckpt_dir) as ckpt:
-                for r in range(layout.world_size):
-                    total += _bytes(dict(iter_to_megatron(ckpt.read, layout, r)))
-            return total
-
-        def naive_all() -> int:
-            total = 0
-            with HfCheckpoint(ckpt_dir) as ckpt:
-                for t in layout.tensors:
-                    full = _full_logical(t, ckpt)
-                    for r in range(layout.world_size):
-                        if t.is_present(r):
-                            total += _naive_local(full, t, r).numel() * 2
-                    del full
-            return total
-
-        groups = [
-            (
-                f"one rank (rank 0 of {layout.world_size}, {rank_bytes[0] / GB:.2f} GB):",
-                [rank_bytes[0]],
-                {
-                    "ours (iter_to_megatron)": ours_one,
-                    "ours, mmap views": views_one,
-                    "naive (full, then chunk)": naive_one,
-                },
-            ),
-            (
-                f"all {layout.world_size} ranks ({sum(rank_bytes) / GB:.2f} GB):",
-                rank_bytes,
-                {
-                    "ours (rank by rank)": ours_all,
-                    "ours, mmap views": views_all,
-                    "naive (full once, chunk x4)": naive_all,
-                },
-            ),
-        ]
-        for title, sizes, fns in groups:
-            print(title, flush=True)
-            ceiling = _measure({"memcpy (into touched memory)": memcpy_of(sizes)})
-            got = _measure({"copy (clone, same bytes)": copy_of(sizes), **fns})
-            copy = got["copy (clone, same bytes)"]
-            copy_gbs = copy[1] / copy[0] / GB
-            for label, m in {**got, **ceiling}.items():
-                _row(label, m, None if m is copy else copy_gbs)
+        _check_agreement(ckpt_dir, layout)
+        for title, sizes, fns in _groups(ckpt_dir, layout):
+            _run_group(title, sizes, fns)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

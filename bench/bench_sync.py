@@ -38,7 +38,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -48,10 +48,17 @@ if str(ROOT) not in sys.path:
 
 from areal_fn.layouts.fsdp2 import fsdp2_layout  # noqa: E402
 from areal_fn.layouts.inference import inference_layout  # noqa: E402
+from areal_fn.layouts.layout import Layout  # noqa: E402
 from areal_fn.model.spec import ModelSpec, model_from_hf_config  # noqa: E402
 from areal_fn.plans.transfer import BucketPlan, Transfer, TransferPlan, bucket, plan_transfers  # noqa: E402
 from areal_fn.plans.transfer_bound import transfer_lower_bound  # noqa: E402
 from areal_fn.strategy.allocation import ParallelDims  # noqa: E402
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from areal_fn.runtime.sync.executor import SyncGroup
 
 MODEL = ROOT / "specs" / "models" / "Qwen2.5-0.5B.json"
 BIG = ROOT / "specs" / "models" / "Qwen3-235B-A22B.json"
@@ -82,29 +89,13 @@ def interleaved(plan: TransferPlan) -> TransferPlan:
     return attrs.evolve(plan, transfers=tuple(order))
 
 
-def _worker(out: Path) -> None:
+def _local_tensors(
+    rank: int, train: Layout, infer: Layout, dtype: "torch.dtype"
+) -> tuple[dict[str, "torch.Tensor"], dict[str, "torch.Tensor"]]:
+    """(sources, live): random trainer shards on trainer ranks, zeroed inference shards on
+    inference ranks."""
     import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor, Shard
 
-    from areal_fn.runtime.engines.fsdp2_apply import materialize_local
-    from areal_fn.runtime.sync.executor import SyncGroup, send_and_receive
-
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
-    rank = dist.get_rank()
-    spec = small_spec()
-    train = fsdp2_layout(spec, ParallelDims(dp=2))
-    infer = inference_layout(spec, ParallelDims(tp=2))
-    start = time.perf_counter()
-    plan = plan_transfers(train, infer, src_ranks=TRAINER, dst_ranks=INFER)
-    buckets = bucket(plan, BUCKET_MB << 20, version=1)
-    plan_s = time.perf_counter() - start
-    mixed = bucket(interleaved(plan), BUCKET_MB << 20, version=1)
-
-    dtype = getattr(torch, spec.dtype)
-    mesh = DeviceMesh("cpu", list(TRAINER), mesh_dim_names=("dp_shard",))
-    bcast = dist.new_group([0, *INFER])
     src: dict[str, torch.Tensor] = {}
     live: dict[str, torch.Tensor] = {}
     if rank in TRAINER:
@@ -114,11 +105,39 @@ def _worker(out: Path) -> None:
     else:
         for lt in infer.local_tensors(rank - INFER[0]):
             live[lt.name] = torch.zeros(lt.shape, dtype=dtype)
-    group = SyncGroup.from_world(range(WORLD), timeout_s=300)
+    return src, live
 
-    def planned(plan: BucketPlan = buckets) -> dict[str, int]:
+
+def _planned(
+    plan: BucketPlan,
+    src: dict[str, "torch.Tensor"],
+    live: dict[str, "torch.Tensor"],
+    group: "SyncGroup",
+) -> Callable[[], dict[str, int]]:
+    from areal_fn.runtime.sync.executor import send_and_receive
+
+    def planned() -> dict[str, int]:
         report = send_and_receive(plan, src_tensors=src, dst_tensors=live, group=group)
         return {"received": report.bytes_received, "overhead": report.overhead_bytes}
+
+    return planned
+
+
+def _gather_broadcast(
+    rank: int,
+    train: Layout,
+    infer: Layout,
+    src: dict[str, "torch.Tensor"],
+    live: dict[str, "torch.Tensor"],
+    mesh: "DeviceMesh",
+    bcast: Any,
+    dtype: "torch.dtype",
+) -> Callable[[], dict[str, int]]:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Shard
+
+    from areal_fn.runtime.engines.fsdp2_apply import materialize_local
 
     def gather_broadcast() -> dict[str, int]:
         received = 0
@@ -143,25 +162,33 @@ def _worker(out: Path) -> None:
                         materialize_local(mine[t.name], {t.name: full}, out=live[t.name])
         return {"received": received, "overhead": 0}
 
-    def timed(fn: Callable[[], dict[str, int]]) -> dict[str, Any]:
-        dist.barrier()
-        t0 = time.perf_counter()
-        got = fn()
-        dist.barrier()
-        return {**got, "seconds": time.perf_counter() - t0}
+    return gather_broadcast
 
-    schemes: dict[str, Callable[[], dict[str, int]]] = {
-        "gather_broadcast": gather_broadcast,
-        "planned": planned,
-        "planned_interleaved": lambda: planned(mixed),
-    }
+
+def _timed(fn: Callable[[], dict[str, int]]) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    got = fn()
+    dist.barrier()
+    return {**got, "seconds": time.perf_counter() - t0}
+
+
+def _run_schemes(
+    schemes: dict[str, Callable[[], dict[str, int]]], live: dict[str, "torch.Tensor"]
+) -> tuple[dict[str, list[dict[str, Any]]], bool]:
+    """(timings per scheme, whether the planned results equal gather+broadcast's bitwise):
+    the schemes take turns within each of ``REPEATS`` rounds, from zeroed live tensors."""
+    import torch
+
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in schemes}
     snapshots: dict[str, dict[str, torch.Tensor]] = {}
     for _ in range(REPEATS):
         for name, fn in schemes.items():
             for v in live.values():
                 v.zero_()
-            results[name].append(timed(fn))
+            results[name].append(_timed(fn))
             snapshots[name] = {k: v.clone() for k, v in live.items()}
     equal = all(
         torch.equal(
@@ -170,6 +197,39 @@ def _worker(out: Path) -> None:
         for name in ("planned", "planned_interleaved")
         for k in live
     )
+    return results, equal
+
+
+def _worker(out: Path) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from areal_fn.runtime.sync.executor import SyncGroup
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+    rank = dist.get_rank()
+    spec = small_spec()
+    train = fsdp2_layout(spec, ParallelDims(dp=2))
+    infer = inference_layout(spec, ParallelDims(tp=2))
+    start = time.perf_counter()
+    plan = plan_transfers(train, infer, src_ranks=TRAINER, dst_ranks=INFER)
+    buckets = bucket(plan, BUCKET_MB << 20, version=1)
+    plan_s = time.perf_counter() - start
+    mixed = bucket(interleaved(plan), BUCKET_MB << 20, version=1)
+
+    dtype = getattr(torch, spec.dtype)
+    mesh = DeviceMesh("cpu", list(TRAINER), mesh_dim_names=("dp_shard",))
+    bcast = dist.new_group([0, *INFER])
+    src, live = _local_tensors(rank, train, infer, dtype)
+    group = SyncGroup.from_world(range(WORLD), timeout_s=300)
+
+    schemes: dict[str, Callable[[], dict[str, int]]] = {
+        "gather_broadcast": _gather_broadcast(rank, train, infer, src, live, mesh, bcast, dtype),
+        "planned": _planned(buckets, src, live, group),
+        "planned_interleaved": _planned(mixed, src, live, group),
+    }
+    results, equal = _run_schemes(schemes, live)
     record = {
         "rank": rank,
         "results": results,
