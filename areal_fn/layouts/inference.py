@@ -66,8 +66,10 @@ _COLUMN = (
     "up_proj.weight",
     "gate_proj.bias",
     "up_proj.bias",
+    "w1.weight",  # Mixtral's expert gate and up
+    "w3.weight",
 )
-_ROW = ("o_proj.weight", "down_proj.weight")
+_ROW = ("o_proj.weight", "down_proj.weight", "w2.weight")
 
 
 @beartype

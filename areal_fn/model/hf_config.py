@@ -82,6 +82,13 @@ class _Config:
 
     def __init__(self, raw: Mapping[str, object], fam: Family) -> None:
         cfg = dict(raw)
+        for key, instead in fam.foreign_keys:
+            if cfg.get(key) is not None:
+                raise UnsupportedConfigError(
+                    f"{fam.model_type} config sets {key}={cfg[key]!r}, which transformers' "
+                    f"{fam.model_type} config class does not have (it would be ignored); "
+                    f"remove it and use {instead}"
+                )
         for name, alias in _ALIASES:
             a, b = cfg.get(name), cfg.get(alias)
             if a is not None and b is not None and a != b:
@@ -101,6 +108,9 @@ class _Config:
 
     def get(self, key: str) -> object:
         value = self.cfg.get(key)
+        source = dict(self.fam.key_sources).get(key)
+        if value is None and source is not None:
+            return self.get(source)
         if value is None and self.fam.has_default(key):
             return self.fam.default(key)
         return value
@@ -170,6 +180,14 @@ def _check_computation(c: _Config, layers: int) -> None:
             f"hidden_act={fam.hidden_act!r} or add the activation to the family"
         )
     _check_full_rotary(c, "partial_rotary_factor", c.cfg.get("partial_rotary_factor"))
+    for key, want in fam.must_be:
+        have = c.cfg.get(key)
+        if have is not None and have != want:
+            raise UnsupportedConfigError(
+                f"{mt} config has {key}={have!r}; the {mt} family models {key}={want!r} only "
+                f"(the engines and the Megatron builder compute it so), so this model would "
+                f"compute differently; set {key} to {want!r}"
+            )
     _check_sliding_window(c, layers)
 
 
@@ -212,6 +230,17 @@ def _check_sliding_window(c: _Config, layers: int) -> None:
                 )
     has_key = "sliding_window" in c.cfg
     window = c.cfg["sliding_window"] if has_key else None
+    if fam.sliding_window == "when_set":
+        window = window if has_key else fam.default("sliding_window")
+        if window is not None:
+            raise UnsupportedConfigError(
+                f"{mt} config has sliding_window={window!r}"
+                f"{'' if has_key else ' (the config-class default)'}: every {mt} layer then "
+                f"attends to a window of {window} tokens, but the family models full causal "
+                f"attention only; set sliding_window to null (as Mistral-7B-v0.3 and Mixtral "
+                f"configs do) or use a model without a sliding window"
+            )
+        return
     if fam.sliding_window == "absent":
         if window is not None:
             raise UnsupportedConfigError(
@@ -296,7 +325,9 @@ def _spec_fields(raw: Mapping[str, object]) -> dict[str, object]:
             num_experts=c.integer("num_experts"),
             num_experts_per_tok=c.integer("num_experts_per_tok"),
             moe_intermediate_size=c.integer("moe_intermediate_size"),
-            norm_topk_prob=c.flag("norm_topk_prob"),
+            norm_topk_prob=fields.get("norm_topk_prob", None)  # fixed by the family
+            if "norm_topk_prob" in fields
+            else c.flag("norm_topk_prob"),
             moe_layers=_moe_layers(c, layers),
         )
     else:

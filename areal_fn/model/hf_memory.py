@@ -3,7 +3,8 @@
 transformers 5 keeps some checkpoint tensors fused in memory: Qwen3-MoE stacks its
 experts into ``mlp.experts.gate_up_proj`` ``[E, 2*I, H]`` (expert ``e`` is
 ``[gate_e; up_e]``) and ``mlp.experts.down_proj`` ``[E, H, I]``, while its checkpoint
-(and ``save_pretrained``) holds one tensor per expert. Tied models also expose
+(and ``save_pretrained``) holds one tensor per expert (the family's ``fused_experts``);
+some it keeps under another name (the family's ``memory_names``: Mixtral's router). Tied models also expose
 ``lm_head.weight`` in their state dict, an alias of ``model.embed_tokens.weight``.
 
 :func:`hf_memory_view` describes every in-memory tensor (in ``model.state_dict()``
@@ -18,6 +19,7 @@ tensors, bitwise exactly. They may return tensors that share storage with their 
 """
 
 import functools
+import re
 from collections.abc import Iterable, Mapping
 
 import attrs
@@ -120,12 +122,27 @@ def hf_memory_view(spec: ModelSpec) -> tuple[MemoryTensor, ...]:
 def _memory_view(spec: ModelSpec) -> tuple[MemoryTensor, ...]:
     out: list[MemoryTensor] = []
     fused_layers: set[int] = set()
+    fam = spec.family
+    parts = tuple(
+        re.compile(re.escape(p).replace(re.escape("{e}"), r"\d+") + "$")
+        for group in fam.fused_experts
+        for p in group.parts
+    )
+    renames = dict(fam.memory_names)
     for t in spec.tensors:
         layer = layer_of(t.name)
-        if layer is not None and ".mlp.experts." in t.name:
+        if layer is None:
+            out.append(_whole(t.name, t.shape, t.dtype))
+            continue
+        rel = t.name[len(f"model.layers.{layer}.") :]
+        if any(p.match(rel) for p in parts):
             if layer not in fused_layers:
                 fused_layers.add(layer)
                 out.extend(_fused(spec, layer))
+            continue
+        if rel in renames:
+            name = f"model.layers.{layer}.{renames[rel]}"
+            out.append(_whole(name, t.shape, t.dtype, source=t.name))
             continue
         out.append(_whole(t.name, t.shape, t.dtype))
     if spec.tie_word_embeddings:

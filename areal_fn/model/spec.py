@@ -27,7 +27,7 @@ import attrs
 
 from areal_fn.errors import SpecError
 from areal_fn.model.families import FAMILIES, Family, family
-from areal_fn.model.families.mapping import CONDITIONS, Dim, layer_tensors
+from areal_fn.model.families.mapping import CONDITIONS, Dim, LayerKind, layer_tensors
 from areal_fn.model.hf_config import ROPE_TYPES as ROPE_TYPES
 from areal_fn.model.hf_config import _positive_float, _rope_pairs, _spec_fields
 from areal_fn.model.tensor_spec import TensorSpec, dtype_name
@@ -67,6 +67,18 @@ def _bools(value: object) -> tuple[bool, ...]:
 
 def _check_model(spec: "ModelSpec") -> None:
     fam = spec.family
+    if fam.moe and not any(r.layers is LayerKind.DENSE for r in fam.canonical):
+        if not all(spec.moe_layers):
+            raise SpecError(
+                f"ModelSpec.moe_layers={spec.moe_layers} has dense layers, but every "
+                f"{fam.model_type} layer is an MoE layer (the family has no dense MLP)"
+            )
+    for key, source in fam.key_sources:
+        if getattr(spec, key) != getattr(spec, source):
+            raise SpecError(
+                f"ModelSpec.{key}={getattr(spec, key)} but {source}={getattr(spec, source)}; "
+                f"the {fam.model_type} family has no separate {key} (it is {source})"
+            )
     heads, kv = spec.num_attention_heads, spec.num_key_value_heads
     if heads % kv:
         raise SpecError(
@@ -198,6 +210,17 @@ class ModelSpec:
         return sum(t.numel for t in self.tensors)
 
     @property
+    def num_active_params(self) -> int:
+        """Parameters one token uses: :attr:`num_params` less, in every MoE layer, the
+        routed experts it does not pick (``num_experts - num_experts_per_tok`` of them)."""
+        idle = self.num_experts - self.num_experts_per_tok
+        if not self.is_moe or idle <= 0:
+            return self.num_params
+        expert0 = [n for n, _ in _per_expert_names(self)]
+        per_expert = sum(self.tensor(n).numel for n in expert0)
+        return self.num_params - idle * per_expert
+
+    @property
     def is_moe(self) -> bool:
         return any(self.moe_layers)
 
@@ -270,16 +293,37 @@ class ModelSpec:
         for key, fields in fam.bias_flags:
             cfg[key] = getattr(self, fields[0])
         if fam.moe:
-            cfg["num_experts"] = self.num_experts
-            cfg["num_experts_per_tok"] = self.num_experts_per_tok
-            cfg["moe_intermediate_size"] = self.moe_intermediate_size
-            cfg["decoder_sparse_step"] = 1
-            cfg["mlp_only_layers"] = [i for i, m in enumerate(self.moe_layers) if not m]
-            cfg["norm_topk_prob"] = self.norm_topk_prob
+            foreign = dict(fam.foreign_keys)
+            moe: dict[str, object] = {
+                "num_experts": self.num_experts,
+                "num_experts_per_tok": self.num_experts_per_tok,
+                "moe_intermediate_size": self.moe_intermediate_size,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": [i for i, m in enumerate(self.moe_layers) if not m],
+                "norm_topk_prob": self.norm_topk_prob,
+            }
+            if "num_experts" in foreign:
+                moe["num_local_experts"] = moe["num_experts"]
+            cfg.update({k: v for k, v in moe.items() if k not in foreign})
+        if fam.sliding_window == "when_set":
+            cfg["sliding_window"] = None
         return dict(sorted(cfg.items()))
 
 
 # -- canonical tensors ----------------------------------------------------------------
+
+
+def _per_expert_names(spec: ModelSpec) -> list[tuple[str, int]]:
+    """Expert 0's canonical tensors in every MoE layer, with the layer index."""
+    out = []
+    for i, moe in enumerate(spec.moe_layers):
+        if moe:
+            out += [
+                (f"model.layers.{i}." + r.name.format(e=0), i)
+                for r in spec.family.canonical
+                if r.expert
+            ]
+    return out
 
 
 def _canonical_shapes(spec: ModelSpec) -> list[tuple[str, tuple[int, ...]]]:

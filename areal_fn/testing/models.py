@@ -57,7 +57,15 @@ def hf_configs(
         "num_attention_heads": heads,
         "vocab_size": draw(st.integers(1, 64)),
     }
-    if "num_key_value_heads" in fam.required or kv != heads or draw(st.booleans()):
+    kv_default = (
+        fam.default("num_key_value_heads") if fam.has_default("num_key_value_heads") else None
+    )
+    if (
+        "num_key_value_heads" in fam.required
+        or kv != heads
+        or kv_default is not None
+        or draw(st.booleans())
+    ):
         cfg["num_key_value_heads"] = kv
     if explicit_head_dim:
         cfg["head_dim"] = head_dim
@@ -76,7 +84,13 @@ def hf_configs(
             "original_max_position_embeddings": 8,
             "rope_type": "llama3",
         }
-    if fam.moe:
+    if fam.sliding_window == "when_set":
+        cfg["sliding_window"] = None  # a window is refused (no family models one)
+    if name == "mixtral":
+        experts = draw(st.integers(1, max_experts))
+        cfg["num_local_experts"] = experts
+        cfg["num_experts_per_tok"] = draw(st.integers(1, experts))
+    elif fam.moe:
         experts = draw(st.integers(1, max_experts))
         cfg["num_local_experts" if draw(st.booleans()) else "num_experts"] = experts
         cfg["num_experts_per_tok"] = draw(st.integers(1, experts))

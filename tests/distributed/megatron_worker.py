@@ -81,6 +81,17 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "num_experts_per_tok": 2,
         "norm_topk_prob": True,
     },
+    "mistral": {**_BASE, "hf": "mistral", "head_dim": None},
+    # every layer sparse; experts intermediate_size wide; top-k renormalised
+    "mixtral": {
+        **_BASE,
+        "hf": "mixtral",
+        "intermediate_size": 32,
+        "num_experts": 4,
+        "moe_intermediate_size": 32,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+    },
     # dense MLP on layers 0 and 2 (HF mlp_only_layers=[0, 2])
     "qwen3_moe_mixed": {
         **_BASE,
@@ -137,6 +148,11 @@ CASES += [
     _case("qwen3_moe-t2e2x1", "qwen3_moe", {"tp": 2, "ep": 2, "etp": 1}),
     _case("qwen3_moe-p2e2", "qwen3_moe", {"pp": 2, "ep": 2}),
     _case("qwen3_moe_mixed-e2", "qwen3_moe_mixed", {"ep": 2}),
+    _case("mistral-t2", "mistral", {"tp": 2}),
+    _case("mistral-p2", "mistral", {"pp": 2}),
+    _case("mixtral-e2", "mixtral", {"ep": 2}),
+    _case("mixtral-t2e2x1", "mixtral", {"tp": 2, "ep": 2, "etp": 1}),
+    _case("mixtral-p2e2", "mixtral", {"pp": 2, "ep": 2}),
     _case(
         "qwen3_moe-e2-grouped",
         "qwen3_moe",
@@ -166,7 +182,7 @@ def _hf_model(arch: Mapping[str, Any], seed: int) -> Any:
         "num_hidden_layers": arch["num_layers"],
         "num_attention_heads": arch["num_attention_heads"],
         "num_key_value_heads": arch["num_key_value_heads"],
-        "head_dim": arch["head_dim"],
+        "head_dim": arch["head_dim"] or arch["hidden_size"] // arch["num_attention_heads"],
         "intermediate_size": arch["intermediate_size"],
         "vocab_size": arch["vocab_size"],
         "max_position_embeddings": arch["max_position_embeddings"],
@@ -183,6 +199,16 @@ def _hf_model(arch: Mapping[str, Any], seed: int) -> Any:
         config = transformers.Qwen3Config(**common, use_sliding_window=False)
     elif kind == "llama":
         config = transformers.LlamaConfig(**common, attention_bias=False, mlp_bias=False)
+    elif kind == "mistral":
+        config = transformers.MistralConfig(**common, sliding_window=None)
+    elif kind == "mixtral":
+        config = transformers.MixtralConfig(
+            **common,
+            num_local_experts=arch["num_experts"],
+            num_experts_per_tok=arch["num_experts_per_tok"],
+            sliding_window=None,
+            router_jitter_noise=0.0,
+        )
     elif kind == "qwen3_moe":
         pattern = arch["moe_layer_pattern"] or [1] * arch["num_layers"]
         config = transformers.Qwen3MoeConfig(
@@ -226,7 +252,7 @@ def _qkv_interleaved(
     """Megatron's linear_qkv rows: per KV group g, [q heads of g; k_g; v_g]."""
     groups = arch["num_key_value_heads"]
     per_group = arch["num_attention_heads"] // groups
-    d = arch["head_dim"]
+    d = arch["head_dim"] or arch["hidden_size"] // arch["num_attention_heads"]
     rows = []
     for g in range(groups):
         rows += [

@@ -70,7 +70,8 @@ def _expected_layer_params(
     arch: dict[str, Any], sizes: dict[str, Any], moe_layer: bool
 ) -> dict[str, tuple[int, ...]]:
     """Megatron-Core 0.16 local-spec parameter names/shapes of one decoder layer."""
-    h, d = arch["hidden_size"], arch["head_dim"]
+    h = arch["hidden_size"]
+    d = arch["head_dim"] or h // arch["num_attention_heads"]
     nh, kv = arch["num_attention_heads"], arch["num_key_value_heads"]
     tp, etp = sizes["tp"], sizes["etp"]
     qkv_rows = (nh + 2 * kv) * d // tp

@@ -7,6 +7,7 @@ and requires exact agreement.
 """
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,15 @@ def _hf_config(arch: dict[str, Any]) -> dict[str, Any]:
     }
     if arch["hf"] == "llama":
         cfg["attention_bias"] = arch["qkv_bias"]
-    if arch["num_experts"]:
+    if arch["hf"] in ("mistral", "mixtral"):
+        cfg["sliding_window"] = None
+        if arch["head_dim"] is None:
+            del cfg["head_dim"]
+    if arch["hf"] == "mixtral":
+        cfg.update(
+            num_local_experts=arch["num_experts"], num_experts_per_tok=arch["num_experts_per_tok"]
+        )
+    elif arch["num_experts"]:
         cfg.update(
             num_experts=arch["num_experts"],
             moe_intermediate_size=arch["moe_intermediate_size"],
@@ -115,14 +124,15 @@ def test_every_rank_holds_what_megatron_layout_predicts(megatron_ground_truth: P
                     local_layer = int(module.split(".")[2])
                     layer = sum(lengths[: v * dims.pp + rec["ranks"]["pp"]]) + local_layer
                     prefix = f"model{v}." if vpp > 1 else ""
+                    expert_of = re.compile(rf"^model\.layers\.{layer}\.\w+\.experts\.(\d+)\.")
                     held = sorted(
                         {
-                            int(p.canonical.split(".")[5])
+                            int(m.group(1))
                             for lt in layout.local_tensors(r)
                             if lt.name.startswith(f"{prefix}{module}.experts.")
                             for p in lt.pieces
                             if p.canonical is not None
-                            and f"model.layers.{layer}.mlp.experts." in p.canonical
+                            and (m := expert_of.match(p.canonical)) is not None
                         }
                     )
                     assert held == sorted(experts), (case, r, module)

@@ -36,6 +36,28 @@ BASE: dict[str, dict[str, object]] = {
         "num_experts_per_tok": 2,
         "moe_intermediate_size": 8,
     },
+    "mistral": {
+        "model_type": "mistral",
+        "hidden_size": 16,
+        "intermediate_size": 24,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 32,
+        "sliding_window": None,
+    },
+    "mixtral": {
+        "model_type": "mixtral",
+        "hidden_size": 16,
+        "intermediate_size": 24,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 32,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "sliding_window": None,
+    },
 }
 
 
@@ -102,7 +124,59 @@ CASES: list[tuple[str, Callable[..., object], type[Exception], str]] = [
         "unsupported model_type",
         cfg("llama", model_type="gpt2"),
         SpecError,
-        r"model_type='gpt2' is not supported; supported model types are \['llama', 'qwen2', 'qwen3', 'qwen3_moe'\]",
+        r"model_type='gpt2' is not supported; supported model types are \['llama', 'mistral', "
+        r"'mixtral', 'qwen2', 'qwen3', 'qwen3_moe'\]",
+    ),
+    (
+        "mistral window by default",
+        cfg("mistral", sliding_window=None),
+        UnsupportedConfigError,
+        r"^mistral config has sliding_window=4096 \(the config-class default\): every mistral "
+        r"layer then attends to a window of 4096 tokens, but the family models full causal "
+        r"attention only; set sliding_window to null \(as Mistral-7B-v0.3 and Mixtral configs "
+        r"do\) or use a model without a sliding window$",
+    ),
+    (
+        "mixtral window",
+        cfg("mixtral", sliding_window=8),
+        UnsupportedConfigError,
+        r"^mixtral config has sliding_window=8: every mixtral layer then attends to a window "
+        r"of 8 tokens",
+    ),
+    (
+        "mixtral with qwen's expert count key",
+        cfg("mixtral", num_experts=4, num_local_experts=None),
+        UnsupportedConfigError,
+        r"^mixtral config sets num_experts=4, which transformers' mixtral config class does "
+        r"not have \(it would be ignored\); remove it and use num_local_experts$",
+    ),
+    (
+        "mixtral with an expert width of its own",
+        cfg("mixtral", moe_intermediate_size=8),
+        UnsupportedConfigError,
+        r"sets moe_intermediate_size=8.*use intermediate_size \(the experts' width\)$",
+    ),
+    (
+        "mixtral router noise",
+        cfg("mixtral", router_jitter_noise=0.1),
+        UnsupportedConfigError,
+        r"^mixtral config has router_jitter_noise=0.1; the mixtral family models "
+        r"router_jitter_noise=0.0 only \(the engines and the Megatron builder compute it so\), "
+        r"so this model would compute differently; set router_jitter_noise to 0.0$",
+    ),
+    (
+        "mixtral spec with a dense layer",
+        lambda: attrs.evolve(spec("mixtral"), moe_layers=(True, False)),
+        SpecError,
+        r"moe_layers=\(True, False\) has dense layers, but every mixtral layer is an MoE "
+        r"layer \(the family has no dense MLP\)$",
+    ),
+    (
+        "mixtral spec with separate expert width",
+        lambda: attrs.evolve(spec("mixtral"), moe_intermediate_size=8),
+        SpecError,
+        r"^ModelSpec.moe_intermediate_size=8 but intermediate_size=24; the mixtral family has "
+        r"no separate moe_intermediate_size \(it is intermediate_size\)$",
     ),
     (
         "no model_type",

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors import safe_open
 
 from areal_fn.model.hf_memory import canonical_to_hf_state, hf_memory_view, hf_state_to_canonical
@@ -155,6 +156,19 @@ CASES = {
         max_position_embeddings=512,
     ),
     "llama-biases": _cfg("llama", attention_bias=True, mlp_bias=True, torch_dtype="bfloat16"),
+    "mistral": _cfg("mistral", sliding_window=None, rope_theta=1e6),
+    "mistral-tied-head-dim": _cfg(
+        "mistral", sliding_window=None, head_dim=8, tie_word_embeddings=True
+    ),
+    "mixtral": _cfg("mixtral", num_local_experts=4, num_experts_per_tok=2),
+    "mixtral-tied-bf16": _cfg(
+        "mixtral",
+        num_hidden_layers=2,
+        num_local_experts=3,
+        num_experts_per_tok=1,
+        tie_word_embeddings=True,
+        torch_dtype="bfloat16",
+    ),
     "qwen3_moe-sparse2-mlp-only": _cfg(
         "qwen3_moe",
         num_hidden_layers=6,
@@ -216,7 +230,7 @@ def test_random_configs_match_transformers(cfg: dict[str, object]) -> None:
 
 
 @settings(max_examples=10)
-@given(cfg=hf_configs("qwen3_moe", max_layers=3))
+@given(cfg=st.sampled_from(["qwen3_moe", "mixtral"]).flatmap(lambda f: hf_configs(f, max_layers=3)))
 def test_random_moe_round_trip_is_bitwise(cfg: dict[str, object]) -> None:
     spec = model_from_hf_config(cfg)
     sd = _build(cfg).state_dict()

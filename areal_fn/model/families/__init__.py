@@ -20,7 +20,7 @@ from areal_fn.model.families.mapping import HfTensor, LayerKind, MegatronTensor
 from areal_fn.typecheck import beartype
 
 #: How a config class switches sliding-window attention on (see :class:`Family`).
-SlidingWindow = Literal["absent", "max_window_layers", "all_layers"]
+SlidingWindow = Literal["absent", "max_window_layers", "all_layers", "when_set"]
 
 
 def _strs(value: Iterable[str]) -> tuple[str, ...]:
@@ -108,7 +108,20 @@ class Family:
       ``use_sliding_window`` true and ``sliding_window`` not null, the layers that
       ``layer_types`` marks ``"sliding_attention"`` (default: those with index
       ``>= max_window_layers``) slide; ``"all_layers"``: with ``use_sliding_window``
-      true and ``sliding_window`` not null, every layer slides.
+      true and ``sliding_window`` not null, every layer slides; ``"when_set"``: every
+      layer slides whenever ``sliding_window`` is not null (Mistral, Mixtral; there is no
+      ``use_sliding_window``).
+    - ``key_sources``: config keys the family's config class does not have, read from
+      another key (Mixtral's experts are ``intermediate_size`` wide:
+      ``("moe_intermediate_size", "intermediate_size")``).
+    - ``must_be``: config keys that change the computation unless they hold the given
+      value (Mixtral's ``router_jitter_noise`` must be 0); another value is refused.
+    - ``foreign_keys``: keys other families read that this family's config class does not
+      have (transformers would ignore them), with the key to use instead; a config that
+      sets one is refused rather than read differently from transformers.
+    - ``memory_names``: canonical names (relative to the layer) that transformers 5 keeps
+      under another name in memory (Mixtral's ``block_sparse_moe.gate.weight`` is
+      ``mlp.gate.weight`` in ``state_dict()``).
     """
 
     model_type: str
@@ -132,7 +145,17 @@ class Family:
     hidden_act: str = "silu"
     sliding_window: SlidingWindow = attrs.field(
         default="absent",
-        validator=attrs.validators.in_(("absent", "max_window_layers", "all_layers")),
+        validator=attrs.validators.in_(("absent", "max_window_layers", "all_layers", "when_set")),
+    )
+    key_sources: tuple[tuple[str, str], ...] = attrs.field(
+        default=(), converter=lambda v: tuple((str(a), str(b)) for a, b in v)
+    )
+    must_be: tuple[tuple[str, object], ...] = attrs.field(default=(), converter=_pairs)
+    foreign_keys: tuple[tuple[str, str], ...] = attrs.field(
+        default=(), converter=lambda v: tuple((str(a), str(b)) for a, b in v)
+    )
+    memory_names: tuple[tuple[str, str], ...] = attrs.field(
+        default=(), converter=lambda v: tuple((str(a), str(b)) for a, b in v)
     )
 
     def default(self, key: str) -> object:
@@ -146,9 +169,16 @@ class Family:
 
 
 def _registry() -> dict[str, Family]:
-    from areal_fn.model.families import llama, qwen2, qwen3, qwen3_moe
+    from areal_fn.model.families import llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
 
-    fams = (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY)
+    fams = (
+        llama.FAMILY,
+        mistral.FAMILY,
+        mixtral.FAMILY,
+        qwen2.FAMILY,
+        qwen3.FAMILY,
+        qwen3_moe.FAMILY,
+    )
     return {f.model_type: f for f in sorted(fams, key=lambda f: f.model_type)}
 
 

@@ -150,7 +150,7 @@ class MegatronEngine(OptimizerSteps):
         )
 
         self._check_ranks()
-        arch = attrs.asdict(self.spec)
+        arch = mb.arch_of(self.spec)
         config = mb.transformer_config(
             arch,
             sizes,

@@ -31,6 +31,7 @@ from typing import Any
 from areal_fn.errors import LayoutError
 from areal_fn.runtime.megatron.config import ARCH_FIELDS as ARCH_FIELDS
 from areal_fn.runtime.megatron.config import arch_field
+from areal_fn.runtime.megatron.config import arch_of as arch_of
 from areal_fn.runtime.megatron.config import transformer_config as transformer_config
 from areal_fn.runtime.megatron.forward import forward_logits as forward_logits
 from areal_fn.runtime.megatron.forward import gather_tp_logits as gather_tp_logits

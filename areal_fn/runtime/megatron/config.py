@@ -16,7 +16,7 @@ import torch.distributed as dist
 from areal_fn.runtime.megatron.parallel import MegatronSizes
 from areal_fn.typecheck import beartype
 
-__all__ = ["ARCH_FIELDS", "arch_field", "transformer_config"]
+__all__ = ["ARCH_FIELDS", "arch_field", "arch_of", "transformer_config"]
 
 #: The architecture fields read from the ``arch`` mapping (``None`` = optional).
 ARCH_FIELDS: Mapping[str, str] = {
@@ -40,6 +40,16 @@ ARCH_FIELDS: Mapping[str, str] = {
     "norm_topk_prob": "bool or None (renormalise top-k probabilities; default True)",
     "moe_layer_pattern": "sequence of 0/1 per layer or None (all layers MoE)",
 }
+
+
+def arch_of(spec: Any) -> dict[str, Any]:
+    """The architecture mapping of a :class:`~areal_fn.model.spec.ModelSpec`: its fields,
+    with the MoE layers as ``moe_layer_pattern`` (one 0/1 per layer) for MoE models."""
+    import attrs
+
+    arch = attrs.asdict(spec)
+    arch["moe_layer_pattern"] = [int(m) for m in spec.moe_layers] if spec.is_moe else None
+    return arch
 
 
 def arch_field(arch: Mapping[str, Any], name: str, default: Any = None) -> Any:
