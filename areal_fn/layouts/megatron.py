@@ -174,6 +174,7 @@ def megatron_layout(
         grouped_gemm=grouped_gemm,
         vpad=padded_vocab_size(model.vocab_size, tp=dims.tp, divisible_by=vocab_divisible_by),
         shapes={t.name: t.shape for t in model.tensors},
+        dtypes={t.name: t.dtype for t in model.tensors},
     )
     for chunk in range(plan.num_chunks):
         stage = chunk % dims.pp
@@ -248,6 +249,7 @@ class _Builder:
     grouped_gemm: bool
     vpad: int
     shapes: dict[str, tuple[int, ...]]
+    dtypes: dict[str, str]
     tensors: list[LogicalTensor] = attrs.field(factory=list)
     _shardings: dict[tuple[bool, Placement], Sharding] = attrs.field(factory=dict)
 
@@ -274,7 +276,7 @@ class _Builder:
             LogicalTensor(
                 name=name,
                 shape=shape,
-                dtype=self.model.dtype,
+                dtype=self.dtypes[fusion[0].canonical],  # a float32 router stays float32
                 fusion=fusion,
                 sharding=self.sharding(tp, expert=expert),
                 present=present,

@@ -152,6 +152,8 @@ def _rope(c: _Config) -> tuple[float, tuple[tuple[str, object], ...]]:
     if legacy is not None and not isinstance(legacy, Mapping):
         raise SpecError(f"rope_scaling={legacy!r} must be a mapping or null")
     scaling = _rope_pairs(legacy if legacy else params)
+    if c.fam.partial_rotary:  # read into rotary_fraction by _rotary_fraction
+        scaling = tuple((k, v) for k, v in scaling if k != "partial_rotary_factor")
     if scaling == (("rope_type", "default"),):
         scaling = ()
     _check_full_rotary(
@@ -179,7 +181,8 @@ def _check_computation(c: _Config, layers: int) -> None:
             f"{fam.hidden_act}), so this model would compute differently; use a config with "
             f"hidden_act={fam.hidden_act!r} or add the activation to the family"
         )
-    _check_full_rotary(c, "partial_rotary_factor", c.cfg.get("partial_rotary_factor"))
+    if not fam.partial_rotary:
+        _check_full_rotary(c, "partial_rotary_factor", c.cfg.get("partial_rotary_factor"))
     for key, want in fam.must_be:
         have = c.cfg.get(key)
         if have is not None and have != want:
@@ -320,7 +323,10 @@ def _spec_fields(raw: Mapping[str, object]) -> dict[str, object]:
     for key, targets in fam.bias_flags:
         flag = c.flag(key)
         fields.update(dict.fromkeys(targets, flag))
+    if fam.partial_rotary:
+        fields["rotary_fraction"] = _rotary_fraction(c)
     if fam.moe:
+        fields.update(_routing(c))
         fields.update(
             num_experts=c.integer("num_experts"),
             num_experts_per_tok=c.integer("num_experts_per_tok"),
@@ -328,7 +334,7 @@ def _spec_fields(raw: Mapping[str, object]) -> dict[str, object]:
             norm_topk_prob=fields.get("norm_topk_prob", None)  # fixed by the family
             if "norm_topk_prob" in fields
             else c.flag("norm_topk_prob"),
-            moe_layers=_moe_layers(c, layers),
+            moe_layers=_first_k_dense(c, layers) if fam.first_k_dense else _moe_layers(c, layers),
         )
     else:
         fields["moe_layers"] = (False,) * layers
@@ -344,6 +350,45 @@ def _dtype(value: object) -> str:
         return dtype_name(value)
     except SpecError as exc:
         raise SpecError(f"torch_dtype: {exc}") from None
+
+
+def _rotary_fraction(c: _Config) -> float:
+    """``partial_rotary_factor`` from the top level or ``rope_parameters`` (they must agree)."""
+    params = c.cfg.get("rope_parameters")
+    inner = params.get("partial_rotary_factor") if isinstance(params, Mapping) else None
+    top = c.cfg.get("partial_rotary_factor")
+    if top is not None and inner is not None and top != inner:
+        raise SpecError(
+            f"config sets partial_rotary_factor={top!r} and rope_parameters."
+            f"partial_rotary_factor={inner!r}; they must agree"
+        )
+    value = top if top is not None else inner
+    return c.number(
+        "partial_rotary_factor", value if value is not None else c.get("partial_rotary_factor")
+    )
+
+
+def _routing(c: _Config) -> dict[str, object]:
+    """The routing fields the family's config gives (``moe_keys``)."""
+    out: dict[str, object] = {}
+    for field, key in c.fam.moe_keys:
+        if field == "routed_scaling_factor":
+            out[field] = c.number(key, c.get(key))
+        else:
+            # transformers builds zero-width shared experts for n_shared_experts=0
+            out[field] = c.integer(key)
+    return out
+
+
+def _first_k_dense(c: _Config, layers: int) -> tuple[bool, ...]:
+    key = c.fam.first_k_dense
+    assert key is not None  # called for families that name it
+    k = c.integer(key, minimum=0)
+    if k > layers:
+        raise SpecError(
+            f"{key}={k} exceeds num_hidden_layers={layers}; at most every layer is dense"
+        )
+    return tuple(i >= k for i in range(layers))
 
 
 def _moe_layers(c: _Config, layers: int) -> tuple[bool, ...]:

@@ -73,8 +73,19 @@ def _check_model(spec: "ModelSpec") -> None:
                 f"ModelSpec.moe_layers={spec.moe_layers} has dense layers, but every "
                 f"{fam.model_type} layer is an MoE layer (the family has no dense MLP)"
             )
+    if fam.first_k_dense and spec.moe_layers:
+        k = spec.moe_layers.index(True) if any(spec.moe_layers) else len(spec.moe_layers)
+        if spec.moe_layers != (False,) * k + (True,) * (len(spec.moe_layers) - k) or k == len(
+            spec.moe_layers
+        ):
+            raise SpecError(
+                f"ModelSpec.moe_layers={spec.moe_layers}: {fam.model_type} layers are dense "
+                f"first ({fam.first_k_dense}), then MoE to the last layer, with at least one "
+                "MoE layer"
+            )
+    spec_fields = {f.name for f in attrs.fields(type(spec))}
     for key, source in fam.key_sources:
-        if getattr(spec, key) != getattr(spec, source):
+        if {key, source} <= spec_fields and getattr(spec, key) != getattr(spec, source):
             raise SpecError(
                 f"ModelSpec.{key}={getattr(spec, key)} but {source}={getattr(spec, source)}; "
                 f"the {fam.model_type} family has no separate {key} (it is {source})"
@@ -115,6 +126,21 @@ def _check_model(spec: "ModelSpec") -> None:
             f"give one bool per layer"
         )
     moe = (spec.num_experts, spec.num_experts_per_tok, spec.moe_intermediate_size)
+    _check_rotary(spec)
+    routing = (
+        spec.num_shared_experts,
+        spec.router_score,
+        spec.router_bias,
+        spec.router_groups,
+        spec.router_group_topk,
+        spec.routed_scaling_factor,
+    )
+    if not fam.moe and routing != (0, "softmax", False, 1, 1, 1.0):
+        raise SpecError(
+            f"{fam.model_type} is a dense family but its routing fields (num_shared_experts, "
+            f"router_score, router_bias, router_groups, router_group_topk, "
+            f"routed_scaling_factor) = {routing}; leave them at their defaults"
+        )
     if not fam.moe:
         if any(moe) or spec.norm_topk_prob or any(spec.moe_layers):
             raise SpecError(
@@ -134,10 +160,46 @@ def _check_model(spec: "ModelSpec") -> None:
             f"num_experts_per_tok={spec.num_experts_per_tok} must be in 1..num_experts="
             f"{spec.num_experts}; a token cannot be routed to more experts than exist"
         )
+    _check_groups(spec)
+
+
+def _check_rotary(spec: "ModelSpec") -> None:
+    f = spec.rotary_fraction
+    if f == 1.0:
+        return
+    if not spec.family.partial_rotary:
+        raise SpecError(
+            f"rotary_fraction={f}: the {spec.model_type} family rotates every head dim; use "
+            f"1.0 or a family with partial rotary embeddings (glm4_moe)"
+        )
+    dims = spec.head_dim * f
+    if not 0 < f < 1 or dims != int(dims) or int(dims) % 2:
+        raise SpecError(
+            f"rotary_fraction={f} of head_dim={spec.head_dim} is {dims} dims; it must be in "
+            f"(0, 1] and give an even whole number of rotated dims"
+        )
+
+
+def _check_groups(spec: "ModelSpec") -> None:
+    g, k = spec.router_groups, spec.router_group_topk
+    if spec.num_experts % g or k > g:
+        raise SpecError(
+            f"router_groups={g} must divide num_experts={spec.num_experts} and "
+            f"router_group_topk={k} must be <= router_groups; group-limited routing keeps "
+            f"the top {k} of {g} equal groups of experts"
+        )
+    if spec.num_experts_per_tok > spec.num_experts // g * k:
+        raise SpecError(
+            f"num_experts_per_tok={spec.num_experts_per_tok} exceeds the "
+            f"{spec.num_experts // g * k} experts in the top {k} of {g} groups"
+        )
 
 
 _pos = _int_at_least(1)
 _nonneg = _int_at_least(0)
+
+#: How a router turns logits into expert scores.
+ROUTER_SCORES = ("softmax", "sigmoid")
 
 
 @attrs.frozen(kw_only=True)
@@ -153,7 +215,13 @@ class ModelSpec:
     sorted ``(key, value)`` pairs (empty for plain RoPE); ``moe_layers[i]`` is True when
     layer ``i`` has routed experts. Dense families have ``num_experts ==
     num_experts_per_tok == moe_intermediate_size == 0`` and all-``False`` ``moe_layers``.
-    ``dtype`` is the config's ``torch_dtype`` (``bfloat16`` when absent).
+    ``dtype`` is the config's ``torch_dtype`` (``bfloat16`` when absent). MoE routing:
+    ``router_score`` (``softmax`` or ``sigmoid``), ``router_bias`` (a per-expert score
+    correction added for the choice only, DeepSeek/GLM's ``e_score_correction_bias``),
+    group-limited top-k over ``router_groups`` groups keeping ``router_group_topk``,
+    the weights scaled by ``routed_scaling_factor``; ``num_shared_experts`` shared
+    experts of ``moe_intermediate_size`` each, fused into one MLP. ``rotary_fraction``:
+    the fraction of each head's dims that RoPE rotates (GLM: 0.5).
     """
 
     model_type: str = attrs.field(validator=_check_model_type)
@@ -177,6 +245,15 @@ class ModelSpec:
     num_experts_per_tok: int = attrs.field(default=0, validator=_nonneg)
     moe_intermediate_size: int = attrs.field(default=0, validator=_nonneg)
     norm_topk_prob: bool = attrs.field(default=False, validator=_check_bool)
+    num_shared_experts: int = attrs.field(default=0, validator=_nonneg)
+    router_score: str = attrs.field(
+        default="softmax", validator=attrs.validators.in_(ROUTER_SCORES)
+    )
+    router_bias: bool = attrs.field(default=False, validator=_check_bool)
+    router_groups: int = attrs.field(default=1, validator=_pos)
+    router_group_topk: int = attrs.field(default=1, validator=_pos)
+    routed_scaling_factor: float = attrs.field(default=1.0, converter=_positive_float)
+    rotary_fraction: float = attrs.field(default=1.0, converter=_positive_float)
     moe_layers: tuple[bool, ...] = attrs.field(converter=_bools)
     dtype: str = attrs.field(default="bfloat16", converter=dtype_name)
 
@@ -192,8 +269,8 @@ class ModelSpec:
     def tensors(self) -> tuple[TensorSpec, ...]:
         """Canonical checkpoint tensors, in state-dict order."""
         return tuple(
-            TensorSpec(name=name, shape=shape, dtype=self.dtype)
-            for name, shape in _canonical_shapes(self)
+            TensorSpec(name=name, shape=shape, dtype=dtype or self.dtype)
+            for name, shape, dtype in _canonical_shapes(self)
         )
 
     @functools.cached_property
@@ -303,8 +380,15 @@ class ModelSpec:
                 "norm_topk_prob": self.norm_topk_prob,
             }
             if "num_experts" in foreign:
-                moe["num_local_experts"] = moe["num_experts"]
+                key = dict(fam.key_sources).get("num_experts", "num_local_experts")
+                moe[key] = moe["num_experts"]
+            for field, key in fam.moe_keys:
+                moe[key] = getattr(self, field)
+            if fam.first_k_dense:
+                moe[fam.first_k_dense] = self.moe_layers.index(True)
             cfg.update({k: v for k, v in moe.items() if k not in foreign})
+        if fam.partial_rotary:
+            cfg["partial_rotary_factor"] = self.rotary_fraction
         if fam.sliding_window == "when_set":
             cfg["sliding_window"] = None
         return dict(sorted(cfg.items()))
@@ -326,7 +410,7 @@ def _per_expert_names(spec: ModelSpec) -> list[tuple[str, int]]:
     return out
 
 
-def _canonical_shapes(spec: ModelSpec) -> list[tuple[str, tuple[int, ...]]]:
+def _canonical_shapes(spec: ModelSpec) -> list[tuple[str, tuple[int, ...], str | None]]:
     """The embedding, each decoder layer from the family's canonical table, the final
     norm and the (untied) output layer."""
     hid, hd = spec.hidden_size, spec.head_dim
@@ -338,10 +422,13 @@ def _canonical_shapes(spec: ModelSpec) -> list[tuple[str, tuple[int, ...]]]:
         Dim.INTER: spec.intermediate_size,
         Dim.MOE_INTER: spec.moe_intermediate_size,
         Dim.EXPERTS: spec.num_experts,
+        Dim.SHARED_INTER: spec.num_shared_experts * spec.moe_intermediate_size,
     }
-    flags = {c: bool(getattr(spec, c)) for c in CONDITIONS}
+    flags = {c: getattr(spec, c) for c in CONDITIONS}
     table = spec.family.canonical
-    out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (spec.vocab_size, hid))]
+    out: list[tuple[str, tuple[int, ...], str | None]] = [
+        ("model.embed_tokens.weight", (spec.vocab_size, hid), None)
+    ]
     for i in range(spec.num_layers):
         out += layer_tensors(
             table,
@@ -351,9 +438,9 @@ def _canonical_shapes(spec: ModelSpec) -> list[tuple[str, tuple[int, ...]]]:
             sizes=sizes,
             num_experts=spec.num_experts,
         )
-    out.append(("model.norm.weight", (hid,)))
+    out.append(("model.norm.weight", (hid,), None))
     if not spec.tie_word_embeddings:
-        out.append(("lm_head.weight", (spec.vocab_size, hid)))
+        out.append(("lm_head.weight", (spec.vocab_size, hid), None))
     return out
 
 

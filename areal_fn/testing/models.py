@@ -40,8 +40,9 @@ def hf_configs(
     fam = _family(name)
     kv = draw(st.integers(1, max_kv_heads))
     heads = kv * draw(st.integers(1, max_group))
-    head_dim = 2 * draw(st.integers(1, 4))
-    layers = draw(st.integers(1, max_layers))
+    # partial rotary (a factor of 0.5) needs an even number of rotated dims
+    head_dim = (4 if fam.partial_rotary else 2) * draw(st.integers(1, 4))
+    layers = draw(st.integers(2 if fam.first_k_dense else 1, max(max_layers, 2)))
     explicit_head_dim = fam.head_dim_required or draw(st.booleans())
     if not explicit_head_dim:
         hidden = heads * head_dim
@@ -86,7 +87,22 @@ def hf_configs(
         }
     if fam.sliding_window == "when_set":
         cfg["sliding_window"] = None  # a window is refused (no family models one)
-    if name == "mixtral":
+    if fam.partial_rotary:
+        _maybe(draw, cfg, "partial_rotary_factor", st.sampled_from([0.5, 1.0]))
+    if name == "glm4_moe":
+        groups = draw(st.integers(1, 2))
+        experts = groups * draw(st.integers(1, max(1, max_experts // groups)))
+        group_topk = draw(st.integers(1, groups))
+        cfg["n_routed_experts"] = experts
+        cfg["n_group"] = groups
+        cfg["topk_group"] = group_topk
+        cfg["num_experts_per_tok"] = draw(st.integers(1, experts // groups * group_topk))
+        cfg["moe_intermediate_size"] = draw(st.integers(1, 16))
+        cfg["first_k_dense_replace"] = draw(st.integers(0, layers - 1))
+        _maybe(draw, cfg, "n_shared_experts", st.integers(1, 2))
+        _maybe(draw, cfg, "routed_scaling_factor", st.sampled_from([1.0, 2.5]))
+        _maybe(draw, cfg, "norm_topk_prob", st.booleans())
+    elif name == "mixtral":
         experts = draw(st.integers(1, max_experts))
         cfg["num_local_experts"] = experts
         cfg["num_experts_per_tok"] = draw(st.integers(1, experts))

@@ -84,6 +84,16 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "rope_theta": 500_000.0,
     },
     "llama_untied": {**_BASE, "model_type": "llama", "rope_theta": 500_000.0},
+    "mistral": {**_BASE, "model_type": "mistral", "head_dim": None, "sliding_window": None},
+    # every layer sparse, experts intermediate_size wide
+    "mixtral": {
+        **_BASE,
+        "model_type": "mixtral",
+        "intermediate_size": 32,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "sliding_window": None,
+    },
     # MoE on layers 1 and 3, dense MLP on layers 0 and 2
     "qwen3_moe": {
         **_BASE,
@@ -120,6 +130,13 @@ CASES += [
     ("qwen3_moe", "p2"),
     ("llama_tied", "t2p2"),
     ("qwen2", "p2v2"),
+    ("mistral", "t1"),
+    ("mistral", "t2"),
+    ("mistral", "p2"),
+    ("mixtral", "t1"),
+    ("mixtral", "e2"),
+    ("mixtral", "t2-moe"),
+    ("mixtral", "p2"),
 ]
 
 SEQ = 8

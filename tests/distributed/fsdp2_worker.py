@@ -135,6 +135,30 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "torch_dtype": "float32",
     },
 }
+CONFIGS["mistral"] = {
+    "model_type": "mistral",
+    "hidden_size": 32,
+    "intermediate_size": 40,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 60,
+    "sliding_window": None,
+    "torch_dtype": "float32",
+}
+CONFIGS["mixtral"] = {
+    "model_type": "mixtral",
+    "hidden_size": 16,
+    "intermediate_size": 8,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 52,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "sliding_window": None,
+    "torch_dtype": "float32",
+}
 DENSE = ("qwen2", "qwen3", "llama_tied", "llama_untied")
 
 #: label -> (allocation string, hsdp replicas, TP over the embeddings).
@@ -153,6 +177,10 @@ LAYOUT_CASES: tuple[tuple[str, str], ...] = (
     ("qwen2", "d2t2_rep_emb"),
     ("qwen3_moe", "d4"),
     ("qwen3_moe", "d2t2"),
+    ("mistral", "d4"),
+    ("mistral", "d2t2"),
+    ("mixtral", "d4"),
+    ("mixtral", "d2t2"),
 )
 #: label -> (runtime options, gradient tolerance, weight tolerance) of the training section.
 RUN_OPTIONS: dict[str, tuple[Fsdp2RunOptions, float, float]] = {
@@ -165,6 +193,8 @@ RUN_OPTIONS: dict[str, tuple[Fsdp2RunOptions, float, float]] = {
 TRAIN_CASES: tuple[tuple[str, str, str], ...] = (
     *((c, "d2t2", "fp32") for c in DENSE),
     ("qwen3_moe", "d2t2", "fp32"),
+    ("mistral", "d2t2", "fp32"),
+    ("mixtral", "d2t2", "fp32"),
     ("llama_tied", "d2t2_rep_emb", "fp32"),
     ("qwen3", "d2t2", "ac"),
     ("qwen3", "d2t2", "offload"),

@@ -104,6 +104,31 @@ CONFIGS: dict[str, dict[str, Any]] = {
     },
 }
 
+CONFIGS["mistral"] = {
+    "model_type": "mistral",
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "vocab_size": 54,
+    "sliding_window": None,
+    "torch_dtype": "float32",
+}
+CONFIGS["mixtral"] = {
+    "model_type": "mixtral",
+    "hidden_size": 16,
+    "intermediate_size": 16,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 52,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "sliding_window": None,
+    "torch_dtype": "float32",
+}
+
 #: label -> (allocation string, HSDP replicas, pipeline chunk lengths or None for the
 #: even split, FSDP2 run options). All fill the 4 ranks.
 STRATEGIES: dict[str, tuple[str, int, tuple[int, ...] | None, Fsdp2RunOptions]] = {
@@ -143,6 +168,10 @@ CASES: tuple[tuple[str, str], ...] = (
     ("llama_tied", "fsdp:d2t2"),
     ("llama_tied", "megatron:d2p2"),
     ("llama_tied", "megatron:t2p2"),
+    ("mistral", "fsdp:d2t2"),
+    ("mistral", "megatron:d2t2"),
+    ("mixtral", "fsdp:d4"),
+    ("mixtral", "megatron:d2p2"),
 )
 
 

@@ -92,6 +92,26 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "num_experts_per_tok": 2,
         "norm_topk_prob": True,
     },
+    # dense layer 0, then sigmoid routing with an expert bias, two groups (one kept),
+    # scaled weights, one shared expert; q/k/v biases, q/k norms, half the dims rotated
+    "glm4_moe": {
+        **_BASE,
+        "hf": "glm4_moe",
+        "qkv_bias": True,
+        "qk_norm": True,
+        "num_experts": 4,
+        "moe_intermediate_size": 16,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "moe_layer_pattern": [0, 1, 1, 1],
+        "num_shared_experts": 1,
+        "router_score": "sigmoid",
+        "router_bias": True,
+        "router_groups": 2,
+        "router_group_topk": 1,
+        "routed_scaling_factor": 2.5,
+        "rotary_fraction": 0.5,
+    },
     # dense MLP on layers 0 and 2 (HF mlp_only_layers=[0, 2])
     "qwen3_moe_mixed": {
         **_BASE,
@@ -153,6 +173,9 @@ CASES += [
     _case("mixtral-e2", "mixtral", {"ep": 2}),
     _case("mixtral-t2e2x1", "mixtral", {"tp": 2, "ep": 2, "etp": 1}),
     _case("mixtral-p2e2", "mixtral", {"pp": 2, "ep": 2}),
+    _case("glm4_moe-e2", "glm4_moe", {"ep": 2}),
+    _case("glm4_moe-t2", "glm4_moe", {"tp": 2}),
+    _case("glm4_moe-p2e2", "glm4_moe", {"pp": 2, "ep": 2}),
     _case(
         "qwen3_moe-e2-grouped",
         "qwen3_moe",
@@ -209,6 +232,23 @@ def _hf_model(arch: Mapping[str, Any], seed: int) -> Any:
             sliding_window=None,
             router_jitter_noise=0.0,
         )
+    elif kind == "glm4_moe":
+        pattern = arch["moe_layer_pattern"]
+        config = transformers.Glm4MoeConfig(
+            **common,
+            attention_bias=arch["qkv_bias"],
+            use_qk_norm=arch["qk_norm"],
+            partial_rotary_factor=arch["rotary_fraction"],
+            n_routed_experts=arch["num_experts"],
+            moe_intermediate_size=arch["moe_intermediate_size"],
+            num_experts_per_tok=arch["num_experts_per_tok"],
+            norm_topk_prob=arch["norm_topk_prob"],
+            n_shared_experts=arch["num_shared_experts"],
+            n_group=arch["router_groups"],
+            topk_group=arch["router_group_topk"],
+            routed_scaling_factor=arch["routed_scaling_factor"],
+            first_k_dense_replace=pattern.index(1),
+        )
     elif kind == "qwen3_moe":
         pattern = arch["moe_layer_pattern"] or [1] * arch["num_layers"]
         config = transformers.Qwen3MoeConfig(
@@ -231,6 +271,9 @@ def _hf_model(arch: Mapping[str, Any], seed: int) -> Any:
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
             else:
                 param.copy_(0.05 * torch.randn_like(param))
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # a non-zero score correction
+                buf.copy_(0.05 * torch.randn_like(buf))
     return model.eval()
 
 
@@ -291,6 +334,7 @@ def _megatron_tensor(
         "self_attention.q_layernorm.weight": p + "self_attn.q_norm.weight",
         "self_attention.k_layernorm.weight": p + "self_attn.k_norm.weight",
         "mlp.router.weight": p + "mlp.gate.weight",
+        "mlp.router.expert_bias": p + "mlp.gate.e_score_correction_bias",
     }
     if rest in simple:
         return hf[simple[rest]]
@@ -307,6 +351,12 @@ def _megatron_tensor(
         return torch.cat([gate, up], dim=0)
     if rest == "mlp.linear_fc2.weight":
         return _chunk(hf[p + "mlp.down_proj.weight"], tp, tpr, 1)
+    if rest == "mlp.shared_experts.linear_fc1.weight":
+        gate = _chunk(hf[p + "mlp.shared_experts.gate_proj.weight"], tp, tpr, 0)
+        up = _chunk(hf[p + "mlp.shared_experts.up_proj.weight"], tp, tpr, 0)
+        return torch.cat([gate, up], dim=0)
+    if rest == "mlp.shared_experts.linear_fc2.weight":
+        return _chunk(hf[p + "mlp.shared_experts.down_proj.weight"], tp, tpr, 1)
     if rest.startswith("mlp.experts.local_experts."):
         local = int(parts[6])
         expert = par["ep_rank"] * (arch["num_experts"] // par["ep"]) + local
@@ -337,6 +387,9 @@ def _load_hf_weights(
                         f"{name}: HF-derived shape {tuple(src.shape)} != {tuple(param.shape)}"
                     )
                 param.copy_(src)
+            for name, buf in chunk.named_buffers():
+                if name.endswith("mlp.router.expert_bias"):
+                    buf.copy_(_megatron_tensor(name, hf, arch, offset, par))
 
 
 # ---------------------------------------------------------------- recording
@@ -449,6 +502,12 @@ def _chunk_record(chunk: Any, offset: int, vp_stage: int | None) -> dict[str, An
         "layer_offset": offset,
         "layer_numbers": [int(layer.layer_number) for layer in chunk.decoder.layers],
         "parameters": [[n, list(p.shape), str(p.dtype)] for n, p in chunk.named_parameters()],
+        # persistent buffers a checkpoint holds (the router's expert bias)
+        "buffers": [
+            [n, list(b.shape), str(b.dtype)]
+            for n, b in chunk.named_buffers()
+            if n in chunk.state_dict()
+        ],
         "state_dict_keys": list(chunk.state_dict().keys()),
         "sharded": _sharded_entries(chunk),
         "experts": experts,

@@ -155,7 +155,8 @@ def test_training_step_matches_single_process(records: list[dict[str, Any]]) -> 
             for c, d in rec["measured"]["train_weight_max_abs_diff"].items()
             if c.endswith("/fp32")
         ]
-        assert len(fp32) == 6 and max(fp32) <= 1e-6
+        expected = sum(1 for c in worker.TRAIN_CASES if c[2] == "fp32")
+        assert len(fp32) == expected == 8 and max(fp32) <= 1e-6
 
 
 def test_logits_match_unsharded_model(records: list[dict[str, Any]]) -> None:

@@ -89,6 +89,10 @@ def _expected_layer_params(
     if moe_layer:
         e, mi = arch["num_experts"], arch["moe_intermediate_size"]
         out["mlp.router.weight"] = (e, h)
+        shared = arch.get("num_shared_experts") or 0
+        if shared:
+            out["mlp.shared_experts.linear_fc1.weight"] = (2 * shared * mi // tp, h)
+            out["mlp.shared_experts.linear_fc2.weight"] = (h, shared * mi // tp)
         for i in range(e // sizes["ep"]):
             out[f"mlp.experts.local_experts.{i}.linear_fc1.weight"] = (2 * mi // etp, h)
             out[f"mlp.experts.local_experts.{i}.linear_fc2.weight"] = (h, mi // etp)
@@ -204,8 +208,14 @@ def test_parameter_names_and_shapes(megatron_ground_truth: Path) -> None:
                         expected["output_layer.weight"] = (v // tp, h)
                 assert _params(chunk) == expected, (name, rec["rank"], chunk["vp_stage"])
                 # state_dict = parameters + one `_extra_state` per parallel linear layer
+                # (+ the router's expert bias buffer where routing has one)
                 extra = [k for k in chunk["state_dict_keys"] if k not in expected]
-                assert all(k.endswith("._extra_state") for k in extra), (name, extra)
+                bias = "mlp.router.expert_bias"
+                assert all(k.endswith(("._extra_state", bias)) for k in extra), (name, extra)
+                assert any(k.endswith(bias) for k in extra) == bool(
+                    arch.get("router_bias")
+                    and any(_is_moe_layer(arch, n - 1) for n in chunk["layer_numbers"])
+                ), name
                 if arch["tie_word_embeddings"] and chunk["pre_process"] and chunk["post_process"]:
                     assert "output_layer.weight" not in chunk["state_dict_keys"]
 

@@ -46,7 +46,22 @@ def _hf_config(arch: dict[str, Any]) -> dict[str, Any]:
         cfg["sliding_window"] = None
         if arch["head_dim"] is None:
             del cfg["head_dim"]
-    if arch["hf"] == "mixtral":
+    if arch["hf"] == "glm4_moe":
+        cfg.update(
+            attention_bias=arch["qkv_bias"],
+            use_qk_norm=arch["qk_norm"],
+            partial_rotary_factor=arch["rotary_fraction"],
+            n_routed_experts=arch["num_experts"],
+            moe_intermediate_size=arch["moe_intermediate_size"],
+            num_experts_per_tok=arch["num_experts_per_tok"],
+            norm_topk_prob=arch["norm_topk_prob"],
+            n_shared_experts=arch["num_shared_experts"],
+            n_group=arch["router_groups"],
+            topk_group=arch["router_group_topk"],
+            routed_scaling_factor=arch["routed_scaling_factor"],
+            first_k_dense_replace=arch["moe_layer_pattern"].index(1),
+        )
+    elif arch["hf"] == "mixtral":
         cfg.update(
             num_local_experts=arch["num_experts"], num_experts_per_tok=arch["num_experts_per_tok"]
         )
@@ -112,7 +127,7 @@ def test_every_rank_holds_what_megatron_layout_predicts(megatron_ground_truth: P
             real = {}
             for v, chunk in enumerate(rec["chunks"]):
                 prefix = f"model{v}." if vpp > 1 else ""
-                for name, shape, _dtype in chunk["parameters"]:
+                for name, shape, _dtype in chunk["parameters"] + chunk.get("buffers", []):
                     real[prefix + name] = tuple(shape)
             ours = {lt.name: lt.shape for lt in layout.local_tensors(r)}
             assert ours == real, (

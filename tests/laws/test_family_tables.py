@@ -46,9 +46,9 @@ def _round_trip(model: ModelSpec, dims: ParallelDims) -> None:
         assert torch.equal(back[name], t), name
 
 
-def test_conditions_are_boolean_model_spec_fields():
-    bools = {f.name for f in attrs.fields(ModelSpec) if f.type is bool}
-    assert set(CONDITIONS) <= bools
+def test_conditions_are_boolean_or_count_model_spec_fields():
+    flags = {f.name for f in attrs.fields(ModelSpec) if f.type in (bool, int)}
+    assert set(CONDITIONS) <= flags
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))

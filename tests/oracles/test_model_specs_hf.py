@@ -88,6 +88,14 @@ def _expanded_state_dict_order(model: Any, spec: ModelSpec) -> list[str]:
     return out
 
 
+def _canonical_numel(model: Any) -> int:
+    """Parameters plus the persistent buffers a checkpoint stores (GLM's router bias);
+    rotary frequency buffers are not stored."""
+    stored = set(model.state_dict())
+    buffers = sum(b.numel() for n, b in model.named_buffers() if n in stored)
+    return sum(p.numel() for p in model.parameters()) + buffers
+
+
 def _check_model(cfg: dict[str, object], tmp_path: Path, *, shard: str | None = None) -> None:
     spec = model_from_hf_config(cfg)
     model = _build(cfg)
@@ -96,7 +104,7 @@ def _check_model(cfg: dict[str, object], tmp_path: Path, *, shard: str | None = 
     assert [(m.name, m.shape) for m in hf_memory_view(spec)] == [
         (k, tuple(v.shape)) for k, v in sd.items()
     ]
-    assert spec.num_params == sum(p.numel() for p in model.parameters())
+    assert spec.num_params == _canonical_numel(model)
     assert list(spec.tensor_names) == _expanded_state_dict_order(model, spec)
     # what save_pretrained writes == canonical tensors
     kwargs = {"max_shard_size": shard} if shard else {}
@@ -169,6 +177,29 @@ CASES = {
         tie_word_embeddings=True,
         torch_dtype="bfloat16",
     ),
+    "glm4_moe": _cfg(
+        "glm4_moe",
+        head_dim=8,
+        moe_intermediate_size=8,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=2,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        use_qk_norm=True,
+        attention_bias=True,
+    ),
+    "glm4_moe-bf16-air-like": _cfg(
+        "glm4_moe",
+        head_dim=8,
+        moe_intermediate_size=4,
+        n_routed_experts=3,
+        num_experts_per_tok=2,
+        first_k_dense_replace=2,
+        routed_scaling_factor=2.5,
+        torch_dtype="bfloat16",
+    ),
     "qwen3_moe-sparse2-mlp-only": _cfg(
         "qwen3_moe",
         num_hidden_layers=6,
@@ -221,7 +252,7 @@ def test_random_configs_match_transformers(cfg: dict[str, object]) -> None:
     assert [(m.name, m.shape) for m in hf_memory_view(spec)] == [
         (k, tuple(v.shape)) for k, v in model.state_dict().items()
     ]
-    assert spec.num_params == sum(p.numel() for p in model.parameters())
+    assert spec.num_params == _canonical_numel(model)
     # our own hf_config() builds the same model
     again = _build(spec.hf_config(), meta=True)
     assert [(k, v.shape) for k, v in again.state_dict().items()] == [
@@ -230,7 +261,11 @@ def test_random_configs_match_transformers(cfg: dict[str, object]) -> None:
 
 
 @settings(max_examples=10)
-@given(cfg=st.sampled_from(["qwen3_moe", "mixtral"]).flatmap(lambda f: hf_configs(f, max_layers=3)))
+@given(
+    cfg=st.sampled_from(["qwen3_moe", "mixtral", "glm4_moe"]).flatmap(
+        lambda f: hf_configs(f, max_layers=3)
+    )
+)
 def test_random_moe_round_trip_is_bitwise(cfg: dict[str, object]) -> None:
     spec = model_from_hf_config(cfg)
     sd = _build(cfg).state_dict()
@@ -248,4 +283,4 @@ def test_published_configs_match_transformers_on_meta(path: Path) -> None:
     assert [(m.name, m.shape) for m in hf_memory_view(spec)] == [
         (k, tuple(v.shape)) for k, v in model.state_dict().items()
     ]
-    assert spec.num_params == sum(p.numel() for p in model.parameters())
+    assert spec.num_params == _canonical_numel(model)

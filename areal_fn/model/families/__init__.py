@@ -119,6 +119,13 @@ class Family:
     - ``foreign_keys``: keys other families read that this family's config class does not
       have (transformers would ignore them), with the key to use instead; a config that
       sets one is refused rather than read differently from transformers.
+    - ``partial_rotary``: the family may rotate part of each head (GLM's
+      ``partial_rotary_factor``); other families refuse a factor other than 1.
+    - ``first_k_dense``: the config key naming how many leading layers are dense, every
+      later layer MoE (DeepSeek/GLM's ``first_k_dense_replace``), or ``None`` when MoE
+      layers follow ``decoder_sparse_step`` / ``mlp_only_layers``.
+    - ``moe_keys``: ``(ModelSpec field, config key)`` of the routing fields the config
+      gives (``("num_shared_experts", "n_shared_experts")``...).
     - ``memory_names``: canonical names (relative to the layer) that transformers 5 keeps
       under another name in memory (Mixtral's ``block_sparse_moe.gate.weight`` is
       ``mlp.gate.weight`` in ``state_dict()``).
@@ -154,6 +161,11 @@ class Family:
     foreign_keys: tuple[tuple[str, str], ...] = attrs.field(
         default=(), converter=lambda v: tuple((str(a), str(b)) for a, b in v)
     )
+    partial_rotary: bool = False
+    first_k_dense: str | None = None
+    moe_keys: tuple[tuple[str, str], ...] = attrs.field(
+        default=(), converter=lambda v: tuple((str(a), str(b)) for a, b in v)
+    )
     memory_names: tuple[tuple[str, str], ...] = attrs.field(
         default=(), converter=lambda v: tuple((str(a), str(b)) for a, b in v)
     )
@@ -169,9 +181,18 @@ class Family:
 
 
 def _registry() -> dict[str, Family]:
-    from areal_fn.model.families import llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
+    from areal_fn.model.families import (
+        glm4_moe,
+        llama,
+        mistral,
+        mixtral,
+        qwen2,
+        qwen3,
+        qwen3_moe,
+    )
 
     fams = (
+        glm4_moe.FAMILY,
         llama.FAMILY,
         mistral.FAMILY,
         mixtral.FAMILY,

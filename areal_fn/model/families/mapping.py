@@ -69,8 +69,9 @@ class LayerKind(enum.Enum):
         return f"LayerKind.{self.name}"
 
 
-#: ModelSpec fields a record's ``when`` may name.
-CONDITIONS = ("qkv_bias", "o_bias", "mlp_bias", "qk_norm")
+#: ModelSpec fields a record's ``when`` may name (a record exists when the field is
+#: true, or non-zero for ``num_shared_experts``).
+CONDITIONS = ("qkv_bias", "o_bias", "mlp_bias", "qk_norm", "router_bias", "num_shared_experts")
 
 
 class Dim(enum.Enum):
@@ -85,6 +86,8 @@ class Dim(enum.Enum):
     INTER = "intermediate_size"
     MOE_INTER = "moe_intermediate_size"
     EXPERTS = "num_experts"
+    #: ``num_shared_experts * moe_intermediate_size``: the shared experts' fused width.
+    SHARED_INTER = "num_shared_experts * moe_intermediate_size"
 
     def __repr__(self) -> str:
         return f"Dim.{self.name}"
@@ -117,7 +120,10 @@ class HfTensor:
     ``name`` is relative to ``model.layers.{i}.``; ``{e}`` names the expert of a
     per-expert tensor (``expert=True``: one tensor per routed expert; a run of such
     records is laid out expert-major). ``when`` and ``layers`` as for
-    :class:`MegatronTensor`.
+    :class:`MegatronTensor`. ``dtype``: the tensor's own dtype where the model keeps it
+    in one whatever the model's dtype (a router in float32), else ``None``. ``buffer``:
+    a persistent buffer in transformers' module, not a parameter (not trained, not
+    sharded by FSDP2).
     """
 
     name: str
@@ -125,6 +131,8 @@ class HfTensor:
     when: str | None = None
     layers: LayerKind = LayerKind.ALL
     expert: bool = False
+    dtype: str | None = None
+    buffer: bool = False
 
     def __attrs_post_init__(self) -> None:
         _check_hf_record(self)
@@ -369,31 +377,33 @@ def layer_tensors(
     prefix: str,
     *,
     moe: bool,
-    flags: Mapping[str, bool],
+    flags: Mapping[str, object],
     sizes: Mapping[Dim, int],
     num_experts: int,
-) -> list[tuple[str, tuple[int, ...]]]:
-    """One decoder layer's canonical ``(name, shape)`` pairs from ``table``, in order.
+) -> list[tuple[str, tuple[int, ...], str | None]]:
+    """One decoder layer's canonical ``(name, shape, dtype or None)`` from ``table``, in order.
 
     ``prefix`` is ``model.layers.{i}.``; ``moe`` says whether the layer has routed
     experts; ``flags`` gives each of :data:`CONDITIONS`; ``sizes`` each :class:`Dim`. A
     run of per-expert records is laid out expert-major (expert 0's tensors, then expert
     1's, ...), as checkpoints store them.
     """
-    out: list[tuple[str, tuple[int, ...]]] = []
+    out: list[tuple[str, tuple[int, ...], str | None]] = []
     for run in expert_runs(select(table, moe=moe, flags=flags)):
         for e in range(num_experts) if run[0].expert else (None,):
             for r in run:
                 name = r.name.format(e=e) if e is not None else r.name
-                out.append((prefix + name, tuple(sizes[d] for d in r.shape)))
+                out.append((prefix + name, tuple(sizes[d] for d in r.shape), r.dtype))
     return out
 
 
-def select(table: "tuple[R, ...]", *, moe: bool, flags: Mapping[str, bool]) -> "list[R]":
+def select(table: "tuple[R, ...]", *, moe: bool, flags: Mapping[str, object]) -> "list[R]":
     """The records of ``table`` a layer has: its kind (``moe``) and its ``when`` flags."""
     kind = LayerKind.MOE if moe else LayerKind.DENSE
     return [
-        r for r in table if r.layers in (LayerKind.ALL, kind) and (r.when is None or flags[r.when])
+        r
+        for r in table
+        if r.layers in (LayerKind.ALL, kind) and (r.when is None or bool(flags[r.when]))
     ]
 
 

@@ -53,7 +53,16 @@ FAMILY = Family(
         ("norm_topk_prob", False),
     ),
     bias_flags=(("attention_bias", ("qkv_bias", "o_bias")),),
-    fixed=(("mlp_bias", False), ("qk_norm", True)),
+    fixed=(
+        ("mlp_bias", False),
+        ("qk_norm", True),
+        ("num_shared_experts", 0),
+        ("router_score", "softmax"),
+        ("router_bias", False),
+        ("router_groups", 1),
+        ("router_group_topk", 1),
+        ("routed_scaling_factor", 1.0),
+    ),
     moe=True,
     sliding_window="all_layers",
     fused_experts=(

@@ -172,7 +172,7 @@ def build_gpt_model(
         parallel_output=parallel_output,
         share_embeddings_and_output_weights=bool(arch.get("tie_word_embeddings", False)),
         position_embedding_type="rope",
-        rotary_percent=1.0,
+        rotary_percent=float(arch_field(arch, "rotary_fraction", 1.0)),
         rotary_base=_rotary_base(arch["rope_theta"]),
         vp_stage=vp_stage,
         **rope_kwargs(arch),

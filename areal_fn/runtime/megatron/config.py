@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from areal_fn.errors import SpecError
 from areal_fn.runtime.megatron.parallel import MegatronSizes
 from areal_fn.typecheck import beartype
 
@@ -39,6 +40,13 @@ ARCH_FIELDS: Mapping[str, str] = {
     "num_experts_per_tok": "int or None (router top-k)",
     "norm_topk_prob": "bool or None (renormalise top-k probabilities; default True)",
     "moe_layer_pattern": "sequence of 0/1 per layer or None (all layers MoE)",
+    "num_shared_experts": "int or None (shared experts of moe_intermediate_size each)",
+    "router_score": "'softmax' (default) or 'sigmoid'",
+    "router_bias": "bool or None (a fixed per-expert score correction for the choice)",
+    "router_groups": "int or None (group-limited routing: groups of experts)",
+    "router_group_topk": "int or None (groups kept per token)",
+    "routed_scaling_factor": "float or None (routed weights scaled by it)",
+    "rotary_fraction": "float or None (GPTModel rotary_percent; default 1.0)",
 }
 
 
@@ -133,14 +141,37 @@ def _moe_fields(arch: Mapping[str, Any], *, moe_grouped_gemm: bool) -> dict[str,
         "moe_ffn_hidden_size": arch["moe_intermediate_size"],
         "moe_router_topk": arch["num_experts_per_tok"],
         "moe_router_pre_softmax": not arch_field(arch, "norm_topk_prob", True),
-        "moe_router_score_function": "softmax",
         "moe_router_load_balancing_type": "none",
         "moe_aux_loss_coeff": 0.0,
         "moe_token_dispatcher_type": "allgather",
         "moe_grouped_gemm": moe_grouped_gemm,
         "moe_layer_freq": 1 if pattern is None else [int(bool(x)) for x in pattern],
-        "moe_shared_expert_intermediate_size": None,
         "moe_router_dtype": "fp32",
+        **_routing_fields(arch),
+    }
+
+
+def _routing_fields(arch: Mapping[str, Any]) -> dict[str, Any]:
+    """Sigmoid scores with a fixed expert bias, group-limited top-k, scaling, shared experts."""
+    score = arch_field(arch, "router_score", "softmax")
+    if score == "sigmoid" and not arch_field(arch, "norm_topk_prob", True):
+        raise SpecError(
+            "router_score='sigmoid' with norm_topk_prob=False: Megatron-Core renormalises "
+            "sigmoid top-k scores always, so this router would compute differently; use a "
+            "model with norm_topk_prob=True"
+        )
+    groups = arch_field(arch, "router_groups", 1)
+    shared = arch_field(arch, "num_shared_experts", 0)
+    scale = arch_field(arch, "routed_scaling_factor", 1.0)
+    return {
+        "moe_router_score_function": score,
+        "moe_router_enable_expert_bias": bool(arch_field(arch, "router_bias", False)),
+        # the bias is a checkpoint value, not updated by a load-balancing rule
+        "moe_router_bias_update_rate": 0.0,
+        "moe_router_num_groups": groups if groups > 1 else None,
+        "moe_router_group_topk": arch_field(arch, "router_group_topk", 1) if groups > 1 else None,
+        "moe_router_topk_scaling_factor": scale if scale != 1.0 else None,
+        "moe_shared_expert_intermediate_size": shared * arch["moe_intermediate_size"] or None,
     }
 
 
