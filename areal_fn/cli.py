@@ -224,15 +224,36 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _checkpoint_key() -> bytes | None:
+    """The checkpoint key from ``AREAL_FN_CHECKPOINT_KEY`` (its UTF-8 bytes), None when unset."""
+    import os
+
+    from areal_fn.plans.checkpoint_keyed import KEY_ENV, MIN_KEY_BYTES
+
+    text = os.environ.get(KEY_ENV)
+    if text is None:
+        return None
+    key = text.encode()
+    if len(key) < MIN_KEY_BYTES:
+        raise SpecError(
+            f"{KEY_ENV} holds {len(key)} bytes; a checkpoint key needs at least {MIN_KEY_BYTES} "
+            f"(e.g. export {KEY_ENV}=$(openssl rand -hex 32)), or unset it to open checkpoints "
+            "without checking who saved them"
+        )
+    return key
+
+
 def cmd_checkpoint_inspect(args: argparse.Namespace) -> int:
     from areal_fn.runtime.checkpoint.api import cmd_checkpoint_inspect as run
 
+    args.hmac_key = _checkpoint_key()
     return run(args)
 
 
 def cmd_checkpoint_export_hf(args: argparse.Namespace) -> int:
     from areal_fn.runtime.checkpoint.api import cmd_checkpoint_export_hf as run
 
+    args.hmac_key = _checkpoint_key()
     return run(args)
 
 
@@ -240,6 +261,40 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from areal_fn.runtime.demo.driver import run_demo
 
     return run_demo(steps=args.steps, workdir=args.workdir)
+
+
+def _add_checkpoint_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """``areal-fn checkpoint inspect|export-hf``."""
+    ckpt = sub.add_parser(
+        "checkpoint",
+        help="inspect or export canonical checkpoints (with AREAL_FN_CHECKPOINT_KEY set, "
+        "each must carry a keyed digest made with that key)",
+    )
+    csub = ckpt.add_subparsers(dest="checkpoint_command", required=True)
+    insp = csub.add_parser(
+        "inspect", help="manifest, tensors, sizes and the strategy a checkpoint was saved with"
+    )
+    insp.add_argument("dir", help="a checkpoint directory, or a root holding 'latest'")
+    insp.add_argument(
+        "--verify",
+        action="store_true",
+        help="also check every file's sha256; with AREAL_FN_CHECKPOINT_KEY set, a keyed "
+        "digest that matches then vouches for every file, not only the manifest",
+    )
+    insp.add_argument("--tensors", type=int, default=24, help="how many tensors to list")
+    insp.set_defaults(func=cmd_checkpoint_inspect)
+    exp = csub.add_parser("export-hf", help="write a checkpoint's parameters as an HF checkpoint")
+    exp.add_argument("dir")
+    exp.add_argument("dest")
+    exp.add_argument("--overwrite", action="store_true")
+    exp.add_argument(
+        "--trust-pickle",
+        action="store_true",
+        help="read a checkpoint saved before its manifest located its entries, by unpickling "
+        "its DCP .metadata; unpickling runs any code a file holds: only for checkpoints you "
+        "saved or got from a source you trust",
+    )
+    exp.set_defaults(func=cmd_checkpoint_export_hf)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -292,20 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="reverse: per-rank files in SRC (written for ALLOCATION) -> HF checkpoint DST",
     )
     conv.set_defaults(func=cmd_convert)
-    ckpt = sub.add_parser("checkpoint", help="inspect or export canonical checkpoints")
-    csub = ckpt.add_subparsers(dest="checkpoint_command", required=True)
-    insp = csub.add_parser(
-        "inspect", help="manifest, tensors, sizes and the strategy a checkpoint was saved with"
-    )
-    insp.add_argument("dir", help="a checkpoint directory, or a root holding 'latest'")
-    insp.add_argument("--verify", action="store_true", help="also check every file's sha256")
-    insp.add_argument("--tensors", type=int, default=24, help="how many tensors to list")
-    insp.set_defaults(func=cmd_checkpoint_inspect)
-    exp = csub.add_parser("export-hf", help="write a checkpoint's parameters as an HF checkpoint")
-    exp.add_argument("dir")
-    exp.add_argument("dest")
-    exp.add_argument("--overwrite", action="store_true")
-    exp.set_defaults(func=cmd_checkpoint_export_hf)
+    _add_checkpoint_parser(sub)
     demo = sub.add_parser(
         "demo",
         help="the main job: train, checkpoint, reshard and sync a tiny model on CPU "

@@ -1,9 +1,11 @@
 """What a checkpoint says about itself, and whether it fits a model and an optimizer.
 
 :class:`CheckpointManifest` (``manifest.json``): allocation, model config, canonical
-tensors with their chunks and writers, optimizer, step, data position, and a sha256 of
-every file; its JSON carries its own digest. :func:`make_manifest` builds it from a
-:class:`~areal_fn.plans.checkpoint_write.WritePlan`; :func:`check_model` and
+tensors with their chunks and writers, optimizer, step, data position, a sha256 of
+every file, where each DCP entry lies in them (``storage``: a load never reads the
+pickled ``.metadata``) and, saved with a key, a keyed digest
+(:mod:`~areal_fn.plans.checkpoint_keyed`); its JSON carries its own digest.
+:func:`make_manifest` builds it from a :class:`~areal_fn.plans.checkpoint_write.WritePlan`; :func:`check_model` and
 :func:`check_optimizer` refuse a checkpoint saved for another model or optimizer.
 Optimizers are named by :class:`OptimizerSpec` (:data:`OPTIMIZERS`). Pure: no files,
 no ranks, no clock.
@@ -18,6 +20,7 @@ import attrs
 
 from areal_fn.errors import CheckpointError
 from areal_fn.model.tensor_spec import DTYPE_BYTES, TensorSpec, dtype_name
+from areal_fn.plans.checkpoint_storage import StoredItem, check_inside, check_storage
 from areal_fn.plans.checkpoint_write import WritePlan
 from areal_fn.plans.tensor_check import diff_shapes, joined
 from areal_fn.sharding.box import Box
@@ -179,11 +182,16 @@ def _check_digest(inst: "FileDigest", _attr: object, value: str) -> None:
         raise CheckpointError(f"{inst.path}: sha256 {value!r} is not 64 lowercase hex digits")
 
 
+def _check_hex(_inst: object, _attr: object, value: str | None) -> None:
+    if value is not None and (len(value) != 64 or any(c not in "0123456789abcdef" for c in value)):
+        raise CheckpointError(f"manifest_hmac {value!r} is not 64 lowercase hex digits")
+
+
 @attrs.frozen(kw_only=True)
 class FileDigest:
     """A file of the checkpoint (path relative to its directory), its size and sha256."""
 
-    path: str
+    path: str = attrs.field(validator=check_inside)
     size: int = attrs.field(validator=attrs.validators.ge(0))
     sha256: str = attrs.field(validator=_check_digest)
 
@@ -203,6 +211,10 @@ class CheckpointManifest:
 
     ``model_config`` and ``data_position`` are canonical JSON texts (sorted keys).
     ``extras`` lists the non-tensor entries (``train/lr_scheduler``, ``rng/<rank>``).
+    ``storage`` locates every entry in the data files (empty in checkpoints saved before
+    it was recorded: those are read only by unpickling ``.metadata``, on request);
+    ``keyed_digest`` is the HMAC-SHA256 of the rest under the key of the job that
+    saved it (``manifest_hmac``; None: saved without a key).
     """
 
     library_version: str
@@ -216,6 +228,8 @@ class CheckpointManifest:
     tensors: tuple[SavedTensor, ...] = attrs.field(converter=_tuple)
     extras: tuple[str, ...] = attrs.field(converter=_tuple, default=())
     files: tuple[FileDigest, ...] = attrs.field(converter=_tuple, default=())
+    storage: tuple[StoredItem, ...] = attrs.field(converter=_tuple, default=())
+    keyed_digest: str | None = attrs.field(default=None, validator=_check_hex)
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(json.loads(self.model_config), dict):
@@ -233,6 +247,21 @@ class CheckpointManifest:
                     f"tensor {t.name!r} has optimizer states {got}, the manifest's optimizer "
                     f"{self.optimizer} has {want}"
                 )
+        if self.storage:
+            sizes = {f.path: f.size for f in self.files}
+            check_storage(self.storage, expected=self.entries(), sizes=sizes)
+
+    def entries(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """Every DCP entry as (key, its chunk's offsets): parameters and moments per chunk,
+        scalar states and extras once with offsets ``()``."""
+        out: list[tuple[str, tuple[int, ...]]] = []
+        for t in self.tensors:
+            starts = [c.box.start for c in t.chunks]
+            out += [(t.name, s) for s in starts]
+            for st in self.optimizer.states:
+                key = optim_key(t.name, st.name)
+                out += [(key, s) for s in starts] if st.kind == "moment" else [(key, ())]
+        return (*out, *((x, ()) for x in self.extras))
 
     @property
     def model(self) -> dict[str, object]:
@@ -257,6 +286,10 @@ class CheckpointManifest:
         return sum(f.size for f in self.files)
 
     # -- JSON ---------------------------------------------------------------------------
+    def content_text(self) -> str:
+        """Canonical JSON of every field but the digests: what ``manifest_hmac`` covers."""
+        return _canonical(self._body())
+
     def _body(self) -> dict[str, object]:
         return {
             "format": FORMAT,
@@ -284,11 +317,13 @@ class CheckpointManifest:
             ],
             "extras": list(self.extras),
             "files": [{"path": f.path, "size": f.size, "sha256": f.sha256} for f in self.files],
-        }
+        } | ({"storage": [s.to_json() for s in self.storage]} if self.storage else {})
 
     def to_json(self) -> str:
         """JSON text, with ``manifest_sha256`` over the rest (sorted keys, compact)."""
         body = self._body()
+        if self.keyed_digest is not None:
+            body["manifest_hmac"] = self.keyed_digest
         body["manifest_sha256"] = hashlib.sha256(_canonical(body).encode()).hexdigest()
         lines = []
         for key in sorted(body):  # one line per field, per tensor, per file: readable diffs
@@ -324,38 +359,7 @@ class CheckpointManifest:
                 f"{source}: manifest_sha256 does not match its content; the manifest was modified or corrupted"
             )
         try:
-            opt = raw["optimizer"]
-            return cls(
-                library_version=str(raw["library_version"]),
-                allocation=str(raw["allocation"]),
-                layout_kind=str(raw["layout_kind"]),
-                world_size=int(raw["world_size"]),
-                step=int(raw["step"]),
-                model_config=json.dumps(raw["model_config"]),
-                data_position=json.dumps(raw["data_position"]),
-                optimizer=OptimizerSpec(
-                    name=str(opt["name"]),
-                    states=tuple(OptimizerState(name=n, kind=k) for n, k in opt["states"]),
-                ),
-                tensors=tuple(
-                    SavedTensor(
-                        name=t["name"],
-                        shape=tuple(t["shape"]),
-                        dtype=t["dtype"],
-                        state_dtypes=tuple((s, d) for s, d in t["state_dtypes"]),
-                        chunks=tuple(
-                            Chunk(box=Box(ranges=tuple(tuple(r) for r in b)), rank=int(rk))
-                            for b, rk in t["chunks"]
-                        ),
-                    )
-                    for t in raw["tensors"]
-                ),
-                extras=tuple(raw["extras"]),
-                files=tuple(
-                    FileDigest(path=f["path"], size=int(f["size"]), sha256=f["sha256"])
-                    for f in raw["files"]
-                ),
-            )
+            return _from_raw(raw)
         except CheckpointError as e:
             raise CheckpointError(f"{source}: {e}") from None
         except (KeyError, TypeError, ValueError) as e:
@@ -373,6 +377,44 @@ class CheckpointManifest:
 
 def _canonical(body: object) -> str:
     return json.dumps(body, sort_keys=True, separators=(",", ":"))
+
+
+def _from_raw(raw: dict[str, Any]) -> CheckpointManifest:
+    """The manifest of a parsed ``manifest.json`` whose ``manifest_sha256`` was checked."""
+    opt = raw["optimizer"]
+    return CheckpointManifest(
+        library_version=str(raw["library_version"]),
+        allocation=str(raw["allocation"]),
+        layout_kind=str(raw["layout_kind"]),
+        world_size=int(raw["world_size"]),
+        step=int(raw["step"]),
+        model_config=json.dumps(raw["model_config"]),
+        data_position=json.dumps(raw["data_position"]),
+        optimizer=OptimizerSpec(
+            name=str(opt["name"]),
+            states=tuple(OptimizerState(name=n, kind=k) for n, k in opt["states"]),
+        ),
+        tensors=tuple(
+            SavedTensor(
+                name=t["name"],
+                shape=tuple(t["shape"]),
+                dtype=t["dtype"],
+                state_dtypes=tuple((s, d) for s, d in t["state_dtypes"]),
+                chunks=tuple(
+                    Chunk(box=Box(ranges=tuple(tuple(r) for r in b)), rank=int(rk))
+                    for b, rk in t["chunks"]
+                ),
+            )
+            for t in raw["tensors"]
+        ),
+        extras=tuple(raw["extras"]),
+        files=tuple(
+            FileDigest(path=f["path"], size=int(f["size"]), sha256=f["sha256"])
+            for f in raw["files"]
+        ),
+        storage=tuple(StoredItem.from_json(x) for x in raw.get("storage", ())),
+        keyed_digest=raw.get("manifest_hmac"),
+    )
 
 
 @beartype

@@ -16,7 +16,10 @@ generation config sit in ``hf/`` (:mod:`~areal_fn.runtime.hf.files`). A save::
 so a crash (even ``kill -9``) at any moment leaves the previous checkpoint loadable and
 untouched; older ones beyond ``keep`` are renamed away and deleted after the commit.
 Loading verifies the manifest and every file's checksum before reading, never opens
-a file for writing, and writes into the caller's local tensors in place.
+a file for writing, and writes into the caller's local tensors in place. Nothing is
+unpickled: DCP's read plan comes from the manifest, tensors are raw bytes
+(docs/checkpoints.md, Security); ``trust_pickle`` is the opt-in for older checkpoints,
+``hmac_key`` the check of which job saved one.
 
 State is given per rank as :class:`RankState`: local tensors ``{name: tensor}`` as the
 layout names them (for FSDP2 the DTensor locals) and optimizer state per local tensor
@@ -122,6 +125,7 @@ def save_checkpoint(
     blocking: bool = True,
     thread_count: int = 1,
     hf: HfFiles | None = None,
+    hmac_key: bytes | None = None,
 ) -> "Path | PendingSave":
     """Save ``states`` (this process's ranks of ``layout``) as checkpoint ``root/step-<step>``.
 
@@ -141,6 +145,10 @@ def save_checkpoint(
     must describe ``model`` (its dtype aside), or ``CheckpointError``. Without ``hf`` the
     manifest holds ``model.hf_config()``, which lacks every key the spec does not model
     (token ids, ``transformers_version``, ...), and no tokenizer is kept.
+
+    ``hmac_key`` (at least 16 bytes, e.g. a team's secret): the manifest also carries
+    its HMAC-SHA256 under that key (``manifest_hmac``), which a load given the same key
+    checks: proof that a job holding the key saved it (docs/checkpoints.md, Security).
     """
     entry_rng = capture_rng() if save_rng and len(states) == 1 else None
     python_rng = random.getstate()
@@ -163,6 +171,7 @@ def save_checkpoint(
                 blocking=blocking,
                 thread_count=thread_count,
                 hf=hf,
+                hmac_key=hmac_key,
             )
         )
     finally:
@@ -179,6 +188,8 @@ def load_checkpoint(
     verify: bool = True,
     allow_cast: bool = False,
     process_group: "dist.ProcessGroup | None" = None,
+    trust_pickle: bool = False,
+    hmac_key: bytes | None = None,
 ) -> LoadResult:
     """Load a checkpoint into ``states`` (local tensors of ``layout``), in place.
 
@@ -190,11 +201,26 @@ def load_checkpoint(
     reading, if at all: ``CheckpointError`` on every process, saying that the local tensors
     may be partly overwritten. ``optimizer='none'`` loads parameters only. Dtypes must
     match the stored ones unless ``allow_cast``. Padding is zeroed.
+
+    Nothing is unpickled: DCP's read plan comes from the manifest, tensors are read as
+    raw bytes (or ``torch.load(weights_only=True)``), and a ``.metadata`` that is not
+    plain DCP metadata is refused. A checkpoint saved before the manifest located its
+    entries is read only with ``trust_pickle=True``, by unpickling its ``.metadata``:
+    only for checkpoints you saved or trust. With ``hmac_key`` the manifest's keyed
+    digest must match it (``CheckpointError`` otherwise, also when it has none).
     """
     g = _Group(process_group)
     opt = optimizer_spec(optimizer) if isinstance(optimizer, str) else optimizer
     opened = _open(
-        g, path, layout=layout, states=states, opt=opt, verify=verify, allow_cast=allow_cast
+        g,
+        path,
+        layout=layout,
+        states=states,
+        opt=opt,
+        verify=verify,
+        allow_cast=allow_cast,
+        trust_pickle=trust_pickle,
+        hmac_key=hmac_key,
     )
     rp = _read_plan(
         opened, layout=layout, states=states, opt=opt, restore_rng_state=restore_rng_state

@@ -213,26 +213,24 @@ class _ChunkReader(FileSystemReader):
     many requests it serves, straight from its bytes in the file: into the destination
     when one request takes the whole chunk, else into one buffer. (DCP's own reader
     deserialises the chunk again for every request.) ``raw=False`` always goes through
-    ``torch.load``: for files we did not write (their tensors may be strided views)."""
+    ``torch.load(weights_only=True)``: for files we did not write (their tensors may be
+    strided views).
 
-    def __init__(self, path: "str | os.PathLike[str]", *, raw: bool = True) -> None:
+    ``metadata`` is DCP's metadata, given (built from the manifest, see
+    :mod:`~areal_fn.runtime.checkpoint.metadata`): this reader never reads ``.metadata``,
+    a pickle."""
+
+    def __init__(
+        self, path: "str | os.PathLike[str]", *, metadata: Metadata, raw: bool = True
+    ) -> None:
         super().__init__(path)
         self._raw = raw
-        self._metadata: Metadata | None = None
+        self._metadata = metadata
         #: whether a destination tensor was written to (a failed read may leave it partly written)
         self.touched = False
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """DCP's ``.metadata`` (read once; a damaged file raises ``CheckpointError`` naming it)."""
-        if self._metadata is None:
-            try:
-                self._metadata = super().read_metadata()
-            except Exception as e:
-                f = Path(self.path) / ".metadata"
-                raise CheckpointError(
-                    f"{f} cannot be read as torch DCP metadata ({_reason(e)}); the file is "
-                    f"corrupted: {_REMEDY}"
-                ) from None
+        """The metadata given (DCP's own reader would unpickle ``.metadata`` here)."""
         return self._metadata
 
     def set_up_storage_reader(
@@ -406,7 +404,13 @@ def _to_bytes(obj: Any) -> bytes:
 
 
 def _from_bytes(data: bytes, what: str) -> Any:
+    """A byte entry (LR scheduler, RNG state): ``torch.load(weights_only=True)``, which
+    builds plain data only and refuses any other import a pickle asks for."""
     try:
         return torch.load(io.BytesIO(data), weights_only=True)
     except Exception as e:
-        raise CheckpointError(f"{what} cannot be decoded ({type(e).__name__}: {e})") from None
+        raise CheckpointError(
+            f"{what} cannot be decoded ({_reason(e)}); a save writes plain data there (read "
+            f"with weights_only=True, nothing else is run): the checkpoint is corrupted or was "
+            f"made elsewhere: {_REMEDY}"
+        ) from None

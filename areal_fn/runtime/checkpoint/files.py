@@ -12,6 +12,8 @@ from areal_fn.plans.checkpoint import (
     CheckpointManifest,
     FileDigest,
 )
+from areal_fn.plans.checkpoint_keyed import check_keyed_digest
+from areal_fn.runtime.checkpoint.metadata import METADATA, check_metadata_file
 from areal_fn.runtime.hf.files import HF_DIR
 
 MANIFEST = "manifest.json"
@@ -163,9 +165,17 @@ def _check_file(folder: Path, want: FileDigest) -> str | None:
     return None
 
 
-def verify_checkpoint(path: "str | os.PathLike[str]") -> CheckpointManifest:
-    """Check the manifest and every file's size and sha256 (this process alone)."""
+def verify_checkpoint(
+    path: "str | os.PathLike[str]", *, hmac_key: bytes | None = None
+) -> CheckpointManifest:
+    """Check the manifest (and its keyed digest with ``hmac_key``), every file's size and
+    sha256 (this process alone), and that ``.metadata`` is plain DCP metadata (its
+    opcodes read; nothing is unpickled)."""
     folder = resolve_checkpoint(path)
     manifest = read_manifest(folder)
+    if hmac_key is not None:
+        check_keyed_digest(manifest, hmac_key, source=str(folder))
     _verify_files(folder, manifest, slice(None))
+    if (folder / METADATA).is_file():  # always listed: a missing one fails the line above
+        check_metadata_file(folder / METADATA)
     return manifest

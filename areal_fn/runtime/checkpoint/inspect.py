@@ -17,10 +17,12 @@ from torch.distributed.checkpoint.planner import (
 from areal_fn.errors import CheckpointError
 from areal_fn.model.tensor_spec import torch_dtype
 from areal_fn.plans.checkpoint import (
+    CheckpointManifest,
     SavedTensor,
     check_model,
     optim_key,
 )
+from areal_fn.plans.checkpoint_keyed import KEY_ENV, check_keyed_digest
 from areal_fn.runtime.checkpoint.dcp import _ChunkReader, _LoadPlanner
 from areal_fn.runtime.checkpoint.files import (
     _check_sizes,
@@ -30,6 +32,7 @@ from areal_fn.runtime.checkpoint.files import (
     resolve_checkpoint,
     verify_checkpoint,
 )
+from areal_fn.runtime.checkpoint.metadata import METADATA, check_metadata_file, dcp_metadata
 from areal_fn.runtime.hf.files import checkpoint_hf_files, describe_checkpoint_hf_files
 from areal_fn.sharding.box import Box
 
@@ -74,15 +77,29 @@ class CheckpointReader:
 
     ``read(name, box)`` returns ``box`` of a parameter; ``read_state(name, state, box)``
     of an optimizer state. Only the chunks a box touches are read. The files' sizes are
-    checked first, their sha256 too with ``verify``.
+    checked first, their sha256 too with ``verify``, the keyed digest with ``hmac_key``.
+    Nothing is unpickled unless ``trust_pickle`` for a checkpoint saved before the
+    manifest located its entries (see :func:`~areal_fn.runtime.checkpoint.api.load_checkpoint`).
     """
 
-    def __init__(self, path: "str | os.PathLike[str]", *, verify: bool = True) -> None:
+    def __init__(
+        self,
+        path: "str | os.PathLike[str]",
+        *,
+        verify: bool = True,
+        trust_pickle: bool = False,
+        hmac_key: bytes | None = None,
+    ) -> None:
         self.path = resolve_checkpoint(path)
-        self.manifest = verify_checkpoint(self.path) if verify else read_manifest(self.path)
+        self.manifest = (
+            verify_checkpoint(self.path, hmac_key=hmac_key)
+            if verify
+            else _unverified(self.path, hmac_key)
+        )
         _check_sizes(self.path, self.manifest)
-        self._storage = _ChunkReader(self.path)
-        self._storage.set_up_storage_reader(self._storage.read_metadata(), True)
+        metadata = dcp_metadata(self.path, self.manifest, trust_pickle=trust_pickle)
+        self._storage = _ChunkReader(self.path, metadata=metadata)
+        self._storage.set_up_storage_reader(metadata, True)
         self._saved = {t.name: t for t in self.manifest.tensors}
 
     def _saved_tensor(self, name: str) -> SavedTensor:
@@ -135,24 +152,35 @@ class CheckpointReader:
         pass
 
 
+def _unverified(folder: Path, hmac_key: bytes | None) -> CheckpointManifest:
+    manifest = read_manifest(folder)
+    if hmac_key is not None:
+        check_keyed_digest(manifest, hmac_key, source=str(folder))
+    return manifest
+
+
 def export_hf(
     path: "str | os.PathLike[str]",
     dest: "str | os.PathLike[str]",
     *,
     max_shard_bytes: int = 5 << 30,
     overwrite: bool = False,
+    trust_pickle: bool = False,
+    hmac_key: bytes | None = None,
 ) -> Path:
     """Write a checkpoint's parameters as a Hugging Face safetensors checkpoint.
 
     Saved with ``hf=``, the checkpoint's ``hf/`` files (``config.json``, tokenizer,
     generation config) are written next to the weights byte for byte; otherwise
     ``config.json`` is the manifest's model config (``ModelSpec.hf_config()``, see
-    :func:`~areal_fn.runtime.hf.files.describe_checkpoint_hf_files`).
+    :func:`~areal_fn.runtime.hf.files.describe_checkpoint_hf_files`). ``trust_pickle``
+    and ``hmac_key`` as for :class:`CheckpointReader`.
     """
     from areal_fn.model.spec import model_from_hf_config
     from areal_fn.runtime.hf.io import write_hf_checkpoint
 
-    reader = CheckpointReader(path)  # every file's sha256 checked, hf/ included
+    # every file's sha256 checked, hf/ included
+    reader = CheckpointReader(path, trust_pickle=trust_pickle, hmac_key=hmac_key)
     model = model_from_hf_config(reader.manifest.model)
     check_model(reader.manifest, model.tensors, source=str(reader.path))
     hf = checkpoint_hf_files(reader.path, reader.manifest)
@@ -178,13 +206,46 @@ def _human(n: float) -> str:
     return f"{n}"
 
 
+def _security_lines(
+    folder: Path, m: CheckpointManifest, hmac_key: bytes | None, *, verify: bool
+) -> list[str]:
+    """What reading it takes (a pickle or not), and whether a job holding the key saved it."""
+    if (folder / METADATA).is_file():
+        check_metadata_file(folder / METADATA)  # opcodes read, nothing unpickled
+    storage = (
+        "  storage: located by the manifest (read without unpickling anything)"
+        if m.storage
+        else "  storage: not located by the manifest (saved before it recorded that): reading "
+        "it unpickles .metadata, only with trust_pickle=True (--trust-pickle); save it again "
+        "to read it without"
+    )
+    if hmac_key is not None:
+        keyed = "  keyed digest: matches the key given" + (  # check_keyed_digest passed
+            " (every file's sha256 verified: it vouches for the files too)"
+            if verify
+            else " (it vouches for the manifest; pass verify to check the files against it)"
+        )
+    elif m.keyed_digest is not None:
+        keyed = f"  keyed digest: present, not checked (no key given: hmac_key=, or {KEY_ENV})"
+    else:
+        keyed = "  keyed digest: none (saved without a key)"
+    return [storage, keyed]
+
+
 def inspect_checkpoint(
-    path: "str | os.PathLike[str]", *, verify: bool = False, max_tensors: int = 24
+    path: "str | os.PathLike[str]",
+    *,
+    verify: bool = False,
+    max_tensors: int = 24,
+    hmac_key: bytes | None = None,
 ) -> str:
-    """A readable summary: manifest, strategy, tensors, sizes, files (and checksums with ``verify``)."""
+    """A readable summary: manifest, strategy, tensors, sizes, files (and checksums with
+    ``verify``). ``.metadata`` is checked to be plain DCP metadata (its opcodes read,
+    nothing unpickled); with ``hmac_key`` the keyed digest must match it."""
     p = Path(path)
     folder = resolve_checkpoint(p)
-    m = verify_checkpoint(folder) if verify else read_manifest(folder)
+    m = verify_checkpoint(folder, hmac_key=hmac_key) if verify else _unverified(folder, hmac_key)
+    security = _security_lines(folder, m, hmac_key, verify=verify)
     cfg = m.model
     lines = [f"checkpoint {folder}"]
     root = folder.parent if folder != p else p
@@ -207,6 +268,7 @@ def inspect_checkpoint(
         f"  {describe_checkpoint_hf_files(m)}",
         f"  files {len(m.files)}, {_human(m.nbytes)}"
         + (" (every sha256 verified)" if verify else " (checksums not verified; pass verify)"),
+        *security,
     ]
     per_rank: dict[int, int] = {}
     for t in m.tensors:
@@ -228,19 +290,27 @@ def inspect_checkpoint(
 
 
 def cmd_checkpoint_inspect(args: Any) -> int:
-    """``areal-fn checkpoint inspect DIR [--verify] [--tensors N]``."""
+    """``areal-fn checkpoint inspect DIR [--verify] [--tensors N]`` (``args.hmac_key``: the
+    key the CLI read from the environment, or None)."""
     print(
         inspect_checkpoint(
             args.dir,
             verify=bool(getattr(args, "verify", False)),
             max_tensors=int(getattr(args, "tensors", 24)),
+            hmac_key=getattr(args, "hmac_key", None),
         )
     )
     return 0
 
 
 def cmd_checkpoint_export_hf(args: Any) -> int:
-    """``areal-fn checkpoint export-hf DIR DEST [--overwrite]``."""
-    out = export_hf(args.dir, args.dest, overwrite=bool(getattr(args, "overwrite", False)))
+    """``areal-fn checkpoint export-hf DIR DEST [--overwrite] [--trust-pickle]``."""
+    out = export_hf(
+        args.dir,
+        args.dest,
+        overwrite=bool(getattr(args, "overwrite", False)),
+        trust_pickle=bool(getattr(args, "trust_pickle", False)),
+        hmac_key=getattr(args, "hmac_key", None),
+    )
     print(f"wrote {out}; {describe_checkpoint_hf_files(read_manifest(args.dir))}")
     return 0

@@ -1,9 +1,11 @@
 """Loading a checkpoint, step by step (:func:`~areal_fn.runtime.checkpoint.api.load_checkpoint`).
 
-``_open`` checks everything before any tensor is touched (manifest, model, optimizer,
-rank states, file sizes and checksums, DCP metadata, dtypes) and plans each rank's
-reads; ``_read_plan`` turns the plans into DCP read items; ``_fill`` reads them into
-the caller's tensors, zeroes padding and sets scalar states; ``_result`` restores the
+``_open`` checks everything before any tensor is touched (manifest and its keyed
+digest, model, optimizer, rank states, file sizes and checksums, the ``.metadata``
+pickle, read by its opcodes only, dtypes), builds DCP's metadata from the manifest
+(never unpickling anything unless ``trust_pickle`` for a checkpoint saved before the
+manifest located its entries) and plans each rank's reads; ``_read_plan`` turns the
+plans into DCP read items; ``_fill`` reads them into the caller's tensors, zeroes padding and sets scalar states; ``_result`` restores the
 RNG and says what was loaded. Each step that can fail on one process ends in
 ``_Group.agree``, so all processes raise together.
 """
@@ -23,6 +25,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from areal_fn.errors import CheckpointError, SpecError
 from areal_fn.layouts.layout import Layout
 from areal_fn.model.tensor_spec import dtype_name, torch_dtype
+from areal_fn.plans.checkpoint_keyed import check_keyed_digest
 from areal_fn.plans.checkpoint_manifest import (
     CheckpointManifest,
     OptimizerSpec,
@@ -46,6 +49,7 @@ from areal_fn.runtime.checkpoint.files import (
     read_manifest,
     resolve_checkpoint,
 )
+from areal_fn.runtime.checkpoint.metadata import dcp_metadata
 from areal_fn.runtime.checkpoint.state import (
     _LR_KEY,
     _RNG_PREFIX,
@@ -98,6 +102,8 @@ def _open(
     opt: OptimizerSpec,
     verify: bool,
     allow_cast: bool,
+    trust_pickle: bool,
+    hmac_key: bytes | None,
 ) -> _Opened:
     """Every check before a tensor is touched, agreed by every process; the reads planned."""
     error: str | None = None
@@ -109,14 +115,16 @@ def _open(
         folder = resolve_checkpoint(path)
         manifest = read_manifest(folder)
         source = str(folder)
+        if hmac_key is not None:
+            check_keyed_digest(manifest, hmac_key, source=source)
         check_model(manifest, layout.canonical, source=source)
         check_optimizer(manifest, opt, source=source)
         _check_states(layout, states, opt)
         _check_sizes(folder, manifest)
         if verify:
             _verify_files(folder, manifest, slice(g.rank, None, g.size))
-        reader = _ChunkReader(folder)
-        reader.read_metadata()  # a damaged .metadata is refused here, before any read
+        metadata = dcp_metadata(folder, manifest, trust_pickle=trust_pickle)
+        reader = _ChunkReader(folder, metadata=metadata)
         if not allow_cast:
             _check_dtypes(manifest, layout, states, opt)
         plans = {r: plan_load(manifest, layout, r) for r in states}

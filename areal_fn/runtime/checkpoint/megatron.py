@@ -35,6 +35,7 @@ from areal_fn.runtime.checkpoint.dcp import (
 )
 from areal_fn.runtime.checkpoint.files import _fsync_dir, _write_text_atomic
 from areal_fn.runtime.checkpoint.inspect import _read_box
+from areal_fn.runtime.checkpoint.metadata import METADATA, trust_pickle_rule, unpickle_metadata
 from areal_fn.sharding.box import Box
 
 # -- Megatron-Core dist_checkpointing interop -------------------------------------------
@@ -75,13 +76,18 @@ def _mcore_key(name: str) -> tuple[str, int | None]:
 
 
 def import_megatron_checkpoint(
-    path: "str | os.PathLike[str]", model: ModelSpec
+    path: "str | os.PathLike[str]", model: ModelSpec, *, trust_pickle: bool = False
 ) -> dict[str, torch.Tensor]:
     """Canonical parameters of a Megatron-Core ``dist_checkpointing`` (``torch_dist``)
     checkpoint of ``model`` (a ``GPTModel`` under any TP/PP), bitwise.
 
     Layers are stacked along a leading dim (global layer index); rows of the embedding
     and output layer beyond ``vocab_size`` are padding and are not imported.
+
+    Such a checkpoint locates its tensors only in ``.metadata``, a Python pickle, and
+    unpickling runs any code a file holds: without ``trust_pickle=True`` it is refused.
+    With it, ``.metadata`` is unpickled and the tensors read with
+    ``torch.load(weights_only=True)``; pass it only for a checkpoint you saved or trust.
     """
     folder = Path(path)
     try:
@@ -97,9 +103,15 @@ def import_megatron_checkpoint(
         )
     from areal_fn.plans.convert import to_hf
 
+    if not trust_pickle:
+        raise CheckpointError(
+            f"{folder / METADATA}: a Megatron-Core torch_dist checkpoint says where its tensors "
+            f"lie only in this Python pickle; {trust_pickle_rule('trust_pickle=True')}. Or "
+            "have its owner export it as HF safetensors, which need no trust"
+        )
     layout = _mcore_layout(model)
-    storage = _ChunkReader(folder, raw=False)
-    metadata = storage.read_metadata()
+    metadata = unpickle_metadata(folder)
+    storage = _ChunkReader(folder, metadata=metadata, raw=False)
     storage.set_up_storage_reader(metadata, True)
     stored = metadata.state_dict_metadata
     state: dict[str, torch.Tensor] = {}

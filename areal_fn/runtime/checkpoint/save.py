@@ -31,6 +31,7 @@ from areal_fn.errors import CheckpointError, SpecError
 from areal_fn.layouts.layout import Layout
 from areal_fn.model.spec import ModelSpec
 from areal_fn.model.tensor_spec import dtype_name
+from areal_fn.plans.checkpoint_keyed import check_key, with_keyed_digest
 from areal_fn.plans.checkpoint_manifest import (
     CheckpointManifest,
     FileDigest,
@@ -60,6 +61,7 @@ from areal_fn.runtime.checkpoint.files import (
     list_checkpoints,
     step_dir_name,
 )
+from areal_fn.runtime.checkpoint.metadata import stored_items
 from areal_fn.runtime.checkpoint.state import (
     _LR_KEY,
     _RNG_PREFIX,
@@ -96,6 +98,7 @@ class _Request:
     blocking: bool
     thread_count: int
     hf: HfFiles | None
+    hmac_key: bytes | None
 
     @property
     def name(self) -> str:
@@ -181,6 +184,8 @@ def _plan(req: _Request, running: PendingSave | None) -> WritePlan:
     _check_states(req.layout, req.states, req.opt)
     if req.hf is not None:
         _check_hf(req.hf, req.model)
+    if req.hmac_key is not None:
+        check_key(req.hmac_key)
     json.dumps(req.data_position)
     return plan
 
@@ -303,7 +308,7 @@ def _write(job: _Write) -> Path:
     """Write the files, checksum them, commit on the first process; every process agrees."""
     gw = _Group(job.pg) if job.distributed else job.group
     final = job.req.final
-    err = _write_files(job)
+    err, written = _write_files(job)
     digests: list[FileDigest] = []
     try:
         if err is None:
@@ -313,17 +318,18 @@ def _write(job: _Write) -> Path:
     everyone = gw.all_gather((err, digests))
     err = next((e for e, _ in everyone if e), None)
     if gw.rank == 0:
-        err = _finish(job, err, [d for _, ds in everyone for d in ds])
+        err = _finish(job, err, [d for _, ds in everyone for d in ds], written)
     gw.agree(err if gw.rank == 0 else None)
     return final
 
 
-def _write_files(job: _Write) -> str | None:
-    """DCP writes this process's items into the temporary directory; the error, if any."""
+def _write_files(job: _Write) -> tuple[str | None, Any]:
+    """DCP writes this process's items into the temporary directory; the error, if any,
+    and DCP's ``Metadata`` of what every process wrote (where each entry lies)."""
     req = job.req
     try:
         with _single_process_dcp(job.distributed):
-            dcp.save(
+            written = dcp.save(
                 {},
                 storage_writer=FileSystemWriter(
                     req.tmp,
@@ -336,8 +342,11 @@ def _write_files(job: _Write) -> str | None:
                 no_dist=not job.distributed,
             )
     except (Exception, CheckpointException) as e:  # DCP wraps what it raises in a BaseException
-        return f"cannot save checkpoint {req.final}: writing its files failed ({dcp_error(e)})"
-    return None
+        return (
+            f"cannot save checkpoint {req.final}: writing its files failed ({dcp_error(e)})",
+            None,
+        )
+    return None, written
 
 
 def _digest_mine(tmp: Path, gw: _Group) -> list[FileDigest]:
@@ -348,8 +357,10 @@ def _digest_mine(tmp: Path, gw: _Group) -> list[FileDigest]:
         return list(pool.map(lambda f: _digest(tmp / f, f, sync=True), mine))
 
 
-def _finish(job: _Write, err: str | None, digests: list[FileDigest]) -> str | None:
-    """On the first process: commit, or remove the temporary directory after an error."""
+def _finish(job: _Write, err: str | None, digests: list[FileDigest], written: Any) -> str | None:
+    """On the first process: commit (the manifest completed with every file's digest,
+    where each entry lies, the keyed digest), or remove the temporary directory after an
+    error."""
     req = job.req
     if err is not None:
         shutil.rmtree(req.tmp, ignore_errors=True)  # every process is done writing into it
@@ -359,10 +370,11 @@ def _finish(job: _Write, err: str | None, digests: list[FileDigest]) -> str | No
         )
     assert job.manifest is not None
     try:
-        listed = sorted(digests, key=lambda d: d.path)
-        _commit(
-            req.tmp, req.final, req.root, attrs.evolve(job.manifest, files=tuple(listed)), req.keep
-        )
+        listed = tuple(sorted(digests, key=lambda d: d.path))
+        manifest = attrs.evolve(job.manifest, files=listed, storage=stored_items(written))
+        if req.hmac_key is not None:
+            manifest = with_keyed_digest(manifest, req.hmac_key)
+        _commit(req.tmp, req.final, req.root, manifest, req.keep)
     except (SpecError, OSError) as e:
         return f"cannot commit checkpoint {req.final}: {_error(e)}"
     return None
