@@ -132,7 +132,11 @@ def fsdp2_layout(
     for mt in hf_memory_view(model):
         if model.tie_word_embeddings and mt.name == "lm_head.weight":
             continue  # the same Parameter as the embedding
-        sharding = fsdp2_sharding(mt.name, mt.shape, dims, mesh, options)
+        sharding = (  # FSDP2 shards parameters; a buffer stays whole on every rank
+            Sharding.replicated(mesh)
+            if mt.buffer
+            else fsdp2_sharding(mt.name, mt.shape, dims, mesh, options)
+        )
         fusion = tuple(
             FusionPiece(
                 canonical=p.canonical, canonical_box=p.canonical_box, logical_box=p.memory_box

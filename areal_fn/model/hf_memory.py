@@ -65,6 +65,8 @@ class MemoryTensor:
     shape: tuple[int, ...] = attrs.field(converter=_ints)
     dtype: str = attrs.field(converter=dtype_name)
     pieces: tuple[MemoryPiece, ...] = attrs.field(converter=_pieces)
+    #: A persistent buffer of the module (saved, not trained), not a parameter.
+    buffer: bool = False
 
     @property
     def is_fused(self) -> bool:
@@ -76,11 +78,11 @@ class MemoryTensor:
 
 
 def _whole(
-    name: str, shape: tuple[int, ...], dtype: str, source: str | None = None
+    name: str, shape: tuple[int, ...], dtype: str, source: str | None = None, buffer: bool = False
 ) -> MemoryTensor:
     box = Box.full(shape)
     piece = MemoryPiece(canonical=source or name, canonical_box=box, memory_box=box)
-    return MemoryTensor(name=name, shape=shape, dtype=dtype, pieces=(piece,))
+    return MemoryTensor(name=name, shape=shape, dtype=dtype, pieces=(piece,), buffer=buffer)
 
 
 def _fused(spec: ModelSpec, layer: int) -> list[MemoryTensor]:
@@ -129,6 +131,7 @@ def _memory_view(spec: ModelSpec) -> tuple[MemoryTensor, ...]:
         for p in group.parts
     )
     renames = dict(fam.memory_names)
+    buffers = {r.name for r in fam.canonical if r.buffer}
     for t in spec.tensors:
         layer = layer_of(t.name)
         if layer is None:
@@ -144,7 +147,7 @@ def _memory_view(spec: ModelSpec) -> tuple[MemoryTensor, ...]:
             name = f"model.layers.{layer}.{renames[rel]}"
             out.append(_whole(name, t.shape, t.dtype, source=t.name))
             continue
-        out.append(_whole(t.name, t.shape, t.dtype))
+        out.append(_whole(t.name, t.shape, t.dtype, buffer=rel in buffers))
     if spec.tie_word_embeddings:
         embed = spec.tensor("model.embed_tokens.weight")
         out.append(_whole("lm_head.weight", embed.shape, embed.dtype, source=embed.name))

@@ -65,7 +65,9 @@ def _bools(value: object) -> tuple[bool, ...]:
     return out
 
 
-def _check_model(spec: "ModelSpec") -> None:
+def _check_family_shape(spec: "ModelSpec") -> None:
+    """What the family's tables and config class imply: which layers are MoE, which
+    fields are one field under two names."""
     fam = spec.family
     if fam.moe and not any(r.layers is LayerKind.DENSE for r in fam.canonical):
         if not all(spec.moe_layers):
@@ -90,6 +92,11 @@ def _check_model(spec: "ModelSpec") -> None:
                 f"ModelSpec.{key}={getattr(spec, key)} but {source}={getattr(spec, source)}; "
                 f"the {fam.model_type} family has no separate {key} (it is {source})"
             )
+
+
+def _check_model(spec: "ModelSpec") -> None:
+    fam = spec.family
+    _check_family_shape(spec)
     heads, kv = spec.num_attention_heads, spec.num_key_value_heads
     if heads % kv:
         raise SpecError(

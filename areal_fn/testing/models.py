@@ -89,6 +89,15 @@ def hf_configs(
         cfg["sliding_window"] = None  # a window is refused (no family models one)
     if fam.partial_rotary:
         _maybe(draw, cfg, "partial_rotary_factor", st.sampled_from([0.5, 1.0]))
+    _draw_moe(draw, cfg, name, layers, max_experts)
+    return cfg
+
+
+def _draw_moe(
+    draw: st.DrawFn, cfg: dict[str, object], name: str, layers: int, max_experts: int
+) -> None:
+    """The MoE keys of ``name``'s config (none for a dense family)."""
+    fam = _family(name)
     if name == "glm4_moe":
         groups = draw(st.integers(1, 2))
         experts = groups * draw(st.integers(1, max(1, max_experts // groups)))
@@ -114,7 +123,6 @@ def hf_configs(
         _maybe(draw, cfg, "decoder_sparse_step", st.integers(1, 3))
         _maybe(draw, cfg, "mlp_only_layers", st.lists(st.integers(0, layers - 1), unique=True))
         _maybe(draw, cfg, "norm_topk_prob", st.booleans())
-    return cfg
 
 
 @st.composite

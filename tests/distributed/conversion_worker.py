@@ -94,6 +94,21 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "num_experts_per_tok": 2,
         "sliding_window": None,
     },
+    # dense layer 0; sigmoid routing, expert bias, 2 groups, shared expert, partial rotary
+    "glm4_moe": {
+        **_BASE,
+        "model_type": "glm4_moe",
+        "moe_intermediate_size": 16,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "n_group": 2,
+        "topk_group": 1,
+        "routed_scaling_factor": 2.5,
+        "first_k_dense_replace": 1,
+        "use_qk_norm": True,
+        "attention_bias": True,
+    },
     # MoE on layers 1 and 3, dense MLP on layers 0 and 2
     "qwen3_moe": {
         **_BASE,
@@ -137,6 +152,10 @@ CASES += [
     ("mixtral", "e2"),
     ("mixtral", "t2-moe"),
     ("mixtral", "p2"),
+    ("glm4_moe", "t1"),
+    ("glm4_moe", "e2"),
+    ("glm4_moe", "t2-moe"),
+    ("glm4_moe", "p2"),
 ]
 
 SEQ = 8
@@ -170,6 +189,13 @@ def arch_of(spec: ModelSpec) -> dict[str, Any]:
         "num_experts_per_tok": spec.num_experts_per_tok if moe else None,
         "norm_topk_prob": spec.norm_topk_prob if moe else None,
         "moe_layer_pattern": [int(m) for m in spec.moe_layers] if moe else None,
+        "num_shared_experts": spec.num_shared_experts,
+        "router_score": spec.router_score,
+        "router_bias": spec.router_bias,
+        "router_groups": spec.router_groups,
+        "router_group_topk": spec.router_group_topk,
+        "routed_scaling_factor": spec.routed_scaling_factor,
+        "rotary_fraction": spec.rotary_fraction,
     }
 
 
@@ -205,6 +231,9 @@ def _hf_model(spec: ModelSpec, seed: int) -> Any:
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
             else:
                 param.copy_(0.05 * torch.randn_like(param))
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # a non-zero score correction
+                buf.copy_(0.05 * torch.randn_like(buf))
     return model.eval()
 
 
@@ -240,6 +269,14 @@ def _chunk_prefix(v: int, n: int) -> str:
     return f"model{v}." if n > 1 else ""
 
 
+def _stored(chunk: Any) -> dict[str, torch.Tensor]:
+    """A chunk's parameters and the persistent buffers it saves (a router's expert bias)."""
+    keys = set(chunk.state_dict())
+    out = dict(chunk.named_parameters())
+    out.update({n: b for n, b in chunk.named_buffers() if n in keys})
+    return out
+
+
 def _load(chunks: list[Any], state: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     """Load one rank's converted state into its chunks; check nothing is left out."""
     seen: set[str] = set()
@@ -248,7 +285,7 @@ def _load(chunks: list[Any], state: Mapping[str, torch.Tensor]) -> dict[str, Any
         prefix = _chunk_prefix(v, len(chunks))
         sub = {k[len(prefix) :]: t for k, t in state.items() if k.startswith(prefix)}
         seen.update(prefix + k for k in sub)
-        params = {n for n, _ in chunk.named_parameters()}
+        params = set(_stored(chunk))
         if set(sub) != params:
             raise AssertionError(
                 f"rank {dist.get_rank()} chunk {v}: converted-not-parameter "
@@ -262,7 +299,7 @@ def _load(chunks: list[Any], state: Mapping[str, torch.Tensor]) -> dict[str, Any
                 f"load_state_dict: missing {bad[:5]}, unexpected {result.unexpected_keys[:5]}"
             )
         missing_all += result.missing_keys
-        for name, param in chunk.named_parameters():
+        for name, param in _stored(chunk).items():
             if not torch.equal(param.detach(), sub[name]):
                 raise AssertionError(f"{prefix}{name} did not load bitwise")
     if seen != set(state):
@@ -322,7 +359,7 @@ def _local_state(chunks: list[Any]) -> dict[str, torch.Tensor]:
     return {
         _chunk_prefix(v, len(chunks)) + name: param.detach().clone()
         for v, chunk in enumerate(chunks)
-        for name, param in chunk.named_parameters()
+        for name, param in _stored(chunk).items()
     }
 
 
@@ -346,7 +383,7 @@ def _perturb(chunks: list[Any], seed: int) -> None:
     gen = torch.Generator().manual_seed(seed * 1000 + dist.get_rank())
     with torch.no_grad():
         for chunk in chunks:
-            for name, param in chunk.named_parameters():
+            for name, param in _stored(chunk).items():  # a router's expert bias too
                 noise = torch.randn(param.shape, generator=gen) * NOISE
                 partitioned = bool(getattr(param, "tensor_model_parallel", False))
                 if ".mlp.experts." in name:

@@ -159,6 +159,27 @@ CONFIGS["mixtral"] = {
     "sliding_window": None,
     "torch_dtype": "float32",
 }
+CONFIGS["glm4_moe"] = {
+    "model_type": "glm4_moe",
+    "hidden_size": 16,
+    "intermediate_size": 24,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "vocab_size": 52,
+    "moe_intermediate_size": 8,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "n_group": 2,
+    "topk_group": 1,
+    "routed_scaling_factor": 2.5,
+    "first_k_dense_replace": 1,
+    "use_qk_norm": True,
+    "attention_bias": True,
+    "torch_dtype": "float32",
+}
 DENSE = ("qwen2", "qwen3", "llama_tied", "llama_untied")
 
 #: label -> (allocation string, hsdp replicas, TP over the embeddings).
@@ -181,6 +202,8 @@ LAYOUT_CASES: tuple[tuple[str, str], ...] = (
     ("mistral", "d2t2"),
     ("mixtral", "d4"),
     ("mixtral", "d2t2"),
+    ("glm4_moe", "d4"),
+    ("glm4_moe", "d2t2"),
 )
 #: label -> (runtime options, gradient tolerance, weight tolerance) of the training section.
 RUN_OPTIONS: dict[str, tuple[Fsdp2RunOptions, float, float]] = {
@@ -195,6 +218,7 @@ TRAIN_CASES: tuple[tuple[str, str, str], ...] = (
     ("qwen3_moe", "d2t2", "fp32"),
     ("mistral", "d2t2", "fp32"),
     ("mixtral", "d2t2", "fp32"),
+    ("glm4_moe", "d2t2", "fp32"),
     ("llama_tied", "d2t2_rep_emb", "fp32"),
     ("qwen3", "d2t2", "ac"),
     ("qwen3", "d2t2", "offload"),
@@ -204,6 +228,10 @@ TRAIN_CASES: tuple[tuple[str, str, str], ...] = (
 LOGITS_ATOL = 1e-5
 TRAIN_LR = 1e-2
 BATCH, SEQ = 4, 8
+
+
+def locals_of(layout: Layout, rank: int) -> dict[str, Any]:
+    return {lt.name: lt for lt in layout.local_tensors(rank)}
 
 
 def layout_for(config: str, strategy: str) -> tuple[ModelSpec, Layout]:
@@ -319,6 +347,21 @@ def section_layout(rec: Recorder, config: str, strategy: str, dms: dict[Mesh, An
     canonical = {k: v.clone() for k, v in hf_state_to_canonical(model.state_dict(), spec).items()}
     apply_fsdp2(model, layout, dms[mesh], check=False)
     params = dict(model.named_parameters())
+    stored = set(model.state_dict())
+    buffers = {n: b for n, b in model.named_buffers() if n in stored}
+    for name, buf in buffers.items():  # whole on every rank, as the layout replicates it
+        t = layout.tensor(name)
+        rec.count("layout.buffers")
+        rec.check(
+            not isinstance(buf, DTensor)
+            and tuple(buf.shape) == t.shape
+            and t.sharding == Sharding.replicated(t.sharding.mesh)
+            and same(buf, materialize_local(locals_of(layout, rank)[name], canonical)),
+            "layout.buffer",
+            case=case,
+            param=name,
+        )
+    params.update(buffers)
     rec.params[case] = sorted(params)
     rec.check(
         sorted(params) == sorted(t.name for t in layout.tensors),
@@ -331,7 +374,7 @@ def section_layout(rec: Recorder, config: str, strategy: str, dms: dict[Mesh, An
     seen: dict[str, Any] = {}
     for t in layout.tensors:
         param = params.get(t.name)
-        if param is None:
+        if param is None or t.name in buffers:
             continue
         rec.count("layout.params")
         details = {"case": case, "param": t.name}
@@ -387,7 +430,8 @@ def section_layout(rec: Recorder, config: str, strategy: str, dms: dict[Mesh, An
             cast(DTensor, p).to_local().fill_(float("nan"))
     load_canonical(model, layout, rank, canonical)
     for t in layout.tensors:
-        loaded = cast(DTensor, params[t.name]).to_local()
+        tensor = params[t.name]
+        loaded = tensor if t.name in buffers else cast(DTensor, tensor).to_local()
         rec.check(
             same(loaded, materialize_local(locals_[t.name], canonical)),
             "load.local_data",

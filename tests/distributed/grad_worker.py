@@ -129,6 +129,28 @@ CONFIGS["mixtral"] = {
     "torch_dtype": "float32",
 }
 
+CONFIGS["glm4_moe"] = {
+    "model_type": "glm4_moe",
+    "hidden_size": 16,
+    "intermediate_size": 24,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "vocab_size": 52,
+    "moe_intermediate_size": 8,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "n_group": 2,
+    "topk_group": 1,
+    "routed_scaling_factor": 2.5,
+    "first_k_dense_replace": 1,
+    "use_qk_norm": True,
+    "attention_bias": True,
+    "torch_dtype": "float32",
+}
+
 #: label -> (allocation string, HSDP replicas, pipeline chunk lengths or None for the
 #: even split, FSDP2 run options). All fill the 4 ranks.
 STRATEGIES: dict[str, tuple[str, int, tuple[int, ...] | None, Fsdp2RunOptions]] = {
@@ -172,6 +194,8 @@ CASES: tuple[tuple[str, str], ...] = (
     ("mistral", "megatron:d2t2"),
     ("mixtral", "fsdp:d4"),
     ("mixtral", "megatron:d2p2"),
+    ("glm4_moe", "fsdp:d2t2"),
+    ("glm4_moe", "megatron:d2p2"),
 )
 
 
@@ -192,7 +216,12 @@ def global_batch(vocab: int) -> Tensor:
 
 def canonical_of(model: nn.Module, spec: ModelSpec, *, grads: bool = False) -> dict[str, Tensor]:
     sd = model.state_dict(keep_vars=True)
-    src = {k: (v.grad if grads else v).detach().clone() for k, v in sd.items()}
+    src = {
+        k: torch.zeros_like(v)
+        if grads and v.grad is None
+        else (v.grad if grads else v).detach().clone()
+        for k, v in sd.items()
+    }  # a buffer (GLM's router bias) has no gradient: zero
     return hf_state_to_canonical(src, spec)
 
 
@@ -295,8 +324,9 @@ def run_case(config: str, label: str, ref: dict[str, Any]) -> dict[str, Any]:
         stats = engine.train_step(
             ids, None if mask is None else split_rows(mask, engine.dp_size, engine.dp_rank)
         )
-        local = {
-            k: None if g is None else g.detach().cpu().clone()
+        state = engine.local_state()
+        local = {  # a buffer has no gradient: zero (as the reference's canonical_of)
+            k: torch.zeros_like(state[k]).cpu() if g is None else g.detach().cpu().clone()
             for k, g in engine.local_grads().items()
         }
         gathered: list[Any] = [None] * dist.get_world_size()
@@ -309,7 +339,12 @@ def run_case(config: str, label: str, ref: dict[str, Any]) -> dict[str, Any]:
         )
         worst_at = int((w1[worst_name] - ref["w1"][worst_name]).abs().argmax())
         opt = engine.optimizer_local_state()
-        names = set(engine.local_state())
+        # the layout's tensors less the buffers (a router's bias): what the optimizer steps
+        names = {
+            n
+            for n in engine.local_state()
+            if not n.endswith(("e_score_correction_bias", "mlp.router.expert_bias"))
+        }
         logp = engine.forward_logprobs(ids)
         want_logp = split_rows(ref["logp"], engine.dp_size, engine.dp_rank)
         logp_diff = torch.tensor(float((logp - want_logp).abs().max()), dtype=torch.float64)
@@ -344,6 +379,7 @@ def run_case(config: str, label: str, ref: dict[str, Any]) -> dict[str, Any]:
             optimizer_shapes_ok=all(
                 tuple(opt[n][k].shape) == tuple(t.shape)
                 for n, t in engine.local_state().items()
+                if n in names
                 for k in ("exp_avg", "exp_avg_sq")
             ),
         )

@@ -49,7 +49,8 @@ def records(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 
 def _hf_param_names(config: str) -> list[str]:
-    """``named_parameters()`` of the transformers model (meta device): the ground truth."""
+    """``named_parameters()`` and the persistent buffers ``state_dict()`` saves (GLM's
+    router bias) of the transformers model (meta device): the ground truth."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -58,7 +59,9 @@ def _hf_param_names(config: str) -> list[str]:
         model = AutoModelForCausalLM.from_config(
             AutoConfig.for_model(worker.CONFIGS[config]["model_type"], **cfg)
         )
-    return sorted(n for n, _ in model.named_parameters())
+    stored = set(model.state_dict())
+    buffers = [n for n, _ in model.named_buffers() if n in stored]
+    return sorted([n for n, _ in model.named_parameters()] + buffers)
 
 
 def test_no_check_failed(records: list[dict[str, Any]]) -> None:
@@ -76,7 +79,9 @@ def test_every_parameter_of_every_case_was_checked(records: list[dict[str, Any]]
             assert params == names[case.split("/")[0]], case
         counts = rec["counts"]
         assert counts["layout.cases"] == len(worker.LAYOUT_CASES)
-        assert counts["layout.params"] == expected
+        buffers = counts.get("layout.buffers", 0)  # checked whole (layout.buffer)
+        assert counts["layout.params"] + buffers == expected
+        assert counts.get("layout.buffer.checked", 0) == buffers
         for check in (
             "placements",
             "mesh",
@@ -87,7 +92,7 @@ def test_every_parameter_of_every_case_was_checked(records: list[dict[str, Any]]
             "local_data_shard",
             "full_tensor",
         ):
-            assert counts[f"layout.{check}.checked"] == expected, check
+            assert counts[f"layout.{check}.checked"] == expected - buffers, check
         assert counts["load.local_data.checked"] == expected
         assert counts["export.tensors"] == counts["export.data.checked"]
         assert counts["forward.logits.checked"] == len(worker.LAYOUT_CASES)
@@ -156,7 +161,7 @@ def test_training_step_matches_single_process(records: list[dict[str, Any]]) -> 
             if c.endswith("/fp32")
         ]
         expected = sum(1 for c in worker.TRAIN_CASES if c[2] == "fp32")
-        assert len(fp32) == expected == 8 and max(fp32) <= 1e-6
+        assert len(fp32) == expected == 9 and max(fp32) <= 1e-6
 
 
 def test_logits_match_unsharded_model(records: list[dict[str, Any]]) -> None:

@@ -121,6 +121,8 @@ class Fsdp2Engine(OptimizerSteps):
         model = build_hf_model(model_spec, seed=seed).to(self.device)
         self.model = fsdp2.apply_fsdp2(model, self.layout, self.device_mesh, options=run_options)
         self._params: dict[str, nn.Parameter] = dict(self.model.named_parameters())
+        # the layout's tensors: the parameters, and buffers such as a router's expert bias
+        self._tensors: dict[str, Tensor] = fsdp2.layout_tensors(self.model)
         self._weights = norm_weights(self.layout, self.rank)
         self.optimizer = optimizer.build(list(self._params.values()))
 
@@ -197,7 +199,7 @@ class Fsdp2Engine(OptimizerSteps):
     def local_state(self) -> dict[str, Tensor]:
         """Layout tensor name -> this rank's live local shard (shares storage; do not resize)."""
         return {
-            lt.name: _local(self._params[lt.name]).detach()
+            lt.name: _local(self._tensors[lt.name]).detach()
             for lt in self.layout.local_tensors(self.rank)
         }
 
@@ -208,6 +210,9 @@ class Fsdp2Engine(OptimizerSteps):
         """
         out: dict[str, Tensor | None] = {}
         for lt in self.layout.local_tensors(self.rank):
+            if lt.name not in self._params:  # a buffer: not trained
+                out[lt.name] = None
+                continue
             g = self._params[lt.name].grad
             if isinstance(g, DTensor):
                 p = self._params[lt.name]
@@ -232,7 +237,7 @@ class Fsdp2Engine(OptimizerSteps):
             return
         with torch.no_grad():
             for name, t in iter_to_megatron(canonical, self.layout, self.rank):
-                _local(self._params[name]).copy_(t)
+                _local(self._tensors[name]).copy_(t)
 
     def export_canonical(self) -> dict[str, Tensor]:
         """Every canonical tensor on every rank (collective; bitwise the shards' values)."""

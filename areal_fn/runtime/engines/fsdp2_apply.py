@@ -63,6 +63,7 @@ from areal_fn.errors import LayoutError, SpecError
 from areal_fn.layouts.layout import Layout, LocalTensor, LogicalTensor
 from areal_fn.model.spec import layer_of
 from areal_fn.runtime.engines.fsdp2_data import export_canonical as export_canonical
+from areal_fn.runtime.engines.fsdp2_data import layout_tensors as layout_tensors
 from areal_fn.runtime.engines.fsdp2_data import load_canonical as load_canonical
 from areal_fn.runtime.engines.fsdp2_data import materialize_local as materialize_local
 from areal_fn.runtime.engines.fsdp2_mesh import DP_REPLICATE as DP_REPLICATE
@@ -81,6 +82,7 @@ from areal_fn.runtime.engines.tp_styles import tensor_parallel_style as tensor_p
 from areal_fn.runtime.engines.tp_styles import tp_plan as tp_plan
 from areal_fn.sharding.mesh import Mesh
 from areal_fn.sharding.placement import Shard, StridedShard
+from areal_fn.sharding.sharding import Sharding
 from areal_fn.typecheck import beartype
 
 __all__ = [
@@ -147,6 +149,8 @@ def _shard_placement_fn(
     dims: dict[int, int] = {}
     params = dict(model.named_parameters())
     for t in layout.tensors:
+        if t.name not in params:
+            continue  # a buffer: FSDP2 leaves it whole (the layout replicates it)
         p = t.sharding.placements[i]
         if not isinstance(p, (Shard, StridedShard)):
             raise LayoutError(
@@ -233,7 +237,7 @@ def check_applied(model: nn.Module, layout: Layout, rank: int) -> list[str]:
     placements and local shape.
     """
     problems = []
-    params = dict(model.named_parameters())
+    params = layout_tensors(model)
     want = {t.name for t in layout.tensors}
     for name in sorted(set(params) ^ want):
         where = "model" if name in params else "layout"
@@ -247,7 +251,14 @@ def check_applied(model: nn.Module, layout: Layout, rank: int) -> list[str]:
     return problems
 
 
-def _param_problems(t: LogicalTensor, param: nn.Parameter, local: LocalTensor | None) -> list[str]:
+def _param_problems(t: LogicalTensor, param: torch.Tensor, local: LocalTensor | None) -> list[str]:
+    if not isinstance(param, nn.Parameter) and not isinstance(param, DTensor):
+        # a buffer: whole on every rank, as the layout's replicated sharding says
+        if t.sharding != Sharding.replicated(t.sharding.mesh):
+            return [f"{t.name}: a buffer (whole on every rank), layout {t.sharding}"]
+        if tuple(param.shape) != t.shape:
+            return [f"{t.name}: buffer shape {tuple(param.shape)}, layout {t.shape}"]
+        return []
     if not isinstance(param, DTensor):
         return [f"{t.name}: a plain {type(param).__name__}, not a DTensor"]
     out = []

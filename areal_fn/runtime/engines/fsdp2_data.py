@@ -20,7 +20,16 @@ from areal_fn.layouts.layout import Layout, LocalTensor
 from areal_fn.runtime.engines.fsdp2_mesh import FSDP2MismatchError
 from areal_fn.typecheck import beartype
 
-__all__ = ["export_canonical", "load_canonical", "materialize_local"]
+__all__ = ["export_canonical", "layout_tensors", "load_canonical", "materialize_local"]
+
+
+def layout_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What a layout describes: the parameters and the persistent buffers (a router's
+    score-correction bias), by their ``state_dict`` names."""
+    out: dict[str, torch.Tensor] = dict(model.named_parameters())
+    stored = set(model.state_dict())
+    out.update({n: b for n, b in model.named_buffers() if n in stored})
+    return out
 
 
 def _canonical_source(canonical: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -72,13 +81,13 @@ def load_canonical(
     ``canonical`` holds full canonical tensors (checkpoint names and shapes); each rank
     copies only its pieces (cast to the parameter dtype). No communication.
     """
-    params = dict(model.named_parameters())
+    params = layout_tensors(model)
     with torch.no_grad():
         for local in layout.local_tensors(rank):
             param = params.get(local.name)
             if param is None:
                 raise ConversionError(
-                    f"layout tensor {local.name!r} is not a parameter of the model; apply the "
+                    f"layout tensor {local.name!r} is not a parameter or buffer of the model; apply the "
                     "same layout with apply_fsdp2 first"
                 )
             target = param.to_local() if isinstance(param, DTensor) else param
@@ -105,7 +114,7 @@ def export_canonical(
         raise LayoutError(
             f"the {layout.kind} layout spans {layout.world_size} ranks, the group {world}"
         )
-    params = dict(model.named_parameters())
+    params = layout_tensors(model)
     specs = {c.name: c for c in layout.canonical}
     out: dict[str, torch.Tensor] = {}
     written: dict[str, torch.Tensor] = {}
@@ -113,7 +122,9 @@ def export_canonical(
     for t in layout.tensors:
         param = params.get(t.name)
         if param is None:
-            raise ConversionError(f"layout tensor {t.name!r} is not a parameter of the model")
+            raise ConversionError(
+                f"layout tensor {t.name!r} is not a parameter or buffer of the model"
+            )
         mine = param.to_local() if isinstance(param, DTensor) else param
         mine = mine.detach().contiguous().reshape(-1)
         sizes = [lt[t.name].numel if t.name in lt else 0 for lt in locals_by_rank]

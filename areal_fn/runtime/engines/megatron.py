@@ -177,6 +177,8 @@ class MegatronEngine(OptimizerSteps):
         config.finalize_model_grads_func = finalize_model_grads
         self.config = config
         self._params = self._named_params()
+        # the layout's tensors: the parameters, and the routers' expert-bias buffers
+        self._tensors: dict[str, Tensor] = {**self._params, **self._named_buffers()}
         self._check_params()
         self._weights = norm_weights(self.layout, self.rank)
         self._pad_cols = self._padding_columns(plan)
@@ -212,9 +214,20 @@ class MegatronEngine(OptimizerSteps):
                 out[f"model{v}.{name}" if vpp else name] = p
         return out
 
+    def _named_buffers(self) -> dict[str, Tensor]:
+        """Persistent buffers a checkpoint holds (``mlp.router.expert_bias``)."""
+        vpp = self.dims.vpp > 1
+        out = {}
+        for v, chunk in enumerate(self.chunks):
+            stored = set(chunk.module.state_dict())
+            for name, b in chunk.module.named_buffers():
+                if name in stored:
+                    out[f"model{v}.{name}" if vpp else name] = b
+        return out
+
     def _check_params(self) -> None:
         want = {lt.name: lt.shape for lt in self.layout.local_tensors(self.rank)}
-        got = {n: tuple(p.shape) for n, p in self._params.items()}
+        got = {n: tuple(p.shape) for n, p in self._tensors.items()}
         if got != want:
             diff = sorted(
                 f"{n}: model {got.get(n)}, layout {want.get(n)}"
@@ -387,7 +400,7 @@ class MegatronEngine(OptimizerSteps):
     # -- state -------------------------------------------------------------------------
     def local_state(self) -> dict[str, Tensor]:
         """Layout tensor name -> this rank's live local parameter (shares storage)."""
-        return {name: p.detach() for name, p in self._params.items()}
+        return {name: p.detach() for name, p in self._tensors.items()}
 
     def local_grads(self) -> dict[str, Tensor | None]:
         """Layout tensor name -> this rank's gradient (Megatron's ``main_grad`` buffer view).
@@ -395,14 +408,14 @@ class MegatronEngine(OptimizerSteps):
         After :meth:`train_step`: data-parallel reduced, divided by the global token
         count, clipped: what the optimizer used.
         """
-        return {name: getattr(p, "main_grad", None) for name, p in self._params.items()}
+        return {name: getattr(p, "main_grad", None) for name, p in self._tensors.items()}
 
     @beartype
     def load_canonical(self, canonical: "Mapping[str, Tensor] | Reader") -> None:
         """Write this rank's local tensors from canonical tensors (``to_megatron``; no communication)."""
         with torch.no_grad():
             for name, t in iter_to_megatron(canonical, self.layout, self.rank):
-                self._params[name].copy_(t)
+                self._tensors[name].copy_(t)
 
     def export_canonical(self) -> dict[str, Tensor]:
         """Every canonical tensor on every rank: local states all-gathered, then ``to_hf``.
