@@ -44,7 +44,11 @@ class Replicate:
         return "R"
 
 
-@attrs.frozen(kw_only=True)
+# Shard, StridedShard and Partial take their fields positionally too, as DTensor's
+# placements do: Shard(0), StridedShard(0, 2), Partial("sum").
+
+
+@attrs.frozen
 class Shard:
     """Chunk tensor dim ``dim`` over the axis like ``torch.chunk`` (uneven allowed)."""
 
@@ -54,7 +58,7 @@ class Shard:
         return f"S({self.dim})"
 
 
-@attrs.frozen(kw_only=True)
+@attrs.frozen
 class StridedShard:
     """Cut dim ``dim`` into ``split_factor`` blocks, chunk each over the axis, and give
     rank ``i`` the concatenation of every block's ``i``-th chunk.
@@ -70,7 +74,7 @@ class StridedShard:
         return f"SS({self.dim},{self.split_factor})"
 
 
-@attrs.frozen(kw_only=True)
+@attrs.frozen
 class Partial:
     """Every rank along the axis holds a partial value; the full value is ``op`` of them."""
 

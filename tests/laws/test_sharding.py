@@ -234,3 +234,16 @@ def test_mesh_split_and_flatten_keep_rank_order(mesh, data):
         c, sc = mesh.coords(r), split.coords(r)
         assert sc[i] * (size // a) + sc[i + 1] == c[i]
     assert split.flatten(("hi_part", "lo_part"), axis) == mesh
+
+
+def test_placements_take_dtensor_positional_forms():
+    """``Shard(0)``, ``StridedShard(0, 2)``, ``Partial("max")`` as DTensor spells them."""
+    from torch.distributed.tensor import Partial as TPartial
+    from torch.distributed.tensor import Shard as TShard
+
+    from areal_fn.sharding.placement import Partial, Shard, StridedShard
+
+    assert Shard(1) == Shard(dim=1) and Shard(1).dim == TShard(1).dim
+    assert StridedShard(0, 2) == StridedShard(dim=0, split_factor=2)
+    assert Partial("max") == Partial(op="max") and Partial("max").op == TPartial("max").reduce_op
+    assert repr(Shard(1)) == "Shard(dim=1)"  # repr stays keyword-style, valid Python
