@@ -238,6 +238,23 @@ def _fusion(
     return gate_up_fusion(sources[0], sources[1], first[0], first[1:])
 
 
+@beartype
+def layer_parameters(
+    model: ModelSpec, layer: int
+) -> tuple[tuple[MegatronTensor, tuple[int, ...]], ...]:
+    """The Megatron-Core parameters of decoder layer ``layer`` (its family's table rows that
+    apply, with the parameter's shape); an expert row stands for each of the experts."""
+    flags = {c: getattr(model, c) for c in CONDITIONS}
+    hp = f"model.layers.{layer}."
+    shapes = {t.name: t.shape for t in model.layer_tensors(layer)}
+    out = []
+    for r in select(model.family.megatron, moe=model.moe_layers[layer], flags=flags):
+        sources = tuple(hp + h.format(e=0) for h in r.hf)
+        shape, _fusion_map = _fusion(model, shapes, r.fusion, sources)
+        out.append((r, shape))
+    return tuple(out)
+
+
 @attrs.define(kw_only=True)
 class _Builder:
     """Accumulates the logical tensors of one Megatron layout (one call's scratch state)."""

@@ -20,7 +20,6 @@ layouts give equal censuses whatever their tensor order. The group records
 (:class:`TensorGroup`, :class:`LayerGroup`) are in :mod:`areal_fn.plans.census_groups`.
 """
 
-import functools
 import math
 from collections.abc import Iterable
 
@@ -29,8 +28,9 @@ import attrs
 from areal_fn.errors import LayoutError, SpecError
 from areal_fn.layouts.fsdp2 import Fsdp2Options, fsdp2_mesh, fsdp2_sharding
 from areal_fn.layouts.layout import Layout
-from areal_fn.layouts.megatron import MegatronMeshes, default_stages
+from areal_fn.layouts.megatron import MegatronMeshes, default_stages, layer_parameters
 from areal_fn.layouts.vocab import padded_vocab_size
+from areal_fn.model.hf_memory import hf_memory_view
 from areal_fn.model.spec import ModelSpec, layer_of
 from areal_fn.pipeline.partition import StagePlan
 from areal_fn.plans.census_groups import LayerGroup as LayerGroup
@@ -197,49 +197,38 @@ def megatron_census(
     def on(mesh: Mesh, p: Placement) -> int:
         return b.intern(Sharding(mesh=mesh, placements=(r, r, r, p)), b.shardings)
 
-    rep, s0, s1 = on(dense, r), on(dense, Shard(dim=0)), on(dense, Shard(dim=1))
-    ss = on(dense, StridedShard(dim=0, split_factor=2))
-    e_ss = on(expert, StridedShard(dim=0, split_factor=2))
-    e_s1 = on(expert, Shard(dim=1))
+    rep, s0 = on(dense, r), on(dense, Shard(dim=0))
     dense_id, expert_id = b.intern(dense, b.meshes), b.intern(expert, b.meshes)
-    h, hd = model.hidden_size, model.head_dim
-    nq, nkv = model.num_attention_heads, model.num_key_value_heads
-    qkv_rows = (nq + 2 * nkv) * hd
-    inter, e_inter = model.intermediate_size, model.moe_intermediate_size
+    h = model.hidden_size
     vpad = padded_vocab_size(model.vocab_size, tp=dims.tp, divisible_by=vocab_divisible_by)
     per_rank = model.num_experts // dims.ep if model.is_moe else 0
+    # the family's table, once per layer kind (every layer of a kind has the same parameters)
+    kinds = {
+        moe: layer_parameters(model, model.moe_layers.index(moe))
+        for moe in (False, True)
+        if moe in model.moe_layers
+    }
     for chunk in range(plan.num_chunks):
         pres: Presence = (("pp", chunk % dims.pp),)
         layers = list(plan.chunk_layers(chunk))
-        moe = [i for i in layers if model.moe_layers[i]]
-        n, n_moe = len(layers), len(moe)
-        n_dense = n - n_moe
         if chunk == 0:
             b.add((vpad, h), s0, pres)
-        if n:
-            b.add((h,), rep, pres, 2 * n)  # input_layernorm, pre_mlp_layernorm
-            b.add((qkv_rows, h), s0, pres, n)
-            b.add((h, nq * hd), s1, pres, n)
-            if model.qkv_bias:
-                b.add((qkv_rows,), s0, pres, n)
-            if model.qk_norm:
-                b.add((hd,), rep, pres, 2 * n)
-            if model.o_bias:
-                b.add((h,), rep, pres, n)
+        if layers:
             b.add_layers(dense_id, pres, layers)
-        if n_dense:
-            b.add((2 * inter, h), ss, pres, n_dense)
-            b.add((h, inter), s1, pres, n_dense)
-            if model.mlp_bias:
-                b.add((2 * inter,), ss, pres, n_dense)
-                b.add((h,), rep, pres, n_dense)
-        if n_moe:
-            b.add((model.num_experts, h), rep, pres, n_moe)
-            for ep_rank in range(dims.ep):
-                e_pres = (*pres, ("ep", ep_rank))
-                b.add((2 * e_inter, h), e_ss, e_pres, per_rank * n_moe)
-                b.add((h, e_inter), e_s1, e_pres, per_rank * n_moe)
-                b.add_layers(expert_id, e_pres, moe)
+        for moe, rows in kinds.items():
+            n = sum(model.moe_layers[i] == moe for i in layers)
+            if not n:
+                continue
+            for rec, shape in rows:
+                if not rec.expert:
+                    b.add(shape, on(dense, rec.tp), pres, n)
+                    continue
+                for ep_rank in range(dims.ep):
+                    b.add(shape, on(expert, rec.tp), (*pres, ("ep", ep_rank)), per_rank * n)
+            if moe:
+                moe_layers = [i for i in layers if model.moe_layers[i]]
+                for ep_rank in range(dims.ep):
+                    b.add_layers(expert_id, (*pres, ("ep", ep_rank)), moe_layers)
         if chunk == plan.num_chunks - 1:
             b.add((h,), rep, pres)
             if not model.tie_word_embeddings or dims.pp > 1:
@@ -265,26 +254,18 @@ def fsdp2_census(
     )
     mesh = fsdp2_mesh(dims, options)
     b = _Builder()
-    for name, shape in _memory_shapes(model):
-        b.add(shape, b.intern(fsdp2_sharding(name, shape, dims, mesh, options), b.shardings), ())
+    replicated = b.intern(Sharding.replicated(mesh), b.shardings)
+    for mt in hf_memory_view(model):
+        if model.tie_word_embeddings and mt.name == "lm_head.weight":
+            continue  # the same Parameter as the embedding
+        sharding = (  # a buffer stays whole on every rank, as in fsdp2_layout
+            replicated
+            if mt.buffer
+            else b.intern(fsdp2_sharding(mt.name, mt.shape, dims, mesh, options), b.shardings)
+        )
+        b.add(mt.shape, sharding, ())
     b.add_layers(b.intern(mesh, b.meshes), (), range(model.num_layers))
     return b.build("fsdp2", mesh.size)
-
-
-@functools.lru_cache(maxsize=16)
-def _memory_shapes(model: ModelSpec) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    """Names and shapes of the transformers 5 parameters (experts fused, no tied head)."""
-    out = [(t.name, t.shape) for t in model.tensors if ".mlp.experts." not in t.name]
-    for layer in range(model.num_layers):
-        if not model.moe_layers[layer]:
-            continue
-        prefix = f"model.layers.{layer}."
-        for group in model.family.fused_experts:
-            shapes = [model.tensor(prefix + part.format(e=0)).shape for part in group.parts]
-            per_expert = list(shapes[0])
-            per_expert[group.concat_dim] = sum(s[group.concat_dim] for s in shapes)
-            out.append((prefix + group.name, (model.num_experts, *per_expert)))
-    return tuple(out)
 
 
 # -- per-rank queries -----------------------------------------------------------------
