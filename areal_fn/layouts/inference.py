@@ -141,7 +141,7 @@ def _logical_tensor(
     return LogicalTensor(
         name=name,
         shape=lshape,
-        dtype=model.dtype,
+        dtype=spec.dtype,  # the canonical tensor's (a float32 router stays float32)
         fusion=fusion,
         sharding=Sharding(mesh=m, placements=placements),
         present=((Axis.PP, _stage(name, model, dims.pp)),),

@@ -417,12 +417,11 @@ def _per_expert_names(spec: ModelSpec) -> list[tuple[str, int]]:
     return out
 
 
-def _canonical_shapes(spec: ModelSpec) -> list[tuple[str, tuple[int, ...], str | None]]:
-    """The embedding, each decoder layer from the family's canonical table, the final
-    norm and the (untied) output layer."""
-    hid, hd = spec.hidden_size, spec.head_dim
-    sizes = {
-        Dim.HIDDEN: hid,
+def dim_sizes(spec: ModelSpec) -> dict[Dim, int]:
+    """The size of every :class:`~areal_fn.model.families.mapping.Dim` for ``spec``."""
+    hd = spec.head_dim
+    return {
+        Dim.HIDDEN: spec.hidden_size,
         Dim.HEAD_DIM: hd,
         Dim.Q_OUT: spec.num_attention_heads * hd,
         Dim.KV_OUT: spec.num_key_value_heads * hd,
@@ -431,7 +430,19 @@ def _canonical_shapes(spec: ModelSpec) -> list[tuple[str, tuple[int, ...], str |
         Dim.EXPERTS: spec.num_experts,
         Dim.SHARED_INTER: spec.num_shared_experts * spec.moe_intermediate_size,
     }
-    flags = {c: getattr(spec, c) for c in CONDITIONS}
+
+
+def condition_flags(spec: ModelSpec) -> dict[str, object]:
+    """The value of every table condition (``when``) for ``spec``."""
+    return {c: getattr(spec, c) for c in CONDITIONS}
+
+
+def _canonical_shapes(spec: ModelSpec) -> list[tuple[str, tuple[int, ...], str | None]]:
+    """The embedding, each decoder layer from the family's canonical table, the final
+    norm and the (untied) output layer."""
+    hid = spec.hidden_size
+    sizes = dim_sizes(spec)
+    flags = condition_flags(spec)
     table = spec.family.canonical
     out: list[tuple[str, tuple[int, ...], str | None]] = [
         ("model.embed_tokens.weight", (spec.vocab_size, hid), None)

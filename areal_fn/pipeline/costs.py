@@ -34,7 +34,8 @@ import attrs
 import numpy as np
 
 from areal_fn.errors import PlanError
-from areal_fn.model.spec import ModelSpec
+from areal_fn.model.families.mapping import select
+from areal_fn.model.spec import ModelSpec, condition_flags, dim_sizes
 from areal_fn.pipeline.partition import StagePlan, partition_pipeline
 from areal_fn.typecheck import beartype
 
@@ -140,29 +141,23 @@ def _check_ep(spec: ModelSpec, expert_parallel: int) -> None:
         )
 
 
-def _attn_params(spec: ModelSpec) -> int:
-    h, q, kv = spec.hidden_size, spec.num_attention_heads * spec.head_dim, 0
-    kv = spec.num_key_value_heads * spec.head_dim
-    n = h * q + 2 * h * kv + q * h
-    n += (q + 2 * kv) * spec.qkv_bias + h * spec.o_bias + 2 * spec.head_dim * spec.qk_norm
-    return n + 2 * h  # input and post-attention norms
-
-
-def _mlp_params(spec: ModelSpec, moe: bool, expert_parallel: int) -> int:
-    h = spec.hidden_size
-    if moe:
-        experts = spec.num_experts // expert_parallel
-        return experts * 3 * h * spec.moe_intermediate_size + spec.num_experts * h
-    inter = spec.intermediate_size
-    return 3 * h * inter + (2 * inter + h) * spec.mlp_bias
+def _kind_params(spec: ModelSpec, moe: bool, expert_parallel: int) -> int:
+    """Parameters of one layer of a kind, from the family's canonical table (routed
+    experts divided over ``expert_parallel``)."""
+    sizes, flags = dim_sizes(spec), condition_flags(spec)
+    total = 0
+    for r in select(spec.family.canonical, moe=moe, flags=flags):
+        numel = math.prod(sizes[d] for d in r.shape)
+        total += numel * (spec.num_experts // expert_parallel if r.expert else 1)
+    return total
 
 
 def _layer_params(
     spec: ModelSpec, moe_layer_freq: int | Sequence[int] | None, expert_parallel: int
 ) -> list[int]:
     _check_ep(spec, expert_parallel)
-    attn = _attn_params(spec)
-    return [attn + _mlp_params(spec, m, expert_parallel) for m in _moe_flags(spec, moe_layer_freq)]
+    per_kind = {m: _kind_params(spec, m, expert_parallel) for m in (False, True)}
+    return [per_kind[m] for m in _moe_flags(spec, moe_layer_freq)]
 
 
 @beartype
