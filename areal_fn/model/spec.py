@@ -30,6 +30,8 @@ from areal_fn.model.families import FAMILIES, Family, family
 from areal_fn.model.families.mapping import CONDITIONS, Dim, LayerKind, layer_tensors
 from areal_fn.model.hf_config import ROPE_TYPES as ROPE_TYPES
 from areal_fn.model.hf_config import _positive_float, _rope_pairs, _spec_fields
+from areal_fn.model.routing import ROUTER_SCORES as ROUTER_SCORES
+from areal_fn.model.routing import check_groups, check_rotary
 from areal_fn.model.tensor_spec import TensorSpec, dtype_name
 from areal_fn.typecheck import beartype
 
@@ -75,11 +77,10 @@ def _check_family_shape(spec: "ModelSpec") -> None:
                 f"ModelSpec.moe_layers={spec.moe_layers} has dense layers, but every "
                 f"{fam.model_type} layer is an MoE layer (the family has no dense MLP)"
             )
-    if fam.first_k_dense and spec.moe_layers:
-        k = spec.moe_layers.index(True) if any(spec.moe_layers) else len(spec.moe_layers)
-        if spec.moe_layers != (False,) * k + (True,) * (len(spec.moe_layers) - k) or k == len(
-            spec.moe_layers
-        ):
+    n = len(spec.moe_layers)
+    if fam.first_k_dense and n:
+        k = spec.moe_layers.index(True) if any(spec.moe_layers) else n
+        if k == n or spec.moe_layers != (False,) * k + (True,) * (n - k):
             raise SpecError(
                 f"ModelSpec.moe_layers={spec.moe_layers}: {fam.model_type} layers are dense "
                 f"first ({fam.first_k_dense}), then MoE to the last layer, with at least one "
@@ -133,7 +134,7 @@ def _check_model(spec: "ModelSpec") -> None:
             f"give one bool per layer"
         )
     moe = (spec.num_experts, spec.num_experts_per_tok, spec.moe_intermediate_size)
-    _check_rotary(spec)
+    check_rotary(spec)
     routing = (
         spec.num_shared_experts,
         spec.router_score,
@@ -167,46 +168,11 @@ def _check_model(spec: "ModelSpec") -> None:
             f"num_experts_per_tok={spec.num_experts_per_tok} must be in 1..num_experts="
             f"{spec.num_experts}; a token cannot be routed to more experts than exist"
         )
-    _check_groups(spec)
-
-
-def _check_rotary(spec: "ModelSpec") -> None:
-    f = spec.rotary_fraction
-    if f == 1.0:
-        return
-    if not spec.family.partial_rotary:
-        raise SpecError(
-            f"rotary_fraction={f}: the {spec.model_type} family rotates every head dim; use "
-            f"1.0 or a family with partial rotary embeddings (glm4_moe)"
-        )
-    dims = spec.head_dim * f
-    if not 0 < f < 1 or dims != int(dims) or int(dims) % 2:
-        raise SpecError(
-            f"rotary_fraction={f} of head_dim={spec.head_dim} is {dims} dims; it must be in "
-            f"(0, 1] and give an even whole number of rotated dims"
-        )
-
-
-def _check_groups(spec: "ModelSpec") -> None:
-    g, k = spec.router_groups, spec.router_group_topk
-    if spec.num_experts % g or k > g:
-        raise SpecError(
-            f"router_groups={g} must divide num_experts={spec.num_experts} and "
-            f"router_group_topk={k} must be <= router_groups; group-limited routing keeps "
-            f"the top {k} of {g} equal groups of experts"
-        )
-    if spec.num_experts_per_tok > spec.num_experts // g * k:
-        raise SpecError(
-            f"num_experts_per_tok={spec.num_experts_per_tok} exceeds the "
-            f"{spec.num_experts // g * k} experts in the top {k} of {g} groups"
-        )
+    check_groups(spec)
 
 
 _pos = _int_at_least(1)
 _nonneg = _int_at_least(0)
-
-#: How a router turns logits into expert scores.
-ROUTER_SCORES = ("softmax", "sigmoid")
 
 
 @attrs.frozen(kw_only=True)

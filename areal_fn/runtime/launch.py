@@ -7,10 +7,14 @@ Used by the multi-process tests (``tests/distributed``) and usable from any driv
 
 The launch gets a free ``--master-port`` (retried once on a port clash), a wall-clock
 timeout that kills the whole process tree, and per-rank log files; on failure a
-:class:`LaunchError` carries every rank's stderr tail.
+:class:`LaunchError` carries every rank's stderr tail. The ranks of one launch share a
+fresh random weight-sync secret in ``AREAL_FN_SYNC_SECRET`` (unless the caller's
+environment or ``env`` sets one), so that their sync groups are authenticated
+(:mod:`areal_fn.runtime.sync.auth`).
 """
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -23,6 +27,7 @@ from pathlib import Path
 
 import attrs
 
+from areal_fn.runtime.sync.auth import SECRET_ENV
 from areal_fn.typecheck import beartype
 
 __all__ = ["LaunchError", "LaunchResult", "free_port", "run_torchrun"]
@@ -88,7 +93,9 @@ def run_torchrun(
 ) -> LaunchResult:
     """Run ``python -m torch.distributed.run --nproc-per-node nproc script *args``.
 
-    ``env`` is added to this process's environment (``OMP_NUM_THREADS=1`` unless set).
+    ``env`` is added to this process's environment (``OMP_NUM_THREADS=1`` unless set;
+    ``AREAL_FN_SYNC_SECRET``, the secret of the ranks' weight-sync groups, a fresh random
+    one per launch unless set).
     Each rank's stdout/stderr is captured separately (torchrun ``--redirects 3``) and
     also echoed, prefixed with the rank, into the launcher output. The process tree
     is killed after ``timeout_s``. With ``check`` a failed or timed-out launch raises
@@ -141,6 +148,8 @@ def _launch_once(
     )
     full_env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     full_env.update(env or {})
+    if not full_env.get(SECRET_ENV):  # the ranks' sync groups share it, nobody else has it
+        full_env[SECRET_ENV] = secrets.token_hex(32)
     start = time.monotonic()
     process = subprocess.Popen(
         command,

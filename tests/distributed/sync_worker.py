@@ -20,15 +20,24 @@ Sections, in order (each needs the ranks alive that the previous ones left):
     succeeds.
 ``colocated``
     trainer ``fsdp:d2t2`` on ranks 0-3, inference ``t2`` on ranks 0-1 (local copies).
+``auth``
+    standalone groups over a ``TCPStore``, authenticated. Every rank holds the secret
+    ``run_torchrun`` generated (``AREAL_FN_SYNC_SECRET``). Rank 3 first joins with
+    another secret: every rank raises ``SyncError`` at rendezvous, naming rank 3 (rank 3
+    names the others). The next generation forms with the right secret; rank 1 then
+    sends forged messages (the right format, other values, a MAC under a key that is
+    not the group's) in sync v3: every rank raises, receivers naming peer 1, and the
+    inference weights stay v2 bitwise; after ``renew()`` v3 succeeds.
 ``death``
     a standalone group over a ``TCPStore``; sources are full replicas on ranks 0 and 1;
     rank 1 ``os._exit``\\ s at the start of bucket ``k > 0``: ranks 0, 2, 3 raise
-    ``SyncError``, the weights stay v2 bitwise; the survivors renew the group without
-    rank 1, re-plan from rank 0 alone, and v3 succeeds.
+    ``SyncError``, the weights stay v3 bitwise; the survivors renew the group without
+    rank 1, re-plan from rank 0 alone, and v4 succeeds.
 """
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import sys
@@ -64,6 +73,7 @@ from areal_fn.runtime.engines.fsdp2_apply import (  # noqa: E402
     init_mesh,
     materialize_local,
 )
+from areal_fn.runtime.sync.auth import SECRET_ENV  # noqa: E402
 from areal_fn.runtime.sync.executor import (  # noqa: E402
     SyncError,
     SyncGroup,
@@ -481,10 +491,8 @@ def section_colocated(rec: Recorder, st: State) -> None:
     group.abort()
 
 
-def section_death(rec: Recorder, st: State, out: Path) -> None:
-    rank = rec.rank
-    s = spec()
-    assert st.infer_layout is not None
+def tcp_store(rank: int) -> dist.Store:
+    """A fresh ``TCPStore`` hosted by rank 0 on a free port, reached by every rank."""
     box: list[Any] = [None]
     store = None
     if rank == 0:
@@ -493,21 +501,99 @@ def section_death(rec: Recorder, st: State, out: Path) -> None:
     dist.broadcast_object_list(box, src=0)
     if store is None:
         store = open_store("127.0.0.1", int(box[0]), is_master=False)
+    return store
+
+
+WRONG_SECRET = b"not the launch's secret, 32 bytes"
+FORGED_KEY = b"\x00" * 32  # a session key the group does not have
+
+
+def section_auth(rec: Recorder, st: State) -> None:
+    rank = rec.rank
+    s = spec()
+    assert st.infer_layout is not None
+    secret = os.environ.get(SECRET_ENV, "")
+    rec.measured["auth.secret"] = {"length": len(secret), "sha256": sha256_hex(secret)}
+    rec.check(len(secret) == 64, "auth.launcher_secret", length=len(secret))
+    store = tcp_store(rank)
+    # rendezvous: rank 3 holds another secret; every rank refuses, nobody posts a bucket
+    dist.barrier()
+    try:
+        SyncGroup.from_store(
+            store,
+            members=range(WORLD),
+            rank=rank,
+            timeout_s=TIMEOUT_S,
+            name="auth",
+            secret=WRONG_SECRET if rank == 3 else None,
+        )
+        rec.fail("auth.rendezvous.raised", what="a group with a stray member formed")
+    except SyncError as e:
+        rec.error("auth.rendezvous", e, 0.0)
+    # the next generation, every member with the launch's secret
     group = SyncGroup.from_store(
-        store, members=range(WORLD), rank=rank, timeout_s=TIMEOUT_S, name="death"
+        store, members=range(WORLD), rank=rank, timeout_s=TIMEOUT_S, name="auth", generation=1
     )
     previous = st.canonical
-    v3 = {n: t + 0.01 for n, t in previous.items()}  # the next version, whole on 0 and 1
+    v3 = {n: t - 0.01 for n, t in previous.items()}  # the next version, whole on 0 and 1
     replicas = inference_layout(s, ParallelDims(dp=2), vocab_multiple=1)
     bp = bucket(
         plan_transfers(replicas, st.infer_layout, src_ranks=TRAINER, dst_ranks=INFER),
         BUCKET_BYTES,
         version=3,
     )
+    dst = destinations(st, rank)
+    # rank 1 forges: the group's format and plan, other values, a MAC under another key
+    forged = {n: t + 1.0 for n, t in v3.items()}
+    if rank == 1:
+        group._session = FORGED_KEY
+    src = (forged if rank == 1 else v3) if rank in TRAINER else {}
+    dist.barrier()
+    try:
+        send_and_receive(bp, src_tensors=src, dst_tensors=dst, group=group)
+        rec.fail("auth.forged.raised", what="the sync with a forged sender returned")
+    except SyncError as e:
+        rec.error("auth.forged", e, 0.0)
+    if rank in INFER:
+        assert st.infer is not None
+        check_live(rec, "auth.unchanged", dst, st.infer_layout, rank - 2, previous)
+    group = group.renew()  # the session key of the new generation: rank 1 is honest again
+    report = send_and_receive(
+        bp, src_tensors=v3 if rank in TRAINER else {}, dst_tensors=dst, group=group
+    )
+    rec.report("auth.retry", report)
+    st.canonical = v3
+    if rank in INFER:
+        assert st.infer is not None
+        check_live(rec, "auth.retry_weights", dst, st.infer_layout, rank - 2, v3)
+        check_logits(rec, "auth.retry", st.infer, reference_logits(s, v3))
+    group.abort()
+
+
+def sha256_hex(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def section_death(rec: Recorder, st: State, out: Path) -> None:
+    rank = rec.rank
+    s = spec()
+    assert st.infer_layout is not None
+    store = tcp_store(rank)
+    group = SyncGroup.from_store(
+        store, members=range(WORLD), rank=rank, timeout_s=TIMEOUT_S, name="death"
+    )
+    previous = st.canonical
+    v4 = {n: t + 0.01 for n, t in previous.items()}  # the next version, whole on 0 and 1
+    replicas = inference_layout(s, ParallelDims(dp=2), vocab_multiple=1)
+    bp = bucket(
+        plan_transfers(replicas, st.infer_layout, src_ranks=TRAINER, dst_ranks=INFER),
+        BUCKET_BYTES,
+        version=4,
+    )
     k = first_bucket_from(bp, 1)
     rec.measured["death.bucket"] = k
     rec.measured["death.tensors"] = expected_failure(bp, k, 1)
-    src = v3 if rank in TRAINER else {}
+    src = v4 if rank in TRAINER else {}
     dst = destinations(st, rank)
     if rank == 1:
         rec.measured["death.exited"] = True
@@ -535,14 +621,14 @@ def section_death(rec: Recorder, st: State, out: Path) -> None:
     bp = bucket(
         plan_transfers(whole, st.infer_layout, src_ranks=(0,), dst_ranks=INFER),
         BUCKET_BYTES,
-        version=3,
+        version=4,
     )
     report = send_and_receive(bp, src_tensors=src, dst_tensors=dst, group=group)
     rec.report("death.retry", report)
     if rank in INFER:
         assert st.infer is not None
-        check_live(rec, "death.retry_weights", dst, st.infer_layout, rank - 2, v3)
-        check_logits(rec, "death.retry", st.infer, reference_logits(s, v3))
+        check_live(rec, "death.retry_weights", dst, st.infer_layout, rank - 2, v4)
+        check_logits(rec, "death.retry", st.infer, reference_logits(s, v4))
     rec.measured["death.generation"] = group.generation
 
 
@@ -573,6 +659,7 @@ def main() -> int:
         guarded(rec, "split", lambda: section_split(rec, st))
         guarded(rec, "stall", lambda: section_stall(rec, st))
         guarded(rec, "colocated", lambda: section_colocated(rec, st))
+        guarded(rec, "auth", lambda: section_auth(rec, st))
         guarded(rec, "death", lambda: section_death(rec, st, out))
         rec.timings["total"] = round(time.monotonic() - start, 3)
     finally:

@@ -15,6 +15,8 @@ Two kinds of tests:
 
 import importlib.util
 import json
+import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -36,6 +38,7 @@ from areal_fn.plans.transfer import BucketPlan, bucket, plan_transfers
 from areal_fn.plans.transfer_apply import apply_transfers
 from areal_fn.plans.transfer_bound import transfer_lower_bound
 from areal_fn.runtime.engines.fsdp2_apply import materialize_local
+from areal_fn.runtime.sync.auth import SECRET_ENV
 from areal_fn.runtime.sync.executor import SyncError, SyncGroup, SyncReport, send_and_receive
 from areal_fn.strategy.allocation import ParallelDims
 from tests.distributed import sync_worker as worker
@@ -160,8 +163,12 @@ def sync_all(
     on_bucket: Callable[[int, int], None] | None = None,
     wire_dtype: torch.dtype | None = None,
     retry: bool = False,
+    on_group: Callable[[int, SyncGroup], None] | None = None,
 ) -> tuple[list[Any], list[dict[str, torch.Tensor]], list[Any]]:
-    """Run one sync on ``case.world`` threads: (results, live tensors, retry results)."""
+    """Run one sync on ``case.world`` threads: (results, live tensors, retry results).
+
+    ``on_group(rank, group)`` runs once the group formed (to tamper with it).
+    """
     lives = [case.live(r, old) for r in range(case.world)]
     retried: list[Any] = [None] * case.world
 
@@ -169,6 +176,8 @@ def sync_all(
         group = SyncGroup.from_store(
             store, members=range(case.world), rank=rank, timeout_s=timeout_s
         )
+        if on_group is not None:
+            on_group(rank, group)
         src = case.sources(rank, new)
         if prepare is not None:
             prepare(rank, src, lives[rank])
@@ -474,6 +483,197 @@ def test_a_member_that_never_arrives_is_named() -> None:
     run_ranks(1, body)
 
 
+# ---------------------------------------------------------------- authentication
+SECRET, OTHER_SECRET = b"the group's secret, 32 bytes long", b"another secret, also 32 bytes ok"
+
+
+def test_a_member_with_another_secret_is_refused_at_rendezvous_then_the_group_syncs() -> None:
+    case = split_case()
+    old, new = canonical(50), canonical(51)
+    lives = [case.live(r, old) for r in range(4)]
+
+    def body(rank: int, store: dist.Store) -> Any:
+        with pytest.raises(SyncError) as refused:
+            SyncGroup.from_store(
+                store,
+                members=range(4),
+                rank=rank,
+                timeout_s=10,
+                secret=OTHER_SECRET if rank == 3 else SECRET,
+            )
+        # the next generation, with the right secret everywhere
+        group = SyncGroup.from_store(
+            store, members=range(4), rank=rank, timeout_s=10, secret=SECRET, generation=1
+        )
+        report = send_and_receive(
+            case.buckets, src_tensors=case.sources(rank, new), dst_tensors=lives[rank], group=group
+        )
+        return refused.value, report
+
+    results = run_ranks(4, body)
+    for rank, (err, _) in enumerate(results[:3]):
+        assert err.peer == 3 and err.version == -1
+        assert re.search(
+            rf"sync group 'weight_sync/0': the proof of the group's secret posted for rank 3 "
+            rf"does not verify on rank {rank}: the process that joined as rank 3 holds another "
+            r"secret than this one, or none\. Refused before any connection or bucket; give "
+            r"every member the same secret \(secret= or AREAL_FN_SYNC_SECRET\)",
+            str(err),
+        ), str(err)
+    assert (
+        "posted for ranks [0, 1, 2] does not verify on rank 3: the processes that joined as "
+        "ranks [0, 1, 2] hold another secret than this one, or none" in str(results[3][0])
+    )
+    assert all(isinstance(report, SyncReport) for _, report in results)
+    want = case.reference(old, new)
+    for rank in case.dst_ranks:
+        assert same(lives[rank], want[rank])
+
+
+def _forge(rank: int, group: SyncGroup) -> None:
+    if rank == 1:  # speaks the protocol and knows the plan, but not the group's key
+        group._session = b"\x00" * 32
+
+
+def _other_values(rank: int, src: dict[str, torch.Tensor], live: dict[str, torch.Tensor]) -> None:
+    if rank == 1:
+        for k in src:
+            src[k] = src[k] + 1.0
+
+
+def test_a_forged_message_is_refused_and_changes_nothing_then_the_next_sync_succeeds() -> None:
+    case = split_case()
+    old, new = canonical(52), canonical(53)
+    start = time.monotonic()
+    results, lives, retried = sync_all(
+        case, old, new, timeout_s=20, on_group=_forge, prepare=_other_values
+    )
+    assert time.monotonic() - start < 10  # refused at once, not at the timeout
+    assert all(isinstance(r, SyncError) for r in results), results
+    direct = [r for r in results[2:] if r.peer == 1]
+    assert direct and all(set(r.tensors) for r in direct)
+    for r in results[0:1] + results[2:]:
+        assert re.search(
+            r"on rank [23] receiving from rank 1 \(\d+ transfers of .*\): the message fails "
+            r"authentication: its MAC does not match this group's key over the header \(version, "
+            r"bucket, sender, receiver, sync\) and the payload's digest, so a process without "
+            r"the group's secret sent it, or its bytes were altered on the way\. Refused before "
+            r"unpacking; live tensors keep the previous version",
+            str(r),
+        ), str(r)
+    _assert_unchanged(case, lives, old)
+    # the next legitimate sync, after renew(), lands the new version exactly
+    results, lives, retried = sync_all(
+        case, old, new, on_group=_forge, prepare=_other_values, retry=True
+    )
+    assert all(isinstance(r, SyncReport) for r in retried), retried
+    want = case.reference(old, new)
+    for rank in case.dst_ranks:
+        assert same(lives[rank], want[rank])
+
+
+class _Tamper:
+    """A transport that flips the last byte of every buffer it sends (a man in the middle)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int, /) -> dist.Work:
+        tensors[0][-1] ^= 0xFF
+        return self.inner.send(tensors, dst, tag)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int, /) -> dist.Work:
+        return self.inner.recv(tensors, src, tag)
+
+    def abort(self) -> None:
+        self.inner.abort()
+
+
+def test_a_payload_altered_on_the_way_is_refused() -> None:
+    case = split_case()
+    old, new = canonical(54), canonical(55)
+
+    def tamper(rank: int, group: SyncGroup) -> None:
+        if rank == 0:
+            group._pg = _Tamper(group.pg)
+
+    results, lives, _ = sync_all(case, old, new, on_group=tamper)
+    assert all(isinstance(r, SyncError) for r in results), results
+    assert all("receiving from rank 0" in str(r) for r in results), results
+    assert all("the message fails authentication" in str(r) for r in results)
+    _assert_unchanged(case, lives, old)
+
+
+def _post_forgeries(store: dist.Store, prefix: str, members: range, *, decision: bool) -> None:
+    """What a process without the secret can write: votes, the vote count, a decision."""
+    for m in members:
+        store.set(f"{prefix}/sync0/vote/{m}", f"vote {m}\n" + "00" * 32)
+    store.add(f"{prefix}/sync0/votes", len(members) - 1)
+    if decision:
+        store.set(f"{prefix}/sync0/decision", "commit")
+
+
+def test_forged_votes_neither_commit_nor_abort() -> None:
+    """Forged votes and an inflated count: the idle member must not commit early (the sync
+    then fails in bucket 1 on rank 2; without authenticated votes rank 4 would have
+    committed v1 alone, and rank 3, at the vote, with it)."""
+    case = split_case()
+    old, new = canonical(56), canonical(57)
+    lives = [case.live(r, old) for r in range(5)]
+
+    def body(rank: int, store: dist.Store, *, fail: bool) -> Any:
+        group = SyncGroup.from_store(store, members=range(5), rank=rank, timeout_s=10)
+        if rank == 0:
+            _post_forgeries(store, f"{group.name}/{group.generation}", range(5), decision=False)
+        group.store.wait([f"{group.name}/{group.generation}/sync0/votes"])
+
+        def hook(b: int) -> None:
+            if fail and rank == 2 and b > 0:
+                time.sleep(0.3)  # let the idle member vote first
+                raise ValueError("progress sink is full")
+
+        return send_and_receive(
+            case.buckets,
+            src_tensors=case.sources(rank, new),
+            dst_tensors=lives[rank],
+            group=group,
+            on_bucket=hook,
+        )
+
+    results = run_ranks(5, lambda r, st: body(r, st, fail=True))
+    assert isinstance(results[2], ValueError)
+    assert all(isinstance(results[r], SyncError) for r in (0, 1, 3, 4)), results
+    assert "progress sink is full" in str(results[4])
+    _assert_unchanged(case, lives, old)
+    results = run_ranks(5, lambda r, st: body(r, st, fail=False))  # forged votes, no failure
+    assert all(isinstance(r, SyncReport) for r in results), results
+    want = case.reference(old, new)
+    for rank in case.dst_ranks:
+        assert same(lives[rank], want[rank])
+
+
+def test_a_forged_decision_does_not_commit_and_the_renewed_group_syncs() -> None:
+    case = split_case()
+    old, new = canonical(58), canonical(59)
+
+    def forge(rank: int, group: SyncGroup) -> None:
+        if rank == 0:
+            _post_forgeries(group.store, f"{group.name}/0", range(4), decision=True)
+
+    results, lives, retried = sync_all(case, old, new, on_group=forge, retry=True)
+    assert all(isinstance(r, SyncError) for r in results), results
+    assert all(
+        "the decision posted on the store for sync 0 of 'weight_sync' generation 0 does not "
+        "carry this group's MAC (a process without the group's secret wrote it), so no member "
+        "commits on it" in str(r)
+        for r in results
+    ), results
+    assert all(isinstance(r, SyncReport) for r in retried), retried
+    want = case.reference(old, new)
+    for rank in case.dst_ranks:
+        assert same(lives[rank], want[rank])
+
+
 # ---------------------------------------------------------------- torchrun
 WORKER = Path(__file__).with_name("sync_worker.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -574,13 +774,51 @@ class TestLaunch:
             == plan["lower_bound"]
         )
 
+    def test_launcher_gives_every_rank_one_fresh_secret(
+        self, records: list[dict[str, Any]]
+    ) -> None:
+        secrets = [rec["measured"]["auth.secret"] for rec in records]
+        assert all(s == secrets[0] for s in secrets) and secrets[0]["length"] == 64
+        assert secrets[0]["sha256"] != worker.sha256_hex(os.environ.get(SECRET_ENV, ""))
+
+    def test_a_member_with_another_secret_is_refused_and_named(
+        self, records: list[dict[str, Any]]
+    ) -> None:
+        for rank in (0, 1, 2):
+            err = records[rank]["errors"]["auth.rendezvous"]
+            assert err["peer"] == 3
+            assert re.search(
+                rf"sync group 'auth/0': the proof of the group's secret posted for rank 3 does "
+                rf"not verify on rank {rank}: the process that joined as rank 3 holds another "
+                r"secret than this one, or none\. Refused before any connection or bucket",
+                err["message"],
+            ), err["message"]
+        stray = records[3]["errors"]["auth.rendezvous"]
+        assert "posted for ranks [0, 1, 2] does not verify on rank 3" in stray["message"]
+
+    def test_a_forged_sender_changes_nothing_and_the_next_sync_succeeds(
+        self, records: list[dict[str, Any]]
+    ) -> None:
+        for rec in records:
+            assert rec["errors"]["auth.forged"]["version"] == 3
+            assert rec["reports"]["auth.retry"]["version"] == 3
+        direct = [records[r]["errors"]["auth.forged"] for r in (2, 3)]
+        assert any(e["peer"] == 1 for e in direct), direct
+        for e in direct + [records[0]["errors"]["auth.forged"]]:
+            assert "receiving from rank 1" in e["message"], e["message"]
+            assert "the message fails authentication: its MAC does not match" in e["message"]
+        for rank in (2, 3):
+            c = records[rank]["counts"]
+            assert c["auth.unchanged.checked"] == c["auth.retry_weights.checked"] == N_TENSORS
+            assert records[rank]["measured"]["auth.retry.logits_max_abs_diff"] <= 2e-6
+
     def test_dead_sender(self, records: list[dict[str, Any]]) -> None:
         assert records[1]["measured"]["death.exited"] is True
         k = records[0]["measured"]["death.bucket"]
         assert k > 0
         for rank in (0, 2, 3):
-            assert records[rank]["errors"]["death"]["version"] == 3
-            assert records[rank]["reports"]["death.retry"]["version"] == 3
+            assert records[rank]["errors"]["death"]["version"] == 4
+            assert records[rank]["reports"]["death.retry"]["version"] == 4
             assert records[rank]["measured"]["death.generation"] == 1
         direct = records[2]["errors"]["death"]
         assert (direct["bucket"], direct["peer"]) == (k, 1)

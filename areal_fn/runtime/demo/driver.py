@@ -12,7 +12,9 @@ The artefacts go to ``--workdir DIR`` (a new or empty directory): the checkpoint
 ``DIR/checkpoints`` and the HF export in ``DIR/hf``. Without ``--workdir`` they go to a
 new temporary directory, which is kept; either way the last lines name both.
 Multi-node: run the same worker with ``torchrun --nnodes N --node-rank R --master-addr
-HOST --nproc-per-node P areal_fn/runtime/demo/worker.py --workdir DIR`` (world size 4).
+HOST --nproc-per-node P areal_fn/runtime/demo/worker.py --workdir DIR`` (world size 4),
+with the same ``AREAL_FN_SYNC_SECRET`` exported on every node (the weight sync's group
+refuses to form without it; the driver's own launch generates one).
 """
 
 import os

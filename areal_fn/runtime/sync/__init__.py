@@ -2,8 +2,9 @@
 
 ``from areal_fn.runtime.sync import SyncGroup, send_and_receive`` (also importable
 from :mod:`areal_fn.runtime.sync.executor`). The modules: ``group`` (the group and
-its store), ``messages`` (what travels, packed and checked), ``progress`` (buckets
-started, the commit vote), ``executor`` (``send_and_receive``).
+its store), ``auth`` (the group's secret, the members' proofs, the MACs of messages,
+votes and decisions), ``messages`` (what travels, packed, authenticated and checked),
+``progress`` (buckets started, the commit vote), ``executor`` (``send_and_receive``).
 """
 
 from areal_fn.runtime.sync.executor import SyncReport as SyncReport

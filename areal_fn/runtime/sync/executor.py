@@ -32,6 +32,12 @@ bucket, the peer and the tensors, and the first failure's reason) and no live te
 changes. The one way to end split: a rank that loses the store itself after the
 others decided ``commit``; its error says so.
 
+**Authentication.** Members prove at rendezvous that they hold the group's secret;
+every message, vote and decision carries a MAC under the group's session key
+(:mod:`areal_fn.runtime.sync.auth`). A message that fails its MAC is refused before
+unpacking, like any other header mismatch: the receiver publishes ``abort``, and no
+live tensor changes.
+
 **Recovery.** A failed group is spent. :meth:`SyncGroup.renew` forms a fresh one under
 the next generation of its store prefix, optionally over fewer members, after which
 the next sync can succeed.
@@ -48,7 +54,7 @@ from areal_fn.errors import PlanError
 from areal_fn.plans.transfer import BucketPlan, Transfer
 from areal_fn.plans.transfer_apply import copy_box
 from areal_fn.runtime.sync.group import SyncError, SyncGroup, Transport, _fail, open_store
-from areal_fn.runtime.sync.messages import _exchange, _Message, _message, _scatter
+from areal_fn.runtime.sync.messages import _Arrival, _exchange, _Message, _message
 from areal_fn.runtime.sync.progress import _Progress
 from areal_fn.sharding.box import Box
 from areal_fn.typecheck import beartype
@@ -108,7 +114,7 @@ def send_and_receive(
         raise
     progress = _Progress(group, seq)
     sent = received = copied = overhead = messages = 0
-    arrived: list[tuple[_Message, torch.Tensor]] = []
+    arrived: list[_Arrival] = []
     for b, copies, outgoing, incoming in steps:
         progress.advance(b + 1, version)
         copied += _copy_local(group, seq, version, b, copies, src_tensors, shadows, on_bucket)
@@ -121,8 +127,8 @@ def send_and_receive(
         overhead += sum(m.size - m.payload for m in outgoing)
         received += sum(m.payload for m in incoming)
         messages += len(outgoing)
-    for m, buf in arrived:
-        _scatter(m, buf, shadows)
+    last = steps[-1][0] if steps else 0  # check and unpack the last bucket's arrivals
+    _exchange(group, seq, version, last, [], [], src_tensors, shadows, device, arrived)
     del arrived
     progress.advance(len(plan.buckets) + 1, version)
     progress.vote(version)
@@ -249,7 +255,7 @@ def _forget(group: SyncGroup, seq: int) -> None:
     """Delete the store keys of sync ``seq`` (every member is past it by now)."""
     if seq < 0:
         return
-    keys = [f"at/{group.rank}"]
+    keys = [f"at/{group.rank}", f"vote/{group.rank}"]
     if group.rank == group.members[0]:
         keys += ["progress", "votes", "decision"]
     with contextlib.suppress(Exception):  # housekeeping only

@@ -5,7 +5,8 @@ ranks of a running world, :meth:`SyncGroup.from_store` over a standalone
 ``TCPStore``, :func:`open_store`), under a store prefix ``<name>/<generation>`` of
 its own; the store also carries each sync's progress and its one commit decision. A
 failure publishes ``abort`` and spends the group (``_fail``); :meth:`SyncGroup.renew`
-forms the next generation.
+forms the next generation. Members prove at rendezvous that they hold the group's
+secret, and the decision carries a MAC (:mod:`areal_fn.runtime.sync.auth`).
 """
 
 import contextlib
@@ -17,6 +18,15 @@ import torch
 import torch.distributed as dist
 
 from areal_fn.errors import PlanError
+from areal_fn.runtime.sync.auth import (
+    SECRET_ENV,
+    arrival,
+    check_arrivals,
+    group_secret,
+    session_key,
+    sign,
+    verified,
+)
 from areal_fn.typecheck import beartype
 
 COMMIT, ABORT = "commit", "abort"
@@ -89,6 +99,12 @@ class SyncGroup:
     renewed, or re-formed over fewer members, after a failure. ``timeout_s`` bounds
     every wait of a sync (each bucket, and the vote); ``connect_timeout_s`` bounds
     waiting for all members to arrive.
+
+    Every member holds the group's secret (``secret=``, else ``$AREAL_FN_SYNC_SECRET``;
+    a group over a store other processes can reach is refused without one) and proves
+    it at rendezvous; a member whose proof fails is named in a :class:`SyncError`. The
+    messages, votes and the decision of every sync carry MACs under a key of this group
+    instance (:mod:`areal_fn.runtime.sync.auth`).
     """
 
     def __init__(
@@ -103,8 +119,12 @@ class SyncGroup:
         backend: str,
         store: dist.Store,
         name: str,
+        secret: bytes,
+        session: bytes,
     ) -> None:
         self._pg: Transport | None = pg
+        self._secret = secret  # to renew the group
+        self._session = session  # the MAC key of this instance (secret, prefix, nonces)
         self.members = members
         self.rank = rank
         self.timeout_s = timeout_s
@@ -145,6 +165,7 @@ class SyncGroup:
         connect_timeout_s: float | None = None,
         name: str = "weight_sync",
         backend: str | None = None,
+        secret: bytes | str | None = None,
     ) -> "SyncGroup":
         """A new group over global ranks ``members`` of the initialised world.
 
@@ -152,7 +173,9 @@ class SyncGroup:
         the world's store under ``<name>/<members>/<n>``, ``n`` counting the groups
         this process formed with the same name and members (so members form their
         groups in the same order, as with ``new_group``). ``backend`` defaults to
-        ``nccl`` when the world uses NCCL, else ``gloo``.
+        ``nccl`` when the world uses NCCL, else ``gloo``. ``secret`` as in
+        :meth:`from_store` (the world's store, a ``TCPStore`` under ``torchrun``, needs
+        one; ``run_torchrun`` sets ``$AREAL_FN_SYNC_SECRET`` for the ranks it starts).
         """
         world = dist.group.WORLD
         if world is None:
@@ -171,6 +194,7 @@ class SyncGroup:
             connect_timeout_s=connect_timeout_s,
             name=f"{name}/{'-'.join(map(str, ranks))}/{n}",
             backend=backend,
+            secret=secret,
         )
 
     @classmethod
@@ -185,13 +209,20 @@ class SyncGroup:
         name: str = "weight_sync",
         generation: int = 0,
         backend: str = "gloo",
+        secret: bytes | str | None = None,
     ) -> "SyncGroup":
         """A standalone group over ``store`` (no ``init_process_group`` needed).
 
-        Every member calls this with the same ``members``, ``name`` and ``generation``;
-        keys live under ``<name>/<generation>/``, so a new generation on the same store
-        is a fresh group. Waits up to ``connect_timeout_s`` (default: the larger of
-        ``timeout_s`` and 60 s) for all members to arrive.
+        Every member calls this with the same ``members``, ``name``, ``generation`` and
+        secret; keys live under ``<name>/<generation>/``, so a new generation on the
+        same store is a fresh group. Waits up to ``connect_timeout_s`` (default: the
+        larger of ``timeout_s`` and 60 s) for all members to arrive, then checks each
+        member's proof of the secret before any connection is made.
+
+        ``secret`` (at least 16 bytes; a ``str`` is UTF-8 encoded) defaults to
+        ``$AREAL_FN_SYNC_SECRET``. Without either, a store only this process can reach
+        (a ``HashStore``) uses this process's own random secret, and any other store is
+        refused with :class:`~areal_fn.errors.PlanError` before anything is posted.
         """
         ranks = _members(members)
         if rank not in ranks:
@@ -200,16 +231,8 @@ class SyncGroup:
             )
         connect = connect_timeout_s if connect_timeout_s is not None else max(timeout_s, 60.0)
         prefix = f"{name}/{generation}"
-        store.set(f"{prefix}/arrived/{rank}", "1")
-        try:
-            store.wait([f"{prefix}/arrived/{m}" for m in ranks], _td(connect))
-        except Exception as e:
-            missing = [m for m in ranks if not store.check([f"{prefix}/arrived/{m}"])]
-            raise SyncError(
-                f"sync group {prefix!r}: members {missing} did not arrive within "
-                f"{connect}s ({e}); start them, or renew the group without them",
-                version=-1,
-            ) from e
+        key = group_secret(secret, store, prefix)
+        session = _rendezvous(store, prefix, ranks, rank, key, connect)
         pg = _backend(
             backend,
             dist.PrefixStore(f"{prefix}/pg", store),
@@ -230,6 +253,8 @@ class SyncGroup:
             backend=backend,
             store=store,
             name=name,
+            secret=key,
+            session=session,
         )
 
     def renew(self, members: Sequence[int] | None = None) -> "SyncGroup":
@@ -248,6 +273,7 @@ class SyncGroup:
             name=self.name,
             generation=self.generation + 1,
             backend=self.backend,
+            secret=self._secret,
         )
 
     def abort(self) -> None:
@@ -271,14 +297,26 @@ class SyncGroup:
 
     def _decide(self, seq: int, proposal: str) -> str:
         """The decision of sync ``seq``: ``proposal`` unless a member decided first."""
-        got = self.store.compare_set(self._key(seq, "decision"), "", proposal)
-        return got.decode(errors="replace") if isinstance(got, bytes) else str(got)
+        signed = sign(self._session, "decision", seq, proposal)
+        got = self.store.compare_set(self._key(seq, "decision"), "", signed)
+        return self._read_decision(seq, got)
 
     def _decided(self, seq: int) -> str | None:
         key = self._key(seq, "decision")
         if not self.store.check([key]):
             return None
-        return self.store.get(key).decode(errors="replace")
+        return self._read_decision(seq, self.store.get(key))
+
+    def _read_decision(self, seq: int, value: bytes | str) -> str:
+        """A decision's text; one without this group's MAC reads as ``abort`` (forged)."""
+        text = verified(self._session, "decision", seq, value)
+        if text is not None:
+            return text
+        return (
+            f"{ABORT}: the decision posted on the store for sync {seq} of {self.name!r} "
+            f"generation {self.generation} does not carry this group's MAC (a process without "
+            "the group's secret wrote it), so no member commits on it"
+        )
 
 
 #: (name, members) -> how many groups this process formed from the world with them.
@@ -290,6 +328,47 @@ def _members(members: Sequence[int]) -> tuple[int, ...]:
     if not ranks or len(set(ranks)) != len(ranks) or ranks[0] < 0:
         raise PlanError(f"sync group members {list(members)} must be distinct non-negative ranks")
     return ranks
+
+
+def _rendezvous(
+    store: dist.Store,
+    prefix: str,
+    ranks: tuple[int, ...],
+    rank: int,
+    secret: bytes,
+    connect_s: float,
+) -> bytes:
+    """Post this member's proof, wait for all members, check theirs; the session key."""
+    keys = [f"{prefix}/arrived/{m}" for m in ranks]
+    _, proof = arrival(secret, prefix, rank)
+    store.set(keys[ranks.index(rank)], proof)
+    try:
+        store.wait(keys, _td(connect_s))
+    except Exception as e:
+        missing = [m for m, k in zip(ranks, keys, strict=True) if not store.check([k])]
+        raise SyncError(
+            f"sync group {prefix!r}: members {missing} did not arrive within "
+            f"{connect_s}s ({e}); start them, or renew the group without them",
+            version=-1,
+        ) from e
+    posted = dict(zip(ranks, store.multi_get(keys), strict=True))
+    nonces, bad = check_arrivals(secret, prefix, posted)
+    if bad:
+        which, who = (
+            (f"rank {bad[0]}", f"the process that joined as rank {bad[0]} holds")
+            if len(bad) == 1
+            else (f"ranks {bad}", f"the processes that joined as ranks {bad} hold")
+        )
+        raise SyncError(
+            f"sync group {prefix!r}: the proof of the group's secret posted for {which} does "
+            f"not verify on rank {rank}: {who} another secret than this one, or none. "
+            f"Refused before any connection or bucket; give "
+            f"every member the same secret (secret= or {SECRET_ENV}), keep other "
+            "processes off the store, and form the group again under a new generation",
+            version=-1,
+            peer=bad[0],
+        )
+    return session_key(secret, prefix, [nonces[m] for m in ranks])
 
 
 def _backend(backend: str, store: dist.Store, rank: int, size: int, timeout_s: float) -> Transport:

@@ -8,12 +8,18 @@ after ``timeout_s`` without any progress.
 
 **The vote.** After its last bucket a rank votes on the store and waits until every
 member has voted; then one ``compare_set`` on the store decides, for everyone,
-``commit`` or ``abort`` (:meth:`_Progress.vote`).
+``commit`` or ``abort`` (:meth:`_Progress.vote`). Each vote carries its member's MAC
+and the decision the group's (:func:`~areal_fn.runtime.sync.auth.sign`): a rank
+proposes ``commit`` only once every member's vote verifies, and a decision without the
+group's MAC reads as ``abort``, so a process without the secret can neither commit nor
+abort a version by writing to the store (it can still delay a sync: the progress
+counters are not authenticated).
 """
 
 import time
 from collections.abc import Sequence
 
+from areal_fn.runtime.sync.auth import sign, verified
 from areal_fn.runtime.sync.group import ABORT, COMMIT, SyncError, SyncGroup, _fail
 
 _POLL_S = (0.0005, 0.02)  # first and longest pause while waiting for the vote
@@ -102,15 +108,34 @@ class _Progress:
             peer=peer,
         )
 
+    def _unverified_votes(self) -> list[int]:
+        """The members whose vote is missing or lacks their MAC (forged, or not yet cast)."""
+        group = self.group
+        keys = [group._key(self.seq, f"vote/{m}") for m in group.members]
+        if not group.store.check(keys):
+            return [
+                m for m, k in zip(group.members, keys, strict=True) if not group.store.check([k])
+            ]
+        votes = group.store.multi_get(keys)
+        return [
+            m
+            for m, v in zip(group.members, votes, strict=True)
+            if verified(group._session, "vote", self.seq, v) != f"vote {m}"
+        ]
+
     def vote(self, version: int) -> None:
         """Wait until every member finished its buckets; commit or abort, all alike."""
         group, seq = self.group, self.seq
         me, size = group.rank, len(group.members)
         pause, deadline = _POLL_S[0], time.monotonic() + group.timeout_s
+        unverified: list[int] = []
         try:
+            mine = sign(group._session, "vote", seq, f"vote {me}")
+            group.store.set(group._key(seq, f"vote/{me}"), mine)
             arrived, last = self._add("votes", 1), self._add("progress", 0)
             while True:
-                if arrived >= size:
+                # the counter is only a cue; the votes themselves must verify
+                if arrived >= size and not (unverified := self._unverified_votes()):
                     decision = group._decide(seq, COMMIT)
                     break
                 decided = group._decided(seq)
@@ -121,11 +146,7 @@ class _Progress:
                 if total != last:
                     last, deadline = total, time.monotonic() + group.timeout_s
                 elif time.monotonic() > deadline:
-                    decision = group._decide(
-                        seq,
-                        f"{ABORT}: rank {me} waited {group.timeout_s}s at the commit vote for "
-                        f"{size - arrived} of {size} members, none of which made progress",
-                    )
+                    decision = group._decide(seq, self._timeout_reason(arrived, unverified))
                     break
                 time.sleep(pause)
                 pause = min(pause * 2, _POLL_S[1])
@@ -145,3 +166,14 @@ class _Progress:
             f"{decision[len(ABORT) + 2 :]}. Live tensors are unchanged; renew the group",
             version=version,
         )
+
+    def _timeout_reason(self, arrived: int, unverified: list[int]) -> str:
+        group, size = self.group, len(self.group.members)
+        head = f"{ABORT}: rank {group.rank} waited {group.timeout_s}s at the commit vote"
+        if arrived >= size and unverified:
+            return (
+                f"{head}: the count says all {size} members voted, but the votes of ranks "
+                f"{unverified} are missing or do not carry their MAC (a process without the "
+                "group's secret wrote to the count or the votes)"
+            )
+        return f"{head} for {size - arrived} of {size} members, none of which made progress"

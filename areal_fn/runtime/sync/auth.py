@@ -1,0 +1,194 @@
+"""Sync authentication: the group's secret, the members' proofs, the MACs of what they post.
+
+**The secret.** Every member of a group holds the same secret: ``secret=`` of
+:meth:`~areal_fn.runtime.sync.group.SyncGroup.from_store` /
+:meth:`~areal_fn.runtime.sync.group.SyncGroup.from_world`, else the environment
+variable :data:`SECRET_ENV` (which :func:`~areal_fn.runtime.launch.run_torchrun` sets
+to a fresh random value for the processes it starts). A group over a store other
+processes can reach (a ``TCPStore``, a ``FileStore``) without either is refused
+(:func:`group_secret`); a store only this process can reach (a ``HashStore``) gets this
+process's own random secret, which its threads share and no other process knows.
+
+**Rendezvous.** Each member posts a random nonce and its proof,
+``HMAC(secret, prefix | rank | nonce)`` (:func:`arrival`); every member checks every
+other member's proof (:func:`check_arrivals`) before the group's connections are made,
+and derives the group's session key from the secret, the prefix and all nonces
+(:func:`session_key`), so that a generation's messages are worth nothing in another.
+
+**Messages, votes, decisions.** Each bucket message carries
+``HMAC(session, header | sync | src | dst | digest(payload))`` (:func:`message_tag`; the
+digest is a SHA-256 over the SHA-256s of 4 MiB chunks, :func:`payload_digest`),
+which the receiver checks before unpacking anything; each commit vote and the commit
+decision carry a MAC over the sync, the rank or the decision's text (:func:`sign`).
+
+What is not protected: the payload is not encrypted (anyone who reaches the
+connections can read the weights); the store's progress counters and the transport's
+connection set-up are not authenticated, so a process that reaches them can delay or
+abort a sync (deny service), though never make a member accept bytes, a vote or a
+decision it did not get from a holder of the secret.
+"""
+
+import concurrent.futures
+import hashlib
+import hmac
+import os
+import secrets
+import threading
+
+import torch
+import torch.distributed as dist
+
+from areal_fn.errors import PlanError
+
+#: The environment variable a group's secret is read from when ``secret=`` is not given.
+SECRET_ENV = "AREAL_FN_SYNC_SECRET"
+#: The shortest secret accepted (bytes).
+MIN_SECRET_BYTES = 16
+#: Bytes of a message's MAC (HMAC-SHA256).
+TAG_BYTES = 32
+#: A message's payload is hashed in chunks of this many bytes (part of the wire format).
+CHUNK_BYTES = 4 << 20
+#: At most this many threads hash one process's chunks at once.
+HASH_THREADS = 8
+_NONCE_BYTES = 16
+#: The secret of groups over this process's own stores (threads share it, nobody else has it).
+_PROCESS_SECRET = secrets.token_bytes(32)
+
+
+def _base(store: dist.Store) -> dist.Store:
+    """The store under any ``PrefixStore`` wrappers."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store
+
+
+def is_in_process(store: dist.Store) -> bool:
+    """True for a store no other process can reach (a ``HashStore``, under any prefixes)."""
+    return isinstance(_base(store), dist.HashStore)
+
+
+def group_secret(secret: bytes | str | None, store: dist.Store, prefix: str) -> bytes:
+    """The secret of group ``prefix``: ``secret``, else ``$AREAL_FN_SYNC_SECRET``, else refused.
+
+    A store only this process can reach needs none (its threads share a random one).
+    """
+    if secret is None:
+        secret = os.environ.get(SECRET_ENV) or None
+    if secret is None:
+        if is_in_process(store):
+            return _PROCESS_SECRET
+        kind = type(_base(store)).__name__
+        raise PlanError(
+            f"sync group {prefix!r} over a {kind} has no secret: any process "
+            f"that reaches the store could join it and post buckets or votes. Pass the same "
+            f"secret= to every member, or set {SECRET_ENV} in every member's environment "
+            f"(run_torchrun sets it for the processes it starts; for others, e.g. "
+            f"export {SECRET_ENV}=$(python -c 'import secrets; print(secrets.token_hex(32))'))"
+        )
+    key = secret.encode() if isinstance(secret, str) else bytes(secret)
+    if len(key) < MIN_SECRET_BYTES:
+        raise PlanError(
+            f"sync group {prefix!r}: the secret has {len(key)} bytes, fewer than "
+            f"{MIN_SECRET_BYTES}, so it can be guessed; use at least {MIN_SECRET_BYTES} random "
+            "bytes, e.g. secrets.token_hex(32)"
+        )
+    return key
+
+
+def _mac(key: bytes, *parts: bytes | str | int) -> bytes:
+    """HMAC-SHA256 of ``parts``, each length-prefixed (so no two lists of parts collide)."""
+    h = hmac.new(key, digestmod=hashlib.sha256)
+    for p in parts:
+        b = p.encode() if isinstance(p, str) else p if isinstance(p, bytes) else str(p).encode()
+        h.update(len(b).to_bytes(8, "little"))
+        h.update(b)
+    return h.digest()
+
+
+def arrival(secret: bytes, prefix: str, rank: int) -> tuple[bytes, str]:
+    """A fresh nonce and what member ``rank`` posts at rendezvous: ``nonce:proof`` in hex."""
+    nonce = secrets.token_bytes(_NONCE_BYTES)
+    return nonce, f"{nonce.hex()}:{_mac(secret, 'arrive', prefix, rank, nonce).hex()}"
+
+
+def check_arrivals(
+    secret: bytes, prefix: str, posted: dict[int, bytes]
+) -> tuple[dict[int, bytes], list[int]]:
+    """The nonces of the members whose posted proof verifies, and the ranks whose does not."""
+    nonces: dict[int, bytes] = {}
+    bad: list[int] = []
+    for rank, value in sorted(posted.items()):
+        nonce_hex, _, proof_hex = value.decode(errors="replace").partition(":")
+        try:
+            nonce, proof = bytes.fromhex(nonce_hex), bytes.fromhex(proof_hex)
+        except ValueError:
+            bad.append(rank)
+            continue
+        if hmac.compare_digest(proof, _mac(secret, "arrive", prefix, rank, nonce)):
+            nonces[rank] = nonce
+        else:
+            bad.append(rank)
+    return nonces, bad
+
+
+def session_key(secret: bytes, prefix: str, nonces: list[bytes]) -> bytes:
+    """The key of one group instance: the secret, its prefix, every member's nonce in order."""
+    return _mac(secret, "session", prefix, *nonces)
+
+
+def payload_view(buf: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous uint8 tensor, without a copy on the CPU."""
+    host = buf if buf.device.type == "cpu" else buf.cpu()
+    return host.numpy().data.cast("B")
+
+
+def payload_digest(payload: memoryview) -> bytes:
+    """SHA-256 of the SHA-256s of ``payload``'s :data:`CHUNK_BYTES` chunks, in order.
+
+    The chunks are hashed on a few threads at once (hashlib releases the GIL), so a
+    large message costs a fraction of one core's SHA-256 time where cores are free.
+    """
+    chunks = [payload[i : i + CHUNK_BYTES] for i in range(0, len(payload), CHUNK_BYTES)]
+    if len(chunks) == 1:
+        digests = [hashlib.sha256(chunks[0]).digest()]
+    else:
+        digests = list(_hashers().map(lambda c: hashlib.sha256(c).digest(), chunks))
+    return hashlib.sha256(b"".join(digests)).digest()
+
+
+def message_tag(
+    key: bytes, *, seq: int, src: int, dst: int, header: memoryview, payload: memoryview
+) -> bytes:
+    """The MAC of one bucket message: its header fields, sync, ends and payload digest."""
+    return _mac(key, "message", seq, src, dst, bytes(header), payload_digest(payload))
+
+
+_POOL: list[concurrent.futures.ThreadPoolExecutor] = []
+_POOL_LOCK = threading.Lock()
+
+
+def _hashers() -> concurrent.futures.ThreadPoolExecutor:
+    """This process's hashing threads (made on first use)."""
+    with _POOL_LOCK:
+        if not _POOL:
+            workers = min(HASH_THREADS, os.cpu_count() or 1)
+            _POOL.append(
+                concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="sync-mac")
+            )
+        return _POOL[0]
+
+
+def sign(key: bytes, what: str, seq: int, text: str) -> str:
+    """``text`` with its MAC appended after a newline (a vote's or a decision's)."""
+    return f"{text}\n{_mac(key, what, seq, text).hex()}"
+
+
+def verified(key: bytes, what: str, seq: int, value: bytes | str) -> str | None:
+    """The text of a value :func:`sign` made with ``key``, or ``None`` if its MAC fails."""
+    raw = value.decode(errors="replace") if isinstance(value, bytes) else value
+    text, _, tag = raw.rpartition("\n")
+    try:
+        ok = hmac.compare_digest(bytes.fromhex(tag), _mac(key, what, seq, text))
+    except ValueError:
+        ok = False
+    return text if ok else None
