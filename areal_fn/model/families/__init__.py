@@ -46,6 +46,35 @@ class FusedExperts:
     concat_dim: int = 0
 
 
+#: Routed SwiGLU experts ``mlp.experts.{e}.{gate,up,down}_proj`` as transformers 5
+#: stacks them in memory (Qwen3-MoE, GLM-4.5): ``gate_up_proj`` ``[E, 2*I, H]``,
+#: ``down_proj`` ``[E, H, I]``.
+STACKED_SWIGLU_EXPERTS = (
+    FusedExperts(
+        name="mlp.experts.gate_up_proj",
+        parts=("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"),
+        concat_dim=0,
+    ),
+    FusedExperts(
+        name="mlp.experts.down_proj",
+        parts=("mlp.experts.{e}.down_proj.weight",),
+        concat_dim=0,
+    ),
+)
+
+
+#: The routing fields a plain softmax top-k router fixes (no shared experts, no bias,
+#: no groups, no scaling): Qwen3-MoE and Mixtral.
+SOFTMAX_ROUTING: tuple[tuple[str, object], ...] = (
+    ("num_shared_experts", 0),
+    ("router_score", "softmax"),
+    ("router_bias", False),
+    ("router_groups", 1),
+    ("router_group_topk", 1),
+    ("routed_scaling_factor", 1.0),
+)
+
+
 def _fused_tuple(value: Iterable[FusedExperts]) -> tuple[FusedExperts, ...]:
     return tuple(value)
 
@@ -54,15 +83,21 @@ def _canonical_tuple(value: Iterable[HfTensor]) -> tuple[HfTensor, ...]:
     return tuple(value)
 
 
-def _check_canonical(inst: "Family", _attr: object, table: tuple[HfTensor, ...]) -> None:
+def _check_unique(family: str, table: tuple[HfTensor | MegatronTensor, ...], what: str) -> None:
+    """No name twice for overlapping layer kinds (``ALL`` overlaps both)."""
+    names = [r.name if isinstance(r, HfTensor) else r.local for r in table]
     for i, rec in enumerate(table):
-        for other in table[:i]:
+        for j, other in enumerate(table[:i]):
             overlap = LayerKind.ALL in (rec.layers, other.layers) or rec.layers is other.layers
-            if other.name == rec.name and overlap:
+            if names[j] == names[i] and overlap:
                 raise SpecError(
-                    f"family {inst.model_type!r}: its canonical table lists {rec.name!r} twice "
+                    f"family {family!r}: its {what} table lists {names[i]!r} twice "
                     f"for the same layers ({other.layers!r} and {rec.layers!r})"
                 )
+
+
+def _check_canonical(inst: "Family", _attr: object, table: tuple[HfTensor, ...]) -> None:
+    _check_unique(inst.model_type, table, "canonical")
 
 
 def _megatron_tuple(value: Iterable[MegatronTensor]) -> tuple[MegatronTensor, ...]:
@@ -70,14 +105,7 @@ def _megatron_tuple(value: Iterable[MegatronTensor]) -> tuple[MegatronTensor, ..
 
 
 def _check_megatron(inst: "Family", _attr: object, table: tuple[MegatronTensor, ...]) -> None:
-    for i, rec in enumerate(table):
-        for other in table[:i]:
-            overlap = LayerKind.ALL in (rec.layers, other.layers) or rec.layers is other.layers
-            if other.local == rec.local and overlap:
-                raise SpecError(
-                    f"family {inst.model_type!r}: its Megatron table lists {rec.local!r} twice "
-                    f"for the same layers ({other.layers!r} and {rec.layers!r})"
-                )
+    _check_unique(inst.model_type, table, "Megatron")
 
 
 @attrs.frozen(kw_only=True)

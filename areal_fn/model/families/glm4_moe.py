@@ -13,7 +13,7 @@ tensors: a checkpoint that holds them (``model.layers.{num_hidden_layers}.*``) i
 refused by the strict readers, which list them as unexpected, not dropped.
 """
 
-from areal_fn.model.families import Family, FusedExperts
+from areal_fn.model.families import STACKED_SWIGLU_EXPERTS, Family
 from areal_fn.model.families.mapping import (
     GQA_ATTENTION,
     GQA_ATTENTION_HF,
@@ -160,16 +160,5 @@ FAMILY = Family(
         ("router_group_topk", "topk_group"),
         ("routed_scaling_factor", "routed_scaling_factor"),
     ),
-    fused_experts=(
-        FusedExperts(
-            name="mlp.experts.gate_up_proj",
-            parts=("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"),
-            concat_dim=0,
-        ),
-        FusedExperts(
-            name="mlp.experts.down_proj",
-            parts=("mlp.experts.{e}.down_proj.weight",),
-            concat_dim=0,
-        ),
-    ),
+    fused_experts=STACKED_SWIGLU_EXPERTS,
 )

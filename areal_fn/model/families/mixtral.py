@@ -11,7 +11,7 @@ router takes the top-k logits and renormalises their softmax (Megatron:
 no noise); ``sliding_window`` as for Mistral (its default here is null).
 """
 
-from areal_fn.model.families import Family, FusedExperts
+from areal_fn.model.families import SOFTMAX_ROUTING, Family, FusedExperts
 from areal_fn.model.families.mapping import (
     GQA_ATTENTION,
     GQA_ATTENTION_HF,
@@ -104,12 +104,7 @@ FAMILY = Family(
         ("mlp_bias", False),
         ("qk_norm", False),
         ("norm_topk_prob", True),
-        ("num_shared_experts", 0),
-        ("router_score", "softmax"),
-        ("router_bias", False),
-        ("router_groups", 1),
-        ("router_group_topk", 1),
-        ("routed_scaling_factor", 1.0),
+        *SOFTMAX_ROUTING,
     ),
     moe=True,
     sliding_window="when_set",

@@ -12,7 +12,7 @@ expert; transformers 5 fuses them in memory into ``mlp.experts.gate_up_proj``
 (transformers 5 writes it under that name).
 """
 
-from areal_fn.model.families import Family, FusedExperts
+from areal_fn.model.families import SOFTMAX_ROUTING, STACKED_SWIGLU_EXPERTS, Family
 from areal_fn.model.families.mapping import (
     GQA_ATTENTION,
     GQA_ATTENTION_HF,
@@ -56,25 +56,9 @@ FAMILY = Family(
     fixed=(
         ("mlp_bias", False),
         ("qk_norm", True),
-        ("num_shared_experts", 0),
-        ("router_score", "softmax"),
-        ("router_bias", False),
-        ("router_groups", 1),
-        ("router_group_topk", 1),
-        ("routed_scaling_factor", 1.0),
+        *SOFTMAX_ROUTING,
     ),
     moe=True,
     sliding_window="all_layers",
-    fused_experts=(
-        FusedExperts(
-            name="mlp.experts.gate_up_proj",
-            parts=("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"),
-            concat_dim=0,
-        ),
-        FusedExperts(
-            name="mlp.experts.down_proj",
-            parts=("mlp.experts.{e}.down_proj.weight",),
-            concat_dim=0,
-        ),
-    ),
+    fused_experts=STACKED_SWIGLU_EXPERTS,
 )
