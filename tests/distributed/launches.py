@@ -65,6 +65,6 @@ def launch_dtensor(out: Path) -> DistRun:
 def launch_megatron(out: Path) -> Path:
     """``megatron_worker.py``'s per-case, per-rank JSON records, written into ``out``."""
     run_torchrun(
-        MEGATRON_WORKER, ["--out", str(out)], nproc=MEGATRON_WORLD, timeout_s=600, cwd=REPO
+        MEGATRON_WORKER, ["--out", str(out)], nproc=MEGATRON_WORLD, timeout_s=1200, cwd=REPO
     )
     return out

@@ -38,7 +38,7 @@ MIN_SHIFT = 0.1
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> Any:
     out = tmp_path_factory.mktemp("conversion_parity")
-    run_torchrun(WORKER, ["--out", str(out)], nproc=4, timeout_s=600, cwd=REPO)
+    run_torchrun(WORKER, ["--out", str(out)], nproc=4, timeout_s=1200, cwd=REPO)
     return json.loads((out / "report.json").read_text())
 
 

@@ -37,7 +37,7 @@ WORLD = worker.WORLD
 def records(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("fsdp2_oracle")
     result = run_torchrun(
-        WORKER, ["--out", str(out)], nproc=WORLD, timeout_s=600, cwd=REPO, check=False
+        WORKER, ["--out", str(out)], nproc=WORLD, timeout_s=1200, cwd=REPO, check=False
     )
     recs = []
     for r in range(WORLD):

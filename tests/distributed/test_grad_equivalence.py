@@ -66,7 +66,7 @@ LOGPROB_ATOL = 1e-5  # log-probs after the step: <= 9.5e-7
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("grad_equivalence")
     result = run_torchrun(
-        WORKER, ["--out", str(out)], nproc=worker.WORLD, timeout_s=600, cwd=REPO, check=False
+        WORKER, ["--out", str(out)], nproc=worker.WORLD, timeout_s=1200, cwd=REPO, check=False
     )
     path = out / "results.json"
     assert path.exists(), result.report()

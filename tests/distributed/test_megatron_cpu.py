@@ -389,8 +389,10 @@ def test_sharded_state_dict_keys_and_offsets(megatron_ground_truth: Path) -> Non
                         axis += 1
                     if rest.endswith("linear_fc1.weight"):
                         # [gate; up] of the whole layer, each TP/ETP rank's rows at two places
-                        moe = "experts" in rest
+                        moe = rest.startswith("mlp.experts.")
                         width = arch["moe_intermediate_size" if moe else "intermediate_size"]
+                        if rest.startswith("mlp.shared_experts."):  # dense TP, fused width
+                            width = arch["num_shared_experts"] * arch["moe_intermediate_size"]
                         parallel, prank = (s["etp"], r["etp"]) if moe else (s["tp"], r["tp"])
                         assert entry["global_shape"][axis] == 2 * width, (name, entry)
                         rows = width // parallel
