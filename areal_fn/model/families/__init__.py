@@ -46,6 +46,16 @@ class FusedExperts:
     concat_dim: int = 0
 
 
+#: The config keys every family requires (Llama-style classes require only these).
+CORE_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "vocab_size",
+)
+
+
 #: Routed SwiGLU experts ``mlp.experts.{e}.{gate,up,down}_proj`` as transformers 5
 #: stacks them in memory (Qwen3-MoE, GLM-4.5): ``gate_up_proj`` ``[E, 2*I, H]``,
 #: ``down_proj`` ``[E, H, I]``.

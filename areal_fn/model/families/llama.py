@@ -4,7 +4,7 @@ transformers' ``LlamaConfig`` rejects ``hidden_size % num_attention_heads != 0``
 when ``head_dim`` is explicit, so this family checks it too.
 """
 
-from areal_fn.model.families import Family
+from areal_fn.model.families import CORE_KEYS, Family
 from areal_fn.model.families.mapping import (
     GQA_ATTENTION,
     GQA_ATTENTION_HF,
@@ -18,13 +18,7 @@ FAMILY = Family(
     architecture="LlamaForCausalLM",
     canonical=(*GQA_ATTENTION_HF, *SWIGLU_MLP_HF, *LAYER_NORMS_HF),
     megatron=(*GQA_ATTENTION, *SWIGLU_MLP),
-    required=(
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "vocab_size",
-    ),
+    required=CORE_KEYS,
     defaults=(
         ("num_key_value_heads", None),  # None -> num_attention_heads
         ("head_dim", None),  # None -> hidden_size // num_attention_heads

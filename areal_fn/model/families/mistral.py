@@ -6,7 +6,7 @@ every layer whenever it is not null, which this family does not model: a config 
 window (Mistral-7B-v0.1) is refused; Mistral-7B-v0.3 sets it to null.
 """
 
-from areal_fn.model.families import Family
+from areal_fn.model.families import CORE_KEYS, Family
 from areal_fn.model.families.mapping import (
     GQA_ATTENTION,
     GQA_ATTENTION_HF,
@@ -20,13 +20,7 @@ FAMILY = Family(
     architecture="MistralForCausalLM",
     canonical=(*GQA_ATTENTION_HF, *SWIGLU_MLP_HF, *LAYER_NORMS_HF),
     megatron=(*GQA_ATTENTION, *SWIGLU_MLP),
-    required=(
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "vocab_size",
-    ),
+    required=CORE_KEYS,
     defaults=(
         ("num_key_value_heads", 8),
         ("head_dim", None),  # None -> hidden_size // num_attention_heads

@@ -11,7 +11,7 @@ router takes the top-k logits and renormalises their softmax (Megatron:
 no noise); ``sliding_window`` as for Mistral (its default here is null).
 """
 
-from areal_fn.model.families import SOFTMAX_ROUTING, Family, FusedExperts
+from areal_fn.model.families import CORE_KEYS, SOFTMAX_ROUTING, Family, FusedExperts
 from areal_fn.model.families.mapping import (
     GQA_ATTENTION,
     GQA_ATTENTION_HF,
@@ -77,13 +77,7 @@ FAMILY = Family(
     architecture="MixtralForCausalLM",
     canonical=(*GQA_ATTENTION_HF, *SPARSE_MOE_HF, *LAYER_NORMS_HF),
     megatron=(*GQA_ATTENTION, *SPARSE_MOE),
-    required=(
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "vocab_size",
-    ),
+    required=CORE_KEYS,
     defaults=(
         ("num_key_value_heads", 8),
         ("head_dim", None),  # None -> hidden_size // num_attention_heads
