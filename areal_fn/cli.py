@@ -24,10 +24,40 @@ if TYPE_CHECKING:
 
 
 def _model(arg: str) -> ModelSpec:
-    if arg == "demo":
-        return model_from_hf_config(DEMO_CONFIG)
-    builtin = Path(__file__).resolve().parent.parent / "specs" / "models" / f"{arg}.json"
-    return model_from_hf_config(builtin if not Path(arg).exists() and builtin.exists() else arg)
+    """A config path, a directory holding one, or an embedded name (``areal-fn models``):
+    the one resolver :func:`~areal_fn.model.spec.model_from_hf_config` uses."""
+    return model_from_hf_config(arg)
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    """One line per embedded config: name, model_type, parameters (active), shape."""
+    from areal_fn.model.embedded import embedded_names
+
+    rows = [
+        ("name", "model_type", "parameters", "active", "layers", "hidden", "heads/kv", "experts")
+    ]
+    for name in embedded_names():
+        m = model_from_hf_config(name)
+        rows.append(
+            (
+                name,
+                m.model_type,
+                f"{m.num_params:,}",
+                f"{m.num_active_params:,}" if m.is_moe else "-",
+                str(m.num_layers),
+                str(m.hidden_size),
+                f"{m.num_attention_heads}/{m.num_key_value_heads}",
+                f"{m.num_experts}x top-{m.num_experts_per_tok}" if m.is_moe else "-",
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        cells = [
+            c.ljust(w) if i < 2 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        ]
+        print("  ".join(cells).rstrip())
+    return 0
 
 
 def _human(n: float) -> str:
@@ -308,7 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument(
         "config",
-        help="HF config.json, a directory holding one, a name from specs/models (e.g. Qwen2.5-7B) or 'demo'",
+        help="HF config.json, a directory holding one, or an embedded model's name "
+        "(any case, e.g. Qwen2.5-7B or qwen/qwen2.5-7b; 'areal-fn models' lists them)",
     )
     plan.add_argument(
         "allocation",
@@ -348,6 +379,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     conv.set_defaults(func=cmd_convert)
     _add_checkpoint_parser(sub)
+    models = sub.add_parser(
+        "models", help="list the embedded model configs (names usable wherever a config is)"
+    )
+    models.set_defaults(func=cmd_models)
     demo = sub.add_parser(
         "demo",
         help="the main job: train, checkpoint, reshard and sync a tiny model on CPU "

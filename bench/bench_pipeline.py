@@ -1,22 +1,32 @@
-"""Pipeline partition: exact search vs the O(S * L^2) dynamic program, and real models.
+"""Pipeline partition: exact search vs AReaL's O(S * L^2) dynamic program, and real models.
 
-Part 1 times :func:`areal_fn.pipeline.partition.partition_pipeline` against the dynamic program
-AReaL describes (stages x end layer x start layer, each cell the best bottleneck of the
-prefix), written here twice: plainly in Python, as AReaL ships it, and vectorised with
-numpy (same O(S * L^2) work, a harder baseline). Both solve the identical problem
-(every chunk non-empty, embedding on chunk 0, head on the last) and must report the
-same bottleneck; costs are integers held in floats so every sum is exact.
+Part 1 times :func:`areal_fn.pipeline.partition.partition_pipeline` with
+``allow_empty_ends=True`` against AReaL's own dynamic program on AReaL's own problem:
+the first and the last stage may hold no decoder layer (only the embedding, only the
+output layer), inner stages may not, the embedding weighs on stage 0 and the output
+layer on the last. The baseline is AReaL's algorithm restated in
+:mod:`bench.areal_pipeline` (plain Python, as AReaL ships it), and the same dynamic
+program vectorised with numpy (same O(S * L^2) work, a harder baseline). All three must
+report the same bottleneck; costs are integers held in floats so every sum is exact.
 
-Part 2 compares, for real models, the largest chunk load and the largest physical-rank
-load of four splits: even layer counts, AReaL as shipped (its chain dynamic program on
-parameter counts), the chain dynamic program on the same cost model (balances the
-``pp * vpp`` chunks as one chain, blind to ranks), and ours.
+Part 2 draws small random problems with a heavy embedding or output layer and counts
+how often the closed-ends optimum (every chunk holds a layer, the default) is worse
+than AReaL's bottleneck, and checks that ``allow_empty_ends=True`` always matches it.
 
-Run: ``.venv/bin/python -m bench.bench_pipeline`` (``--svg PATH`` also writes the chart).
+Part 3 compares, for real models, the largest chunk load and the largest physical-rank
+load of four splits: even layer counts, AReaL as shipped (its dynamic program on its own
+parameter estimate), AReaL's dynamic program on the same cost model (balances the
+``pp * vpp`` chunks as one chain, blind to ranks), and ours (same problem as AReaL's,
+empty ends allowed).
+
+Run: ``.venv/bin/python -m bench pipeline`` (``python -m bench.bench_pipeline --svg PATH``
+writes the chart).
 """
 
 import functools
+import json
 import math
+import random
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -26,86 +36,17 @@ import attrs
 import numpy as np
 
 from areal_fn.model.spec import ModelSpec, model_from_hf_config
-from areal_fn.pipeline.costs import CostModel, LayerCosts, flop_costs, memory_costs, param_costs
+from areal_fn.pipeline.costs import CostModel, LayerCosts, flop_costs, memory_costs
 from areal_fn.pipeline.partition import Objective, StagePlan, partition_pipeline, split_evenly
+from bench.areal_pipeline import (
+    AREAL_SOURCE,
+    areal_dp_numpy,
+    areal_loads,
+    areal_parameter_buckets,
+    areal_stage_layer_lengths,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
-
-# ----------------------------------------------------------------------------- baselines
-
-
-def dp_chain(
-    costs: Sequence[float], k: int, first_extra: float, last_extra: float
-) -> tuple[float, tuple[int, ...]]:
-    """O(k * L^2) dynamic program over (stage, end layer, start layer), pure Python.
-
-    ``best[s][e]``: the smallest bottleneck of layers ``0..e-1`` cut into ``s``
-    non-empty chunks. Ties go to the smallest start. Returns (bottleneck, lengths).
-    """
-    n = len(costs)
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    inf = math.inf
-    best = [[inf] * (n + 1) for _ in range(k + 1)]
-    choice = [[-1] * (n + 1) for _ in range(k + 1)]
-    best[0][0] = 0.0
-    for s in range(1, k + 1):
-        extra = (first_extra if s == 1 else 0.0) + (last_extra if s == k else 0.0)
-        prev, row, pick = best[s - 1], best[s], choice[s]
-        for end in range(s, n - (k - s) + 1):
-            top = prefix[end] + extra
-            for start in range(s - 1, end):
-                p = prev[start]
-                if p == inf:
-                    continue
-                load = top - prefix[start]
-                cand = p if p > load else load
-                if cand < row[end]:
-                    row[end] = cand
-                    pick[end] = start
-    lengths = []
-    end = n
-    for s in range(k, 0, -1):
-        start = choice[s][end]
-        lengths.append(end - start)
-        end = start
-    return best[k][n], tuple(reversed(lengths))
-
-
-def dp_chain_numpy(
-    costs: Sequence[float], k: int, first_extra: float, last_extra: float
-) -> tuple[float, tuple[int, ...]]:
-    """The same dynamic program with each stage's (end, start) table vectorised."""
-    n = len(costs)
-    prefix = np.concatenate([[0.0], np.cumsum(np.asarray(costs, dtype=np.float64))])
-    prev = np.full(n + 1, np.inf)
-    prev[0] = 0.0
-    choices = []
-    starts = np.arange(n + 1)
-    block = max(1, 4_000_000 // (n + 1))
-    for s in range(1, k + 1):
-        extra = (first_extra if s == 1 else 0.0) + (last_extra if s == k else 0.0)
-        row = np.full(n + 1, np.inf)
-        pick = np.full(n + 1, -1)
-        for lo in range(s, n - (k - s) + 1, block):
-            ends = np.arange(lo, min(lo + block, n - (k - s) + 1))
-            load = prefix[ends, None] + extra - prefix[None, :]
-            cand = np.maximum(prev[None, :], load)
-            cand[starts[None, :] >= ends[:, None]] = np.inf
-            arg = np.argmin(cand, axis=1)
-            row[ends] = cand[np.arange(len(ends)), arg]
-            pick[ends] = arg
-        prev = row
-        choices.append(pick)
-    lengths = []
-    end = n
-    for s in range(k, 0, -1):
-        start = int(choices[s - 1][end])
-        lengths.append(end - start)
-        end = start
-    return float(prev[n]), tuple(reversed(lengths))
-
 
 # ----------------------------------------------------------------------------- timing
 
@@ -150,17 +91,19 @@ def bench_partition() -> list[Timing]:
     for n in (94, 1000, 10000):
         for s in (8, 64):
             costs, fe, le = synthetic_costs(n)
-            plan = partition_pipeline(costs, s, first_extra=fe, last_extra=le)
-            ours = _time(
-                functools.partial(partition_pipeline, costs, s, first_extra=fe, last_extra=le)
+            call = functools.partial(
+                partition_pipeline, costs, s, first_extra=fe, last_extra=le, allow_empty_ends=True
             )
+            plan = call()
+            ours = _time(call)
             python_s = python_equal = None
             if n <= 1000:
                 t = time.perf_counter()
-                b_py, _ = dp_chain(costs, s, fe, le)
-                python_s, python_equal = time.perf_counter() - t, b_py == plan.max_load
+                lengths = areal_stage_layer_lengths(costs, fe, le, s)
+                python_s = time.perf_counter() - t
+                python_equal = max(areal_loads(costs, fe, le, lengths)) == plan.max_load
             t = time.perf_counter()
-            b_np, _ = dp_chain_numpy(costs, s, fe, le)
+            b_np, _ = areal_dp_numpy(costs, s, fe, le)
             numpy_s = time.perf_counter() - t
             rows.append(
                 Timing(
@@ -182,9 +125,11 @@ def _fmt_s(x: float) -> str:
 
 
 def print_partition(rows: list[Timing]) -> None:
-    print("## exact partition vs the O(S*L^2) dynamic program (same process, same costs)")
+    print("## exact partition vs AReaL's O(S*L^2) dynamic program (same process, same problem)")
     print()
-    print("| L | S | bottleneck | equal | ours | DP, Python | ratio | DP, numpy | ratio |")
+    print(f"Baseline: AReaL's algorithm, {AREAL_SOURCE}; ours: allow_empty_ends=True.")
+    print()
+    print("| L | S | bottleneck | equal | ours | AReaL DP, Python | ratio | DP, numpy | ratio |")
     print("|---:|---:|---:|:---:|---:|---:|---:|---:|---:|")
     measured = {(r.layers, r.stages): r.python_s for r in rows if r.python_s is not None}
     for r in rows:
@@ -199,6 +144,57 @@ def print_partition(rows: list[Timing]) -> None:
             f"| {r.layers} | {r.stages} | {r.bottleneck:.6g} | {'yes' if equal else 'NO'} "
             f"| {_fmt_s(r.ours_s)} | {py} | {_fmt_s(r.numpy_s)} | {r.numpy_s / r.ours_s:,.0f}x |"
         )
+    print()
+
+
+# ----------------------------------------------------------------------------- small cases
+
+
+@attrs.frozen(kw_only=True)
+class SmallCases:
+    """Random small problems: how the closed-ends optimum and ours compare with AReaL."""
+
+    cases: int
+    closed_worse: int  # closed-ends optimum above AReaL's bottleneck
+    open_equal: int  # allow_empty_ends=True: the same bottleneck as AReaL
+    empty_end_used: int  # AReaL's split leaves the first or the last stage empty
+
+
+def small_cases(cases: int = 1000, seed: int = 0) -> SmallCases:
+    """``L`` in 4..12, ``K`` in 2..min(L, 6), layer costs 1..20 (mean 10.5); the
+    embedding and the output layer are each, with even odds, heavy (10..40) or light
+    (0..10)."""
+    rng = random.Random(seed)
+    worse = equal = empty = 0
+    for _ in range(cases):
+        n = rng.randint(4, 12)
+        k = rng.randint(2, min(n, 6))
+        costs = [float(rng.randint(1, 20)) for _ in range(n)]
+        fe = float(rng.randint(10, 40) if rng.random() < 0.5 else rng.randint(0, 10))
+        le = float(rng.randint(10, 40) if rng.random() < 0.5 else rng.randint(0, 10))
+        lengths = areal_stage_layer_lengths(costs, fe, le, k)
+        areal = max(areal_loads(costs, fe, le, lengths))
+        closed = partition_pipeline(costs, k, first_extra=fe, last_extra=le)
+        ours = partition_pipeline(costs, k, first_extra=fe, last_extra=le, allow_empty_ends=True)
+        worse += closed.max_load > areal
+        equal += ours.max_load == areal
+        empty += lengths[0] == 0 or lengths[-1] == 0
+    return SmallCases(cases=cases, closed_worse=worse, open_equal=equal, empty_end_used=empty)
+
+
+def print_small(r: SmallCases) -> None:
+    print("## small random cases with a heavy embedding or output layer")
+    print()
+    print(
+        "| cases | AReaL leaves an end empty | closed ends worse than AReaL | "
+        "allow_empty_ends=True equal to AReaL |"
+    )
+    print("|---:|---:|---:|---:|")
+    print(
+        f"| {r.cases} | {r.empty_end_used} ({r.empty_end_used / r.cases:.0%}) "
+        f"| {r.closed_worse} ({r.closed_worse / r.cases:.0%}) "
+        f"| {r.open_equal} ({r.open_equal / r.cases:.0%}) |"
+    )
     print()
 
 
@@ -223,7 +219,7 @@ COST_MODELS: tuple[tuple[str, CostModel], ...] = (
     ),
 )
 
-METHODS = ("even", "AReaL (params, chain DP)", "chain DP, same cost", "ours")
+METHODS = ("even", "AReaL as shipped", "AReaL's DP, same cost", "ours")
 
 
 def _given(costs: LayerCosts, s: int, v: int, lengths: Sequence[int]) -> StagePlan:
@@ -235,33 +231,46 @@ def _given(costs: LayerCosts, s: int, v: int, lengths: Sequence[int]) -> StagePl
         first_extra=costs.embedding,
         last_extra=costs.head,
         objective=Objective.GIVEN,
+        allow_empty_ends=True,
     )
 
 
-def areal_param_costs(spec: ModelSpec, moe_layer_freq: int | None) -> LayerCosts:
-    """AReaL's parameter model: MoE layers at ``(i + 1) % N == 0`` for ``moe_layer_freq=N``."""
-    if moe_layer_freq is None:
-        return param_costs(spec)
-    pattern = [int((i + 1) % moe_layer_freq == 0) for i in range(spec.num_layers)]
-    return param_costs(spec, moe_layer_freq=pattern)
+def areal_lengths(name: str, spec: ModelSpec, k: int, moe_layer_freq: int | None) -> list[int]:
+    """AReaL's split as shipped: its parameter estimate of the HF config (Megatron's
+    ``moe_layer_freq``, default 1, read its way), then its dynamic program."""
+    hf = json.loads((ROOT / "specs" / "models" / f"{name}.json").read_text())
+    moe = (
+        {}
+        if not spec.num_experts
+        else {
+            "num_moe_experts": spec.num_experts,
+            "moe_ffn_hidden_size": spec.moe_intermediate_size,
+            "moe_layer_freq": moe_layer_freq or 1,
+        }
+    )
+    weights, emb, out = areal_parameter_buckets(hf, **moe)  # type: ignore[arg-type]
+    return areal_stage_layer_lengths(weights, emb, out, k)
 
 
 def real_model_plans(
-    spec: ModelSpec, s: int, v: int, freq: int | None, model: CostModel
+    name: str, spec: ModelSpec, s: int, v: int, freq: int | None, model: CostModel
 ) -> dict[str, StagePlan]:
     costs = model(spec) if freq is None else model(spec, moe_layer_freq=freq)  # type: ignore[call-arg]
     k = s * v
-    areal = areal_param_costs(spec, freq)
-    _, areal_lengths = dp_chain(list(areal.layers), k, areal.embedding, areal.head)
-    _, chain_lengths = dp_chain(list(costs.layers), k, costs.embedding, costs.head)
+    same = areal_stage_layer_lengths(list(costs.layers), costs.embedding, costs.head, k)
     return {
         "even": split_evenly(
             costs.layers, s, vpp=v, first_extra=costs.embedding, last_extra=costs.head
         ),
-        "AReaL (params, chain DP)": _given(costs, s, v, areal_lengths),
-        "chain DP, same cost": _given(costs, s, v, chain_lengths),
+        "AReaL as shipped": _given(costs, s, v, areal_lengths(name, spec, k, freq)),
+        "AReaL's DP, same cost": _given(costs, s, v, same),
         "ours": partition_pipeline(
-            costs.layers, s, vpp=v, first_extra=costs.embedding, last_extra=costs.head
+            costs.layers,
+            s,
+            vpp=v,
+            first_extra=costs.embedding,
+            last_extra=costs.head,
+            allow_empty_ends=True,
         ),
     }
 
@@ -274,7 +283,7 @@ def real_model_rows() -> list[tuple[str, str, dict[str, StagePlan]]]:
             label = f"{name} pp{s}" + (f" vpp{v}" if v > 1 else "")
             if freq is not None:
                 label += f" (moe_layer_freq={freq}, hypothetical)"
-            out.append((cost_name, label, real_model_plans(spec, s, v, freq, model)))
+            out.append((cost_name, label, real_model_plans(name, spec, s, v, freq, model)))
     return out
 
 
@@ -417,8 +426,9 @@ def svg_chart(rows: list[tuple[str, str, dict[str, StagePlan]]]) -> str:
 
 
 def run() -> None:
-    """Print both benchmark tables (markdown)."""
+    """Print the benchmark tables (markdown)."""
     print_partition(bench_partition())
+    print_small(small_cases())
     print_real(real_model_rows())
 
 

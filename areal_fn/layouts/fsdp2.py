@@ -9,10 +9,12 @@ folded into ``dp_shard``: the FSDP2 engine runs them as extra data-parallel rank
 (Ulysses sequence parallelism, which ``c`` is reserved for, is not built yet).
 ``pp``, ``ep``, ``etp`` and ``vpp`` must be 1.
 
-TP plan by role (like AReaL's): q/k/v/gate/up and ``lm_head`` column-wise
+TP plan by role (like AReaL's): q/k/v/gate/up, multi-latent attention's up
+projections ``q_b_proj`` / ``kv_b_proj`` and ``lm_head`` column-wise
 (``Shard(0)``), o/down row-wise (``Shard(1)``, their biases replicated), embeddings
 row-wise over the vocabulary (``Shard(0)``; ``tp_embeddings=False`` replicates them),
-norms, q/k norms, router and stacked experts replicated. FSDP2 then shards dim 0 of
+norms, q/k norms, multi-latent attention's down projections, router and stacked
+experts replicated. FSDP2 then shards dim 0 of
 every parameter over ``dp_shard``; on a dim that TP already shards it produces
 ``StridedShard(0, split_factor=tp)`` (right-to-left sharding), elsewhere ``Shard(0)``.
 """
@@ -26,7 +28,8 @@ from areal_fn.model.spec import ModelSpec
 from areal_fn.sharding.mesh import Axis, Mesh
 from areal_fn.sharding.placement import Placement, Replicate, Shard, StridedShard
 from areal_fn.sharding.sharding import Sharding
-from areal_fn.strategy.allocation import ParallelDims
+from areal_fn.strategy.allocation import Backend, ParallelDims
+from areal_fn.strategy.coerce import Strategy, as_dims
 from areal_fn.strategy.rules import check_dims
 from areal_fn.typecheck import beartype
 
@@ -41,29 +44,41 @@ _COLWISE = (
     "up_proj.weight",
     "gate_proj.bias",
     "up_proj.bias",
+    "q_b_proj.weight",  # multi-latent attention's up projections (per head)
+    "kv_b_proj.weight",
 )
 _ROWWISE = ("o_proj.weight", "down_proj.weight")
 
 
 @attrs.frozen(kw_only=True)
 class Fsdp2Options:
-    """Choices that change an FSDP2 layout. ``hsdp_replicas`` must divide ``dp``."""
+    """Choices that change an FSDP2 layout. ``hsdp_replicas`` must divide ``dp``; it is
+    the HSDP replica count when the dims do not give one (``dp_replicate``, ``fsdp:d2x4``)."""
 
     hsdp_replicas: int = 1
     tp_embeddings: bool = True
 
 
 def fsdp2_mesh(dims: ParallelDims, options: Fsdp2Options) -> Mesh:
-    """The mesh of the parameters' DTensors."""
-    if dims.dp % options.hsdp_replicas:
+    """The mesh of the parameters' DTensors (HSDP replicas from ``dims.dp_replicate``,
+    else from ``options.hsdp_replicas``)."""
+    replicas = options.hsdp_replicas
+    if dims.dp_replicate > 1:
+        if replicas not in (1, dims.dp_replicate):
+            raise LayoutError(
+                f"dims.dp_replicate={dims.dp_replicate} and hsdp_replicas={replicas} both give the "
+                f"HSDP replicas and differ; give them once (leave hsdp_replicas=1)"
+            )
+        replicas = dims.dp_replicate
+    if dims.dp % replicas:
         raise LayoutError(
-            f"hsdp_replicas={options.hsdp_replicas} does not divide dp={dims.dp}; HSDP splits the data-parallel "
+            f"hsdp_replicas={replicas} does not divide dp={dims.dp}; HSDP splits the data-parallel "
             f"ranks into replicas x shards, use hsdp_replicas in {[d for d in range(1, dims.dp + 1) if dims.dp % d == 0]}"
         )
     axes: dict[Axis, int] = {}
-    if options.hsdp_replicas > 1:
-        axes[Axis.DP_REPLICATE] = options.hsdp_replicas
-    axes[Axis.DP_SHARD] = dims.dp // options.hsdp_replicas * dims.cp
+    if replicas > 1:
+        axes[Axis.DP_REPLICATE] = replicas
+    axes[Axis.DP_SHARD] = dims.dp // replicas * dims.cp
     if dims.tp > 1:
         axes[Axis.TP] = dims.tp
     return Mesh(names=tuple(axes), sizes=tuple(axes.values()))
@@ -109,7 +124,7 @@ def fsdp2_sharding(
 
 @beartype
 def fsdp2_layout(
-    model: ModelSpec, dims: ParallelDims, *, options: Fsdp2Options = Fsdp2Options()
+    model: ModelSpec, dims: Strategy, *, options: Fsdp2Options = Fsdp2Options()
 ) -> Layout:
     """Every rank's parameters under FSDP2 (+TP, +HSDP) for the ``fsdp`` component ``dims``.
 
@@ -119,7 +134,9 @@ def fsdp2_layout(
     does not divide (:func:`~areal_fn.strategy.rules.check_dims`). ``cp`` ranks are
     FSDP shards like ``dp`` ranks (``dp_shard = dp/hsdp_replicas * cp``): the FSDP2
     engine runs them as data parallelism until Ulysses sequence parallelism is built.
+    ``dims`` may also be an fsdp allocation string or component (``"fsdp:d2x4t2"``).
     """
+    dims = as_dims(dims, caller="fsdp2_layout", backends=(Backend.FSDP,))
     check_dims(
         model,
         "fsdp2",

@@ -13,6 +13,9 @@ names. Rules (both engines):
 - ``embed_tokens`` / ``lm_head``: the vocabulary is padded to a multiple of 64
   (``DEFAULT_VOCAB_PADDING_SIZE``) and split evenly (``Shard(0)``); padding rows hold
   no weights.
+- multi-latent attention (DeepSeek-V3): ``q_b_proj`` / ``kv_b_proj`` (and ``q_proj``)
+  column-wise by heads, ``o_proj`` row-wise; the down projections ``q_a_proj`` /
+  ``kv_a_proj_with_mqa`` and their norms are replicated (there are no KV heads).
 - norms, q/k norms and the MoE router are replicated.
 - pipeline stages (``p``): layer ``i`` on stage ``s`` by an even split, the first
   ``L % pp`` stages one layer longer; embeddings on stage 0, final norm and head on the
@@ -38,7 +41,8 @@ from areal_fn.sharding.box import Box
 from areal_fn.sharding.mesh import Axis, Mesh
 from areal_fn.sharding.placement import Placement, Replicate, Shard
 from areal_fn.sharding.sharding import Sharding
-from areal_fn.strategy.allocation import ParallelDims
+from areal_fn.strategy.allocation import Backend, ParallelDims
+from areal_fn.strategy.coerce import Strategy, as_dims
 from areal_fn.strategy.rules import VOCAB_PADDING, check_dims, engine_padded_vocab
 from areal_fn.typecheck import beartype
 
@@ -68,19 +72,23 @@ _COLUMN = (
     "up_proj.bias",
     "w1.weight",  # Mixtral's expert gate and up
     "w3.weight",
+    "q_b_proj.weight",  # multi-latent attention's up projections (per head)
+    "kv_b_proj.weight",
 )
 _ROW = ("o_proj.weight", "down_proj.weight", "w2.weight")
 
 
 @beartype
 def inference_layout(
-    model: ModelSpec, dims: ParallelDims, *, vocab_multiple: int = VOCAB_PADDING
+    model: ModelSpec, dims: Strategy, *, vocab_multiple: int = VOCAB_PADDING
 ) -> Layout:
     """Every rank's weights in an SGLang / vLLM deployment of ``dims`` (``d``, ``t``, ``p``).
 
     ``vocab_multiple`` is the engines' vocabulary padding (64); 1 means unpadded, as a
-    plain DTensor tensor-parallel model holds it.
+    plain DTensor tensor-parallel model holds it. ``dims`` may also be an sglang / vllm
+    allocation string or component (``"sglang:d2t4"``).
     """
+    dims = as_dims(dims, caller="inference_layout", backends=(Backend.SGLANG, Backend.VLLM))
     check_dims(model, "inference", dims, vocab_multiple=vocab_multiple)
     tp, nkv = dims.tp, model.num_key_value_heads
     mesh = Mesh(names=(Axis.DP, Axis.PP, Axis.TP), sizes=(dims.dp, dims.pp, tp))

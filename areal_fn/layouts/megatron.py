@@ -33,19 +33,19 @@ from areal_fn.errors import LayoutError
 from areal_fn.layouts.layout import FusionPiece, Layout, LayoutKind, LogicalTensor
 from areal_fn.layouts.vocab import padded_vocab_size
 from areal_fn.model.families.mapping import (
-    CONDITIONS,
     Fusion,
     MegatronTensor,
     expert_runs,
     select,
 )
-from areal_fn.model.spec import ModelSpec
+from areal_fn.model.spec import ModelSpec, condition_flags
 from areal_fn.pipeline.partition import StagePlan
 from areal_fn.sharding.box import Box
 from areal_fn.sharding.mesh import Axis, Mesh
 from areal_fn.sharding.placement import Placement, Replicate, Shard
 from areal_fn.sharding.sharding import Sharding
-from areal_fn.strategy.allocation import ParallelDims
+from areal_fn.strategy.allocation import Backend, ParallelDims
+from areal_fn.strategy.coerce import Strategy, as_dims
 from areal_fn.strategy.rules import check_dims
 from areal_fn.typecheck import beartype
 
@@ -130,19 +130,21 @@ def default_stages(model: ModelSpec, dims: ParallelDims) -> StagePlan:
 @beartype
 def stages_for(model: ModelSpec, dims: ParallelDims) -> StagePlan:
     """The stages every path uses when none are given: Megatron's default split when
-    ``pp*vpp`` divides the layers, else the even split (the first chunks one layer
-    longer, :func:`~areal_fn.pipeline.partition.split_evenly`)."""
+    ``pp*vpp`` divides the layers; else the embedding and the loss each count as one
+    layer, as Megatron's ``account_for_embedding/loss_in_pipeline_split`` (set by the
+    published recipes) count them, so the first chunk holds fewer layers, not more
+    (:func:`~areal_fn.pipeline.partition.split_evenly` with ``account_for_ends=True``)."""
     from areal_fn.pipeline.partition import split_evenly
 
     if model.num_layers % (dims.pp * dims.vpp) == 0:
         return default_stages(model, dims)
-    return split_evenly([1.0] * model.num_layers, dims.pp, vpp=dims.vpp)
+    return split_evenly([1.0] * model.num_layers, dims.pp, vpp=dims.vpp, account_for_ends=True)
 
 
 @beartype
 def megatron_layout(
     model: ModelSpec,
-    dims: ParallelDims,
+    dims: Strategy,
     *,
     naming: Naming = "local",
     stages: StagePlan | None = None,
@@ -158,8 +160,18 @@ def megatron_layout(
     (:attr:`~areal_fn.model.families.Family.megatron`). The layout carries its stage
     plan (``Layout.stages``). ``LayoutError`` for degrees the model does not divide, and
     for ``ep``/``etp`` > 1 on a dense model (:func:`~areal_fn.strategy.rules.check_dims`).
+    ``dims`` may also be a megatron allocation string or component (``"megatron:t2p2"``).
     """
+    dims = as_dims(dims, caller="megatron_layout", backends=(Backend.MEGATRON,))
     check_dims(model, "megatron", dims)
+    if model.is_mla and not model.rope_interleave:
+        raise LayoutError(
+            f"{model.model_type} with rope_interleave=False: Megatron-Core's multi-latent "
+            "attention rotates de-interleaved rope dims, which equals transformers' "
+            "rope_interleave=True only; the rope rows of q_b_proj and kv_a_proj_with_mqa would "
+            "need a permutation this layout does not apply; use a config with "
+            "rope_interleave=true (every published DeepSeek-V3 / Kimi-K2 config)"
+        )
     plan = stages if stages is not None else default_stages(model, dims)
     if plan.num_layers != model.num_layers or plan.num_stages != dims.pp or plan.vpp != dims.vpp:
         raise LayoutError(
@@ -244,7 +256,7 @@ def layer_parameters(
 ) -> tuple[tuple[MegatronTensor, tuple[int, ...]], ...]:
     """The Megatron-Core parameters of decoder layer ``layer`` (its family's table rows that
     apply, with the parameter's shape); an expert row stands for each of the experts."""
-    flags = {c: getattr(model, c) for c in CONDITIONS}
+    flags = condition_flags(model)
     hp = f"model.layers.{layer}."
     shapes = {t.name: t.shape for t in model.layer_tensors(layer)}
     out = []
@@ -318,7 +330,7 @@ class _Builder:
         """Decoder layer ``layer`` (HF index) as Megatron's ``mp`` (its chunk-local prefix)."""
         model = self.model
         hp = f"model.layers.{layer}."
-        flags = {c: bool(getattr(model, c)) for c in CONDITIONS}
+        flags = condition_flags(model)
         rows = select(model.family.megatron, moe=model.moe_layers[layer], flags=flags)
         for run in expert_runs(rows):
             if run[0].expert:
@@ -326,7 +338,7 @@ class _Builder:
                 continue
             r = run[0]
             fused = _fusion(model, self.shapes, r.fusion, tuple(hp + h for h in r.hf))
-            self.add(mp + r.name(self.naming), fused, r.tp, ((Axis.PP, stage),))
+            self.add(mp + r.name(self.naming), fused, r.placement(self.naming), ((Axis.PP, stage),))
 
     def _experts(self, rows: list[MegatronTensor], mp: str, hp: str, stage: int) -> None:
         """A run of per-expert records, expert-major (expert 0's tensors, then expert 1's...)."""
@@ -338,4 +350,4 @@ class _Builder:
                 name = r.name(self.naming, grouped_gemm=self.grouped_gemm).format(local=local)
                 sources = tuple(hp + h.format(e=e) for h in r.hf)
                 fused = _fusion(self.model, self.shapes, r.fusion, sources)
-                self.add(mp + name, fused, r.tp, present, expert=True)
+                self.add(mp + name, fused, r.placement(self.naming), present, expert=True)

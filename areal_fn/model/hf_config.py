@@ -14,7 +14,8 @@ import math
 from collections.abc import Mapping, Sequence
 
 from areal_fn.errors import SpecError, UnsupportedConfigError
-from areal_fn.model.families import FAMILIES, Family, family
+from areal_fn.model.families import FAMILIES, MODEL_TYPE_ALIASES, Family, family
+from areal_fn.model.mla import mla_fields
 from areal_fn.model.tensor_spec import dtype_name
 
 __all__ = ["ROPE_TYPES"]
@@ -286,6 +287,7 @@ def _spec_fields(raw: Mapping[str, object]) -> dict[str, object]:
             f"config has model_type={model_type!r}; an HF config.json names its model_type, "
             f"one of {sorted(FAMILIES)}"
         )
+    model_type = _resolve_alias(raw, model_type)
     fam = family(model_type)
     c = _Config(raw, fam)
     hidden = c.integer("hidden_size")
@@ -294,7 +296,9 @@ def _spec_fields(raw: Mapping[str, object]) -> dict[str, object]:
     _check_computation(c, layers)
     kv = c.get("num_key_value_heads")
     kv_heads = heads if kv is None else c.integer("num_key_value_heads")
-    if c.get("head_dim") is None:
+    if fam.mla:
+        head_dim = 0  # from mla_fields below
+    elif c.get("head_dim") is None:
         if hidden % heads:
             raise SpecError(
                 f"hidden_size={hidden} is not divisible by num_attention_heads={heads} and the "
@@ -325,6 +329,8 @@ def _spec_fields(raw: Mapping[str, object]) -> dict[str, object]:
         fields.update(dict.fromkeys(targets, flag))
     if fam.partial_rotary:
         fields["rotary_fraction"] = _rotary_fraction(c)
+    if fam.mla:
+        fields.update(mla_fields(c.cfg, c.get, c.integer, model_type))
     if fam.moe:
         fields.update(_routing(c))
         fields.update(
@@ -339,6 +345,22 @@ def _spec_fields(raw: Mapping[str, object]) -> dict[str, object]:
     else:
         fields["moe_layers"] = (False,) * layers
     return fields
+
+
+def _resolve_alias(raw: Mapping[str, object], model_type: str) -> str:
+    """The family of an aliased ``model_type`` (:data:`MODEL_TYPE_ALIASES`), which the
+    config's ``architectures`` must name."""
+    target = dict(MODEL_TYPE_ALIASES).get(model_type)
+    if target is None:
+        return model_type
+    arch = FAMILIES[target].architecture
+    if raw.get("architectures") != [arch]:
+        raise SpecError(
+            f"config has model_type={model_type!r}, read as {target!r} when its architectures "
+            f"is [{arch!r}], but it is {raw.get('architectures')!r}; set architectures to "
+            f"[{arch!r}] or model_type to a supported one"
+        )
+    return target
 
 
 def _dtype(value: object) -> str:

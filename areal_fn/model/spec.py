@@ -21,16 +21,17 @@ import json
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 
 import attrs
 
 from areal_fn.errors import SpecError
+from areal_fn.model.embedded import resolve_config
 from areal_fn.model.families import FAMILIES, Family, family
 from areal_fn.model.families.mapping import CONDITIONS, Dim, LayerKind, layer_tensors
 from areal_fn.model.hf_config import ROPE_TYPES as ROPE_TYPES
 from areal_fn.model.hf_config import _positive_float, _rope_pairs, _spec_fields
 from areal_fn.model.routing import ROUTER_SCORES as ROUTER_SCORES
+from areal_fn.model.mla import check_mla, mla_config
 from areal_fn.model.routing import check_groups, check_rotary
 from areal_fn.model.tensor_spec import TensorSpec, dtype_name
 from areal_fn.typecheck import beartype
@@ -104,7 +105,7 @@ def _check_model(spec: "ModelSpec") -> None:
             f"num_key_value_heads={kv} does not divide num_attention_heads={heads}; "
             f"grouped-query attention needs num_attention_heads % num_key_value_heads == 0"
         )
-    if spec.head_dim % 2:
+    if spec.head_dim % 2 and not fam.mla:  # MLA rotates qk_rope_head_dim (check_mla)
         raise SpecError(
             f"head_dim={spec.head_dim} is odd; rotary embeddings rotate pairs of dims, "
             f"so head_dim must be even"
@@ -135,6 +136,7 @@ def _check_model(spec: "ModelSpec") -> None:
         )
     moe = (spec.num_experts, spec.num_experts_per_tok, spec.moe_intermediate_size)
     check_rotary(spec)
+    check_mla(spec)
     routing = (
         spec.num_shared_experts,
         spec.router_score,
@@ -194,7 +196,13 @@ class ModelSpec:
     group-limited top-k over ``router_groups`` groups keeping ``router_group_topk``,
     the weights scaled by ``routed_scaling_factor``; ``num_shared_experts`` shared
     experts of ``moe_intermediate_size`` each, fused into one MLP. ``rotary_fraction``:
-    the fraction of each head's dims that RoPE rotates (GLM: 0.5).
+    the fraction of each head's dims that RoPE rotates (GLM: 0.5). Multi-latent
+    attention (DeepSeek-V3, Kimi-K2): ``head_dim`` is the query/key head size
+    ``qk_nope_head_dim + qk_rope_head_dim``; ``q_lora_rank`` (0: queries projected
+    directly by ``q_proj``), ``kv_lora_rank``, ``qk_rope_head_dim`` and ``v_head_dim`` as
+    in the config, ``rope_interleave`` as transformers applies it; ``num_key_value_heads
+    == num_attention_heads`` (there are no shared KV heads). Other families have these
+    fields at 0 (and ``rope_interleave`` true).
     """
 
     model_type: str = attrs.field(validator=_check_model_type)
@@ -227,6 +235,11 @@ class ModelSpec:
     router_group_topk: int = attrs.field(default=1, validator=_pos)
     routed_scaling_factor: float = attrs.field(default=1.0, converter=_positive_float)
     rotary_fraction: float = attrs.field(default=1.0, converter=_positive_float)
+    q_lora_rank: int = attrs.field(default=0, validator=_nonneg)
+    kv_lora_rank: int = attrs.field(default=0, validator=_nonneg)
+    qk_rope_head_dim: int = attrs.field(default=0, validator=_nonneg)
+    v_head_dim: int = attrs.field(default=0, validator=_nonneg)
+    rope_interleave: bool = attrs.field(default=True, validator=_check_bool)
     moe_layers: tuple[bool, ...] = attrs.field(converter=_bools)
     dtype: str = attrs.field(default="bfloat16", converter=dtype_name)
 
@@ -273,6 +286,21 @@ class ModelSpec:
     @property
     def is_moe(self) -> bool:
         return any(self.moe_layers)
+
+    @property
+    def is_mla(self) -> bool:
+        """Multi-latent attention (the family's ``mla``)."""
+        return self.family.mla
+
+    @property
+    def q_direct(self) -> bool:
+        """Multi-latent attention whose queries come from ``q_proj`` (no query LoRA)."""
+        return self.is_mla and self.q_lora_rank == 0
+
+    @property
+    def qk_nope_head_dim(self) -> int:
+        """The query/key head dims without rotary embedding (multi-latent attention)."""
+        return self.head_dim - self.qk_rope_head_dim if self.is_mla else 0
 
     @beartype
     def is_moe_layer(self, layer: int) -> bool:
@@ -362,6 +390,8 @@ class ModelSpec:
             cfg.update({k: v for k, v in moe.items() if k not in foreign})
         if fam.partial_rotary:
             cfg["partial_rotary_factor"] = self.rotary_fraction
+        if fam.mla:
+            cfg.update(mla_config(self))
         if fam.sliding_window == "when_set":
             cfg["sliding_window"] = None
         return dict(sorted(cfg.items()))
@@ -395,6 +425,11 @@ def dim_sizes(spec: ModelSpec) -> dict[Dim, int]:
         Dim.MOE_INTER: spec.moe_intermediate_size,
         Dim.EXPERTS: spec.num_experts,
         Dim.SHARED_INTER: spec.num_shared_experts * spec.moe_intermediate_size,
+        Dim.Q_LORA: spec.q_lora_rank,
+        Dim.KV_LORA: spec.kv_lora_rank,
+        Dim.KV_A_OUT: spec.kv_lora_rank + spec.qk_rope_head_dim,
+        Dim.KV_B_OUT: spec.num_attention_heads * (spec.qk_nope_head_dim + spec.v_head_dim),
+        Dim.V_OUT: spec.num_attention_heads * spec.v_head_dim,
     }
 
 
@@ -435,15 +470,11 @@ _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 
 @beartype
 def load_hf_config(path: str | os.PathLike[str]) -> dict[str, object]:
-    """Read a ``config.json`` (or the ``config.json`` inside a directory) into a dict."""
-    p = Path(path)
-    if p.is_dir():
-        p = p / "config.json"
-    if not p.is_file():
-        raise SpecError(
-            f"no config file at {str(p)!r}; pass a config.json path, a directory holding "
-            f"config.json, or the config as a dict"
-        )
+    """Read a ``config.json`` (or the ``config.json`` inside a directory, or an embedded
+    model named as :func:`~areal_fn.model.embedded.resolve_config` says) into a dict."""
+    p = resolve_config(os.fspath(path))
+    if isinstance(p, dict):
+        return p
     try:
         data = json.loads(p.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

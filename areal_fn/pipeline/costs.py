@@ -301,9 +301,11 @@ def partition_model(
     vpp: int = 1,
     cost_model: CostModel = param_costs,
     balance_ranks: bool = True,
+    allow_empty_ends: bool = False,
 ) -> StagePlan:
     """:func:`partition_pipeline` of ``spec``'s layers under ``cost_model``; the
-    embedding cost goes to the first chunk, the head's to the last."""
+    embedding cost goes to the first chunk, the head's to the last (with
+    ``allow_empty_ends`` those two chunks may hold no decoder layer)."""
     costs = cost_model(spec)
     if len(costs.layers) != spec.num_layers:
         raise PlanError(
@@ -317,4 +319,5 @@ def partition_model(
         first_extra=costs.embedding,
         last_extra=costs.head,
         balance_ranks=balance_ranks,
+        allow_empty_ends=allow_empty_ends,
     )

@@ -35,6 +35,17 @@ def _prefix_sums(costs: tuple[float, ...], first_extra: float, last_extra: float
     return [0, *itertools.accumulate(ints)]
 
 
+def _prefix_sums_open_ends(
+    costs: tuple[float, ...], first_extra: float, last_extra: float
+) -> list[int]:
+    """Exact prefix sums of the sequence ``(first_extra, *costs, last_extra)``: the
+    embedding and the head are items of their own, so a partition of these ``L + 2``
+    items into non-empty chunks is a partition of the layers whose first and last chunk
+    may hold no layer (chunk 0 always holds the embedding, the last chunk the head) and
+    whose inner chunks hold at least one."""
+    return [0, *itertools.accumulate(_scaled([first_extra, *costs, last_extra]))]
+
+
 def _reach(prefix: list[int], start: int, cap: int) -> int:
     """The largest end such that layers ``start .. end-1`` weigh at most ``cap``."""
     return bisect.bisect_right(prefix, prefix[start] + cap) - 1

@@ -68,7 +68,9 @@ def _check_count(inst: object, attr: "attrs.Attribute[int]", value: int) -> None
         raise PlanError(f"{attr.name}={value!r} must be an int >= 1")
 
 
-def _check_problem(costs: tuple[float, ...], num_stages: int, vpp: int) -> None:
+def _check_problem(
+    costs: tuple[float, ...], num_stages: int, vpp: int, allow_empty_ends: bool = False
+) -> None:
     if vpp > 1 and num_stages == 1:
         raise PlanError(
             f"vpp={vpp} with num_stages=1: virtual pipeline stages interleave chunks over "
@@ -80,7 +82,14 @@ def _check_problem(costs: tuple[float, ...], num_stages: int, vpp: int) -> None:
         raise PlanError(
             "costs is empty: there are no layers to place; give one cost per decoder layer"
         )
-    if len(costs) < k:
+    if allow_empty_ends and len(costs) < k - 2:
+        raise PlanError(
+            f"{len(costs)} layers cannot fill the {k - 2} inner chunks of num_stages="
+            f"{num_stages} x vpp={vpp} = {k} chunks: allow_empty_ends=True lets only the "
+            "first and the last chunk be empty, every inner chunk needs at least one layer; "
+            f"use num_stages * vpp <= {len(costs) + 2}, or a model with more layers"
+        )
+    if not allow_empty_ends and len(costs) < k:
         fits = [
             f"num_stages={s}, vpp={v}"
             for s in range(1, len(costs) + 1)
@@ -106,15 +115,40 @@ def _lengths(value: object) -> tuple[int, ...]:
 
 def _check_lengths(inst: object, attr: object, value: tuple[int, ...]) -> None:
     for i, n in enumerate(value):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise PlanError(
                 f"StagePlan.stage_lengths[{i}]={n!r} must be an int >= 1: every chunk holds "
                 "at least one layer"
             )
 
 
+def _check_nonempty(lengths: tuple[int, ...], allow_empty_ends: bool) -> None:
+    """Every chunk holds a layer, except, with ``allow_empty_ends``, the first and the last."""
+    last = len(lengths) - 1
+    for i, n in enumerate(lengths):
+        if n:
+            continue
+        if not allow_empty_ends:
+            raise PlanError(
+                f"StagePlan.stage_lengths[{i}]=0 must be an int >= 1: every chunk holds at "
+                "least one layer; pass allow_empty_ends=True to let the first chunk hold "
+                "only the embedding or the last only the head and loss"
+            )
+        if 0 < i < last:
+            raise PlanError(
+                f"StagePlan.stage_lengths[{i}]=0 is an empty inner chunk: allow_empty_ends="
+                "True lets only the first and the last chunk be empty; give chunk "
+                f"{i} at least one layer"
+            )
+
+
 def _validated(
-    costs: object, num_stages: int, vpp: int, first_extra: object, last_extra: object
+    costs: object,
+    num_stages: int,
+    vpp: int,
+    first_extra: object,
+    last_extra: object,
+    allow_empty_ends: bool = False,
 ) -> tuple[tuple[float, ...], float, float]:
     for name, value in (("num_stages", num_stages), ("vpp", vpp)):
         if isinstance(value, bool) or value < 1:
@@ -128,5 +162,5 @@ def _validated(
                 f"{'first' if name == 'first_extra' else 'last'} chunk's load); pass 0.0 "
                 "for no extra cost"
             )
-    _check_problem(cs, num_stages, vpp)
+    _check_problem(cs, num_stages, vpp, allow_empty_ends)
     return cs, fe, le

@@ -7,6 +7,14 @@ chunk ``j`` lives on pipeline rank ``j % num_stages`` as its virtual stage
 ``j // num_stages``. Chunk 0 also carries ``first_extra`` (the embedding), chunk
 ``K - 1`` carries ``last_extra`` (final norm, output head and loss).
 
+With ``allow_empty_ends=True`` the first and the last chunk may hold no decoder layer
+(only the embedding, only the head and loss: AReaL's problem, Megatron-Core's
+``"E|...|L"``); inner chunks still hold at least one. The search then runs on the
+``L + 2`` items ``(first_extra, *costs, last_extra)``, cut into ``K`` non-empty chunks:
+chunk 0 always holds the embedding item and chunk ``K - 1`` the head item, so these
+partitions are exactly the partitions of the layers with possibly empty ends, and
+everything below (exact bottleneck, tie-break, rank search) applies unchanged.
+
 :func:`partition_pipeline` returns a :class:`StagePlan`:
 
 1. **Chunk bottleneck, exact.** The largest chunk load is the minimum over all
@@ -73,6 +81,7 @@ from areal_fn.pipeline.exact import (
     _min_bottleneck,
     _OverBudget,
     _prefix_sums,
+    _prefix_sums_open_ends,
     _rank_exact,
     _rank_loads_int,
     _rank_local,
@@ -81,6 +90,7 @@ from areal_fn.pipeline.inputs import (
     _check_count,
     _check_extra,
     _check_lengths,
+    _check_nonempty,
     _check_problem,
     _costs,
     _extra,
@@ -138,9 +148,12 @@ class StagePlan:
         default=Objective.GIVEN, validator=attrs.validators.instance_of(Objective)
     )
     rank_optimal: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    allow_empty_ends: bool = attrs.field(
+        default=False, validator=attrs.validators.instance_of(bool)
+    )
 
     def __attrs_post_init__(self) -> None:
-        _check_problem(self.costs, self.num_stages, self.vpp)
+        _check_problem(self.costs, self.num_stages, self.vpp, self.allow_empty_ends)
         k = self.num_stages * self.vpp
         if len(self.stage_lengths) != k:
             raise PlanError(
@@ -152,6 +165,7 @@ class StagePlan:
                 f"StagePlan.stage_lengths sum to {sum(self.stage_lengths)} layers but costs "
                 f"has {len(self.costs)}; every layer must be in exactly one chunk"
             )
+        _check_nonempty(self.stage_lengths, self.allow_empty_ends)
         if self.objective is Objective.GIVEN and self.rank_optimal:
             raise PlanError(
                 "StagePlan(objective=Objective.GIVEN, rank_optimal=True): a given split is "
@@ -264,9 +278,10 @@ class StagePlan:
             tag = (" +first" if j == 0 and self.first_extra else "") + (
                 " +last" if j == self.num_chunks - 1 and self.last_extra else ""
             )
+            span = f"{lay.start:4d}-{lay.stop - 1:<4d}" if n else f"{'-':>4} {'':4}"
             rows.append(
                 f"{j:5d}  {j % self.num_stages:4d}  {j // self.num_stages:6d}  "
-                f"{lay.start:4d}-{lay.stop - 1:<4d} {n:3d}  {load:.6g}{tag}"
+                f"{span} {n:3d}  {load:.6g}{tag}"
             )
         tail = f"max chunk load {self.max_load:.6g}; max rank load {self.max_rank_load:.6g}"
         return "\n".join([head, *rows, tail])
@@ -285,20 +300,26 @@ def partition_pipeline(
     last_extra: float | int = 0.0,
     balance_ranks: bool = True,
     rank_search_budget: int = 100_000,
+    allow_empty_ends: bool = False,
 ) -> StagePlan:
-    """Cut layers with ``costs`` into ``num_stages * vpp`` contiguous non-empty chunks.
+    """Cut layers with ``costs`` into ``num_stages * vpp`` contiguous chunks.
 
-    The largest chunk load (chunk 0 with ``first_extra``, the last with ``last_extra``)
-    is the exact minimum over all such partitions. With ``vpp > 1`` and
-    ``balance_ranks`` the largest per-rank load is then minimised among those
-    partitions, exactly within ``rank_search_budget`` transitions, else by a local
-    search (``plan.rank_optimal`` tells which). Ties are broken as the module docstring
-    says. Raises :class:`PlanError` when the layers cannot fill the chunks or a cost is
-    not positive and finite.
+    Every chunk holds at least one layer; with ``allow_empty_ends`` the first chunk may
+    hold only the embedding (``first_extra``) and the last only the head and loss
+    (``last_extra``), as AReaL's partition allows and Megatron-Core's layout expresses
+    (``"E|t*4|...|L"``); inner chunks are never empty. The largest chunk load (chunk 0
+    with ``first_extra``, the last with ``last_extra``) is the exact minimum over all
+    such partitions. With ``vpp > 1`` and ``balance_ranks`` the largest per-rank load is
+    then minimised among those partitions, exactly within ``rank_search_budget``
+    transitions, else by a local search (``plan.rank_optimal`` tells which). Ties are
+    broken as the module docstring says. Raises :class:`PlanError` when the layers
+    cannot fill the chunks or a cost is not positive and finite.
     """
-    cs, fe, le = _validated(costs, num_stages, vpp, first_extra, last_extra)
+    cs, fe, le = _validated(costs, num_stages, vpp, first_extra, last_extra, allow_empty_ends)
     k = num_stages * vpp
-    prefix = _prefix_sums(cs, fe, le)
+    # With open ends the embedding and the head are items of their own (L + 2 items):
+    # non-empty chunks of items are exactly the partitions with possibly empty ends.
+    prefix = _prefix_sums_open_ends(cs, fe, le) if allow_empty_ends else _prefix_sums(cs, fe, le)
     cap = _min_bottleneck(prefix, k)
     b = _balanced_boundaries(prefix, k, cap)
     objective, rank_optimal = Objective.CHUNK, vpp == 1
@@ -313,15 +334,17 @@ def partition_pipeline(
             b, rank_optimal = exact, True
         else:
             b = _rank_local(prefix, num_stages, cap, b)
+    ends = (0, k - 1) if allow_empty_ends else ()  # the items that are not layers
     return StagePlan(
         costs=cs,
         num_stages=num_stages,
         vpp=vpp,
-        stage_lengths=tuple(b[j + 1] - b[j] for j in range(k)),
+        stage_lengths=tuple(b[j + 1] - b[j] - ends.count(j) for j in range(k)),
         first_extra=fe,
         last_extra=le,
         objective=objective,
         rank_optimal=rank_optimal,
+        allow_empty_ends=allow_empty_ends,
     )
 
 
@@ -333,17 +356,34 @@ def split_evenly(
     vpp: int = 1,
     first_extra: float | int = 0.0,
     last_extra: float | int = 0.0,
+    account_for_ends: bool = False,
 ) -> StagePlan:
     """The split that ignores costs: every chunk gets ``L // K`` layers and the first
-    ``L % K`` chunks one more (Megatron's default when ``K`` divides ``L``)."""
+    ``L % K`` chunks one more (Megatron's default when ``K`` divides ``L``).
+
+    ``account_for_ends=True`` counts the embedding and the loss as one layer each, as
+    Megatron's ``account_for_embedding_in_pipeline_split`` and
+    ``account_for_loss_in_pipeline_split`` do: with ``q = (L + 2) // K`` the first and
+    the last chunk get ``max(1, q - 1)`` layers and the inner ones ``q``; the layers
+    left over go one each to the inner chunks in order, then to the last chunk. So the
+    first chunk never holds more layers than another, and when ``K`` divides ``L + 2``
+    (and ``q >= 2``) this is exactly Megatron's split under those two flags.
+    """
     cs, fe, le = _validated(costs, num_stages, vpp, first_extra, last_extra)
     k = num_stages * vpp
-    q, extra = divmod(len(cs), k)
+    if account_for_ends and k > 1:
+        q = (len(cs) + 2) // k
+        lengths = [max(1, q - 1), *(q,) * (k - 2), max(1, q - 1)]
+        for i in range(len(cs) - sum(lengths)):  # fewer than k - 1 when q >= 2, k - 2 else
+            lengths[1 + i] += 1
+    else:
+        q, extra = divmod(len(cs), k)
+        lengths = [q + (j < extra) for j in range(k)]
     return StagePlan(
         costs=cs,
         num_stages=num_stages,
         vpp=vpp,
-        stage_lengths=tuple(q + (j < extra) for j in range(k)),
+        stage_lengths=tuple(lengths),
         first_extra=fe,
         last_extra=le,
     )
@@ -355,14 +395,15 @@ def megatron_layout_string(plan: StagePlan) -> str:
 
     One ``|``-separated entry per chunk in layer order (Megatron reads entry ``j`` as
     pp rank ``j % pp``, vp stage ``j // pp``): ``E`` embedding, ``t`` decoder layer,
-    ``L`` loss, ``t*3`` for three layers. Pass it as
+    ``L`` loss, ``t*3`` for three layers; an empty first or last chunk is ``E`` or
+    ``L`` alone. Pass it as
     ``TransformerConfig(pipeline_model_parallel_layout=...)`` together with
     ``pipeline_model_parallel_size=plan.num_stages``.
     """
     k = plan.num_chunks
     parts = []
     for j, n in enumerate(plan.stage_lengths):
-        body = "t" if n == 1 else f"t*{n}"
+        body = "" if n == 0 else "t" if n == 1 else f"t*{n}"
         parts.append(("E" if j == 0 else "") + body + ("L" if j == k - 1 else ""))
     return "|".join(parts)
 

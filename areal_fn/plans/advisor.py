@@ -20,7 +20,8 @@ and counted):
   ``seq_len/cp`` tokens; ring attention needs the TransformerEngine layer spec, which
   is what AReaL builds; this project's CPU ``MegatronEngine`` builds the local spec and
   runs ``cp = 1`` only). Stages: Megatron's even split when ``pp*vpp`` divides the
-  layers, else :func:`~areal_fn.pipeline.partition.split_evenly` (first chunks one layer longer).
+  layers, else :func:`~areal_fn.layouts.megatron.stages_for`'s split (embedding and loss
+  counted as one layer each, so the first and the last chunk hold fewer layers).
 - Context parallelism ``cp`` (Megatron) keeps at least 4,096 tokens of a sequence per
   rank, at most 8 ways, and ``2*cp`` divides ``seq_len``.
 

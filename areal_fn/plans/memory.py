@@ -47,6 +47,7 @@ from areal_fn.plans.activations import layer_token_bytes as layer_token_bytes
 from areal_fn.plans.census import Census, CensusIndex, RankShare, census_of
 from areal_fn.sharding.sharding import local_shape
 from areal_fn.strategy.allocation import ParallelDims
+from areal_fn.strategy.coerce import Strategy, as_dims
 from areal_fn.typecheck import beartype
 
 __all__ = [
@@ -402,7 +403,7 @@ def estimate_memory(
     *,
     activation: ActivationModel | None = None,
     model: ModelSpec | None = None,
-    dims: ParallelDims | None = None,
+    dims: Strategy | None = None,
     distributed_optimizer: bool = True,
 ) -> MemoryReport:
     """Every rank's memory for ``layout`` (or its :class:`~areal_fn.plans.census.Census`).
@@ -410,8 +411,10 @@ def estimate_memory(
     Parameters, gradients and optimizer state are exact (see the module docstring);
     with ``activation`` (which needs ``model`` and ``dims``) activations and FSDP2
     buffers are estimated. Ranks that differ only along axes where every tensor is
-    replicated are computed once.
+    replicated are computed once. ``dims`` may also be an allocation string or
+    component of one component (``"megatron:d2p2t2"``).
     """
+    dims = None if dims is None else as_dims(dims, caller="estimate_memory")
     census = _census(layout)
     _check_inputs(census, activation, model, dims)
     index = CensusIndex(census)
@@ -439,10 +442,11 @@ def estimate_rows(
     *,
     activation: ActivationModel | None = None,
     model: ModelSpec | None = None,
-    dims: ParallelDims | None = None,
+    dims: Strategy | None = None,
     distributed_optimizer: bool = True,
 ) -> tuple[RankMemory, ...]:
     """The rows of :func:`estimate_memory` (same arguments) for ``ranks`` only."""
+    dims = None if dims is None else as_dims(dims, caller="estimate_rows")
     census = _census(layout)
     _check_inputs(census, activation, model, dims)
     index = CensusIndex(census)

@@ -6,7 +6,8 @@ An allocation string such as ``sglang:d4t2+megatron:d2p2t2`` is parsed by
 equal value. ``repr()`` is Python that evaluates back (after
 ``from areal_fn.strategy.allocation import *``). Grammar and semantics: ``docs/allocation.md``.
 
-Canonical printing: dims in the order ``d p t c e v``; ``d`` always printed, every
+Canonical printing: dims in the order ``d p t c e v``; ``d`` always printed (as
+``d<replicas>x<shards>`` when ``dp_replicate`` is not 1, the HSDP spelling), every
 other dim printed only when it is not 1. A Megatron component whose expert tensor
 parallel size ``etp`` is not 1 prints in the hybrid form
 ``megatron:(attn:d..p..t..c..v..|ffn:d..p..t..e..)`` (``ffn`` ``d`` is the expert
@@ -39,7 +40,7 @@ MAX_WORLD_SIZE = 2**20
 _NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 #: ParallelDims fields in declaration (and repr) order.
-_FIELDS = ("dp", "tp", "pp", "cp", "ep", "etp", "vpp")
+_FIELDS = ("dp", "tp", "pp", "cp", "ep", "etp", "vpp", "dp_replicate")
 
 
 class Backend(enum.Enum):
@@ -67,6 +68,10 @@ class Backend(enum.Enum):
         return self.value
 
 
+_HSDP_ONLY = (
+    "HSDP replicas x shards ('d2x4') are an fsdp spelling; write d as one number, e.g. 'd8'"
+)
+
 #: ParallelDims fields each backend leaves at 1, with the reason and the remedy.
 _FIXED_BY_BACKEND: dict[Backend, tuple[tuple[str, str], ...]] = {
     Backend.SGLANG: (
@@ -77,6 +82,7 @@ _FIXED_BY_BACKEND: dict[Backend, tuple[tuple[str, str], ...]] = {
         ),
         ("etp", "inference backends take d, t, p only"),
         ("vpp", "inference backends take d, t, p only"),
+        ("dp_replicate", _HSDP_ONLY),
     ),
     Backend.FSDP: (
         ("pp", "use megatron for pipeline parallelism"),
@@ -84,7 +90,7 @@ _FIXED_BY_BACKEND: dict[Backend, tuple[tuple[str, str], ...]] = {
         ("etp", "use megatron for expert tensor parallelism"),
         ("vpp", "use megatron with pp >= 2 for virtual pipeline stages"),
     ),
-    Backend.MEGATRON: (),
+    Backend.MEGATRON: (("dp_replicate", _HSDP_ONLY),),
 }
 _FIXED_BY_BACKEND[Backend.VLLM] = _FIXED_BY_BACKEND[Backend.SGLANG]
 
@@ -130,8 +136,14 @@ def _degree(inst: object, attribute: "attrs.Attribute[int]", value: object) -> N
         )
 
 
-def _section(pairs: tuple[tuple[str, int], ...]) -> str:
-    return "".join(f"{letter}{value}" for letter, value in pairs if letter == "d" or value != 1)
+def _section(pairs: tuple[tuple[str, int], ...], replicas: int = 1) -> str:
+    out = []
+    for letter, value in pairs:
+        if letter == "d":
+            out.append(f"d{replicas}x{value // replicas}" if replicas > 1 else f"d{value}")
+        elif value != 1:
+            out.append(f"{letter}{value}")
+    return "".join(out)
 
 
 @attrs.frozen(kw_only=True, repr=False)
@@ -144,6 +156,9 @@ class ParallelDims:
     ``dp*tp*cp`` ranks of each pipeline stage (Megatron "MoE parallel folding"), so
     ``ep*etp`` must divide ``dp*tp*cp``; the rest is the expert data parallel size
     :attr:`edp`. ``vpp``: virtual pipeline stages per rank (needs ``pp >= 2``).
+    ``dp_replicate``: HSDP replicas (torchtitan's ``dp_replicate``, fsdp only), which
+    divides ``dp``; the ``dp`` ranks are ``dp_replicate`` replicas of :attr:`dp_shard`
+    FSDP shards each.
     """
 
     dp: int = attrs.field(default=1, validator=_degree)
@@ -153,6 +168,7 @@ class ParallelDims:
     ep: int = attrs.field(default=1, validator=_degree)
     etp: int = attrs.field(default=1, validator=_degree)
     vpp: int = attrs.field(default=1, validator=_degree)
+    dp_replicate: int = attrs.field(default=1, validator=_degree)
 
     def __attrs_post_init__(self) -> None:
         world = self.dp * self.tp * self.pp * self.cp
@@ -169,6 +185,12 @@ class ParallelDims:
         problem = expert_rule(dp=self.dp, tp=self.tp, cp=self.cp, ep=self.ep, etp=self.etp)
         if problem is not None:
             raise SpecError(f"ParallelDims: {problem}")
+        if self.dp % self.dp_replicate:
+            raise SpecError(
+                f"ParallelDims.dp_replicate={self.dp_replicate} does not divide dp={self.dp}; "
+                f"HSDP splits the dp ranks into dp_replicate replicas x dp/dp_replicate shards; "
+                f"use dp_replicate in {choices(self.dp)}"
+            )
 
     @property
     def world_size(self) -> int:
@@ -179,6 +201,11 @@ class ParallelDims:
     def edp(self) -> int:
         """Expert data parallel size: ``world_size // (pp*ep*etp)``."""
         return self.world_size // (self.pp * self.ep * self.etp)
+
+    @property
+    def dp_shard(self) -> int:
+        """FSDP shards per HSDP replica: ``dp // dp_replicate`` (``cp`` not included)."""
+        return self.dp // self.dp_replicate
 
     @property
     def is_hybrid(self) -> bool:
@@ -195,10 +222,12 @@ class ParallelDims:
                     ("c", self.cp),
                     ("e", self.ep),
                     ("v", self.vpp),
-                )
+                ),
+                self.dp_replicate,
             )
         attn = _section(
-            (("d", self.dp), ("p", self.pp), ("t", self.tp), ("c", self.cp), ("v", self.vpp))
+            (("d", self.dp), ("p", self.pp), ("t", self.tp), ("c", self.cp), ("v", self.vpp)),
+            self.dp_replicate,
         )
         ffn = _section((("d", self.edp), ("p", self.pp), ("t", self.etp), ("e", self.ep)))
         return f"(attn:{attn}|ffn:{ffn})"
@@ -243,8 +272,8 @@ class Component:
     """One engine: optional name, backend and parallel degrees.
 
     Inference backends (sglang, vllm) take ``dp``, ``tp``, ``pp``; fsdp takes ``dp``,
-    ``tp``, ``cp``; megatron takes every degree. Degrees a backend does not take must
-    be 1.
+    ``tp``, ``cp`` and ``dp_replicate`` (HSDP); megatron takes every degree but
+    ``dp_replicate``. Degrees a backend does not take must be 1.
     """
 
     name: str | None = attrs.field(default=None, validator=_check_name)

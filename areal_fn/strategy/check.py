@@ -2,7 +2,8 @@
 
 from areal_fn.errors import LayoutError
 from areal_fn.model.spec import ModelSpec
-from areal_fn.strategy.allocation import Allocation, Backend, Component
+from areal_fn.strategy.allocation import Backend, Component
+from areal_fn.strategy.coerce import Strategy, as_allocation
 from areal_fn.strategy.rules import Kind, check_dims
 from areal_fn.typecheck import beartype
 
@@ -29,9 +30,7 @@ def check_component(model: ModelSpec, component: Component) -> None:
 
 
 @beartype
-def check_strategy(
-    model: ModelSpec, allocation: Allocation, *, n_devices: int | None = None
-) -> None:
+def check_strategy(model: ModelSpec, allocation: Strategy, *, n_devices: int | None = None) -> None:
     """Raise ``LayoutError`` when ``allocation`` cannot run ``model``.
 
     Checks every component by the rule its layout uses
@@ -41,7 +40,10 @@ def check_strategy(
     experts against EP; layers against PP x VPP), what the inference engines' own model
     code cannot hold, and, when ``n_devices`` is given, that the allocation's world size
     equals it. Each refusal lists the values of the refused degree that pass.
+    ``allocation`` may be a string or one component; a bare ``ParallelDims`` (no
+    backend) is refused with the spelling to use.
     """
+    allocation = as_allocation(allocation, caller="check_strategy")
     if n_devices is not None and allocation.world_size != n_devices:
         raise LayoutError(
             f"allocation {allocation} needs {allocation.world_size} ranks but {n_devices} devices were given; "

@@ -20,7 +20,19 @@ from areal_fn.strategy.allocation import (
     ParallelDims,
     choices,
 )
-from areal_fn.strategy.parse_errors import _WS, _char, _pointer, _short
+from areal_fn.strategy.parse_errors import (
+    _BACKEND_LIST,
+    _DIM_NAMES,
+    _SECTION_DIMS,
+    _WS,
+    _char,
+    _not_a_backend,
+    _pointer,
+    _refusal,
+    _short,
+    _takes,
+    _where,
+)
 from areal_fn.typecheck import beartype
 
 __all__ = ["parse_allocation"]
@@ -31,31 +43,11 @@ _NAME_START = frozenset(string.ascii_letters + "_")
 _WORD = frozenset(string.ascii_letters + string.digits + "_")
 _MAX_DIGITS = len(str(MAX_DEGREE))
 _BACKENDS = {b.value: b for b in Backend}
-_BACKEND_LIST = "sglang, vllm, fsdp, megatron"
-_DIM_NAMES = {
-    "d": "data parallel",
-    "p": "pipeline parallel",
-    "t": "tensor parallel",
-    "c": "context parallel",
-    "e": "expert parallel",
-    "v": "virtual pipeline stages",
-}
 #: Anything but printable ASCII and the whitespace in _WS.
 _NOT_ALLOWED = re.compile(r"[^\x20-\x7e\t\r\n]")
-_BARE_DIMS = re.compile(r"[dptcev][dptcev0-9]*")
-_WELL_FORMED_DIMS = re.compile(r"(?:[dptcev][1-9][0-9]*)+")
 
-# (section, backend) -> (dims taken with any value, dims taken only as 1).
-_SECTION_DIMS: dict[tuple[str, Backend], tuple[str, str]] = {
-    ("plain", Backend.SGLANG): ("dpt", ""),
-    ("plain", Backend.VLLM): ("dpt", ""),
-    ("plain", Backend.FSDP): ("dtc", "pe"),
-    ("plain", Backend.MEGATRON): ("dptcev", ""),
-    ("attn", Backend.MEGATRON): ("dptcv", ""),
-    ("ffn", Backend.MEGATRON): ("dpte", ""),
-}
-
-Dims = dict[str, tuple[int, int]]  # letter -> (value, position of the letter)
+#: letter -> (value, position of the letter); key "x" holds the HSDP replicas of "d".
+Dims = dict[str, tuple[int, int]]
 
 
 @beartype
@@ -65,8 +57,9 @@ def parse_allocation(text: str) -> Allocation:
     ``+`` joins disaggregated groups (disjoint consecutive rank ranges), ``|``
     colocates components (shared ranks; binds tighter than ``+``). A component is
     ``backend[name]:dims`` with the name optional, or the megatron hybrid form
-    ``megatron[name]:(attn:dims|ffn:dims)``. Whitespace is stripped at both ends and
-    allowed around ``+`` and ``|``, nowhere else.
+    ``megatron[name]:(attn:dims|ffn:dims)`` (the parentheses may be left out, as AReaL
+    allows). fsdp writes HSDP as ``d<replicas>x<shards>`` (``fsdp:d2x4``). Whitespace
+    is allowed between any two tokens (``fsdp : d4``), never inside a word or a number.
 
     Raises :class:`~areal_fn.errors.ParseError` for every invalid string.
     """
@@ -87,12 +80,7 @@ class _Parser:
         raise ParseError(f"invalid allocation: {what}\n{_pointer(self.text, pos)}")
 
     def got(self, pos: int) -> str:
-        if pos >= self.end:
-            return "end of input"
-        ch = self.text[pos]
-        if ch in _WS:
-            return f"{_char(ch)} (whitespace is allowed only around '+' and '|' and at both ends)"
-        return _char(ch)
+        return "end of input" if pos >= self.end else _char(self.text[pos])
 
     def expected(self, what: str, pos: int | None = None) -> NoReturn:
         at = self.pos if pos is None else pos
@@ -105,11 +93,24 @@ class _Parser:
         while self.pos < self.end and self.text[self.pos] in _WS:
             self.pos += 1
 
+    def ahead(self) -> int:
+        """The position of the next character that is not whitespace."""
+        at = self.pos
+        while at < self.end and self.text[at] in _WS:
+            at += 1
+        return at
+
     def word(self) -> str:
         start = self.pos
         while self.pos < self.end and self.text[self.pos] in _WORD:
             self.pos += 1
         return self.text[start : self.pos]
+
+    def word_at(self, at: int) -> str:
+        stop = at
+        while stop < self.end and self.text[stop] in _WORD:
+            stop += 1
+        return self.text[at:stop]
 
     # -- grammar ---------------------------------------------------------------
     def allocation(self) -> Allocation:
@@ -199,7 +200,11 @@ class _Parser:
     def component(self) -> Component:
         start = self.pos
         backend = self.backend(self.word(), start)
-        name = self.name() if self.peek() == "[" else None
+        self.skip_ws()
+        name = None
+        if self.peek() == "[":
+            name = self.name()
+            self.skip_ws()
         if self.peek() != ":":
             if self.peek() == "(" and self.text.startswith("(attn", self.pos):
                 self.fail(
@@ -212,7 +217,8 @@ class _Parser:
                 )
             self.expected(f"':' after the backend '{backend.value}' (e.g. '{backend.value}:d4')")
         self.pos += 1
-        if self.peek() == "(":
+        self.skip_ws()
+        if self.peek() == "(" or self.word_at(self.pos) in ("attn", "ffn"):
             dims = self.hybrid(backend, start)
         else:
             dims = self.plain(backend, start)
@@ -227,7 +233,14 @@ class _Parser:
     def backend(self, word: str, start: int) -> Backend:
         if word in _BACKENDS:
             return _BACKENDS[word]
-        ch = self.peek()
+        at = self.ahead()
+        ch = self.text[at] if at < self.end else ""
+        rest = self.word_at(at) if at > self.pos else ""
+        if word and rest and word + rest in _BACKENDS:
+            self.fail(
+                self.pos,
+                f"whitespace inside the backend {word + ' ' + rest!r}; write {word + rest!r}",
+            )
         hybrid = "missing backend before the hybrid form; write 'megatron:(attn:...|ffn:...)'"
         if not word:
             if ch == "[":
@@ -247,29 +260,23 @@ class _Parser:
             self.expected(f"a component starting with a backend ({_BACKEND_LIST})")
         if word in ("attn", "ffn"):
             self.fail(start, hybrid)
-        if _BARE_DIMS.fullmatch(word) and ch not in (":", "["):
-            example = f"megatron:{word}" if _WELL_FORMED_DIMS.fullmatch(word) else "fsdp:d4"
-            self.fail(
-                start,
-                f"missing backend: {_short(word)!r} has no backend; start every component "
-                f"with one of {_BACKEND_LIST}, e.g. {example!r}",
-            )
-        if word.lower() in _BACKENDS:
-            self.fail(
-                start,
-                f"unknown backend {_short(word)!r}; backends are lower case: write {word.lower()!r}",
-            )
-        if word == "archon":
-            self.fail(start, f"backend 'archon' is not supported; expected one of {_BACKEND_LIST}")
-        self.fail(start, f"unknown backend {_short(word)!r}; expected one of {_BACKEND_LIST}")
+        self.fail(start, _not_a_backend(word, ch))
 
     def name(self) -> str:
         open_pos = self.pos
         self.pos += 1
+        self.skip_ws()
         name_pos = self.pos
         if self.peek() not in _NAME_START:
             self.expected("a name after '[' (a letter or '_', then letters, digits or '_')")
         name = self.word()
+        self.skip_ws()
+        if self.peek() in _WORD:
+            self.fail(
+                self.pos,
+                f"whitespace inside the name opened at position {open_pos}; a name is one "
+                f"identifier such as 'actor' or 'actor_2'",
+            )
         if self.peek() != "]":
             self.expected(f"']' to close the name opened at position {open_pos}")
         self.pos += 1
@@ -285,9 +292,18 @@ class _Parser:
     def dims(self, backend: Backend, section: str) -> Dims:
         taken, unit_only = _SECTION_DIMS[(section, backend)]
         seen: Dims = {}
-        while self.pos < self.end and self.text[self.pos] in _LETTERS:
-            letter_pos = self.pos
+        while True:
+            at = self.ahead()
+            if at >= self.end or self.text[at] not in _LETTERS:
+                break
+            self.pos = letter_pos = at
             letter = self.text[letter_pos]
+            if letter == "x":
+                self.fail(
+                    letter_pos,
+                    "'x' goes right after d's number: fsdp writes HSDP as "
+                    "d<replicas>x<shards>, e.g. 'fsdp:d2x4'",
+                )
             if letter not in taken and letter not in unit_only:
                 self.fail(letter_pos, _refusal(backend, section, letter))
             if letter in seen:
@@ -297,6 +313,7 @@ class _Parser:
                     f"position {seen[letter][1]}; give each dimension at most once",
                 )
             self.pos += 1
+            self.skip_ws()
             value = self.number(letter)
             if letter in unit_only and value != 1:
                 self.fail(
@@ -305,13 +322,38 @@ class _Parser:
                     f"{letter}{value}; use megatron for {_DIM_NAMES[letter]}ism",
                 )
             seen[letter] = (value, letter_pos)
+            if letter == "d" and self.text[self.ahead() : self.ahead() + 1] == "x":
+                self.replicas(seen, backend, section)
         if not seen:
             where = f"'{section}:'" if section != "plain" else f"'{backend.value}:'"
             self.expected(
                 f"a dimension such as 'd4' after {where} ({_where(backend, section)} takes "
-                f"{_takes(backend, section)})"
+                f"{_takes(backend, section)})",
+                self.ahead(),
             )
         return seen
+
+    def replicas(self, seen: Dims, backend: Backend, section: str) -> None:
+        """``d<replicas>x<shards>``: HSDP, fsdp only; ``seen["d"]`` becomes the product."""
+        replicas, d_pos = seen["d"]
+        self.pos = self.ahead()
+        if section != "plain" or backend is not Backend.FSDP:
+            self.fail(
+                self.pos,
+                f"'x' after d{replicas}: HSDP replicas x shards (d<replicas>x<shards>) are "
+                f"for fsdp only; {_where(backend, section)} takes d as one number",
+            )
+        self.pos += 1
+        self.skip_ws()
+        shards = self.number("x")
+        if replicas * shards > MAX_DEGREE:
+            self.fail(
+                d_pos,
+                f"d{replicas}x{shards} is {replicas * shards} data-parallel ranks, more than "
+                f"the maximum {MAX_DEGREE} (2**20); use smaller degrees",
+            )
+        seen["d"] = (replicas * shards, d_pos)
+        seen["x"] = (replicas, d_pos)
 
     def number(self, letter: str) -> int:
         start = self.pos
@@ -337,15 +379,19 @@ class _Parser:
                 f"{letter}{_short(digits)} is too large ({len(digits)} digits); every degree is "
                 f"at most {MAX_DEGREE} (2**20)",
             )
+        at = self.ahead()
+        if at > self.pos and at < self.end and self.text[at] in _DIGITS:
+            more = self.text[at:].split(maxsplit=1)[0]
+            self.fail(
+                self.pos,
+                f"whitespace inside a number: {letter}{digits} {_short(more)}; write the number "
+                f"without spaces ({letter}{digits}{_short(more)}) or give each number its letter",
+            )
         return int(digits)
 
     def plain(self, backend: Backend, start: int) -> ParallelDims:
-        if self.text.startswith("attn:", self.pos) or self.text.startswith("ffn:", self.pos):
-            self.fail(
-                self.pos, "the hybrid form needs parentheses: write 'megatron:(attn:...|ffn:...)'"
-            )
         seen = self.dims(backend, "plain")
-        d, p, t, c, e, v = (seen.get(k, (1, -1))[0] for k in "dptcev")
+        d, p, t, c, e, v, r = (seen.get(k, (1, -1))[0] for k in "dptcevx")
         self.check_world(start, d, p, t, c)
         self.check_vpp(seen, p)
         if (d * t * c) % e:
@@ -355,17 +401,20 @@ class _Parser:
                 f"ranks of one pipeline stage that the experts are spread over; use e in "
                 f"{choices(d * t * c)}",
             )
-        return ParallelDims(dp=d, tp=t, pp=p, cp=c, ep=e, vpp=v)
+        return ParallelDims(dp=d, tp=t, pp=p, cp=c, ep=e, vpp=v, dp_replicate=r)
 
     def hybrid(self, backend: Backend, start: int) -> ParallelDims:
         open_pos = self.pos
+        paren = self.peek() == "("
         if backend is not Backend.MEGATRON:
             self.fail(
                 open_pos,
                 f"the hybrid form '(attn:...|ffn:...)' is only for megatron, not "
                 f"{backend.value}; write 'megatron:(attn:...|ffn:...)'",
             )
-        self.pos += 1
+        if paren:
+            self.pos += 1
+            self.skip_ws()
         self.keyword("attn", "the attn section comes first: '(attn:...|ffn:...)'")
         attn = self.dims(backend, "attn")
         self.skip_ws()
@@ -376,6 +425,12 @@ class _Parser:
         ffn_pos = self.pos
         self.keyword("ffn", "the hybrid form has one attn and one ffn section")
         ffn = self.dims(backend, "ffn")
+        if paren:
+            self.close(open_pos)
+        return self.hybrid_dims(start, attn, ffn, ffn_pos)
+
+    def close(self, open_pos: int) -> None:
+        self.skip_ws()
         if self.peek() != ")":
             if self.pos >= self.end:
                 self.fail(
@@ -385,6 +440,8 @@ class _Parser:
                 )
             self.expected(f"')' to close the '(' at position {open_pos}")
         self.pos += 1
+
+    def hybrid_dims(self, start: int, attn: Dims, ffn: Dims, ffn_pos: int) -> ParallelDims:
         d, p, t, c, v = (attn.get(k, (1, -1))[0] for k in "dptcv")
         world = self.check_world(start, d, p, t, c)
         self.check_vpp(attn, p)
@@ -426,6 +483,7 @@ class _Parser:
         if word != keyword:
             got = f"{_short(word)!r}" if word else self.got(start)
             self.fail(start, f"expected '{keyword}:' ({hint}), got {got}")
+        self.skip_ws()
         if self.peek() != ":":
             self.expected(f"':' after '{keyword}'")
         self.pos += 1
@@ -447,30 +505,3 @@ class _Parser:
                 f"v{seen['v'][0]} (virtual pipeline stages) needs p >= 2, got p=1; add a "
                 f"pipeline, e.g. 'p2v{seen['v'][0]}', or leave v out",
             )
-
-
-def _where(backend: Backend, section: str) -> str:
-    return backend.value if section == "plain" else f"the {section} section"
-
-
-def _takes(backend: Backend, section: str) -> str:
-    taken, unit_only = _SECTION_DIMS[(section, backend)]
-    text = ", ".join(taken)
-    if unit_only:
-        text += f" ({' and '.join(unit_only)} only as 1)"
-    return text
-
-
-def _refusal(backend: Backend, section: str, letter: str) -> str:
-    name = _DIM_NAMES.get(letter)
-    takes = f"{_where(backend, section)} takes {_takes(backend, section)}"
-    if name is None:
-        hint = "; dimensions are lower case" if letter.lower() in _DIM_NAMES else ""
-        return f"unknown dimension {letter!r}; {takes}{hint}"
-    if section == "attn":
-        return f"{letter} ({name}) belongs in the ffn section; {takes}"
-    if section == "ffn":
-        return f"{letter} ({name}) belongs in the attn section; {takes}"
-    if backend.is_inference:
-        return f"{backend.value} does not take {letter} ({name}); {takes}"
-    return f"{backend.value} does not take {letter} ({name}); {takes}; use megatron with p >= 2 for virtual pipeline stages"

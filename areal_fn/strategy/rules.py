@@ -10,8 +10,9 @@ Rules by kind (``fsdp2``, ``megatron``, ``inference``, and the engines ``sglang`
 ``vllm``), in the order they are reported:
 
 - degrees a kind cannot express are refused, not ignored: FSDP2 takes ``dp``, ``tp``,
-  ``cp`` (``pp``, ``ep``, ``etp``, ``vpp`` must be 1); inference layouts take ``dp``,
-  ``tp``, ``pp``; Megatron refuses ``ep`` for a dense model (no experts to split) and,
+  ``cp`` and ``dp_replicate`` (``pp``, ``ep``, ``etp``, ``vpp`` must be 1); inference
+  layouts take ``dp``, ``tp``, ``pp``; ``dp_replicate`` (HSDP) must be 1 outside FSDP2;
+  Megatron refuses ``ep`` for a dense model (no experts to split) and,
   as Megatron-Core does, lets ``etp`` (its default is ``tp``) go unused there;
 - ``tp`` divides ``num_attention_heads`` (whole heads per rank; all kinds);
 - KV heads: Megatron and FSDP2 shard whole KV heads (query groups): ``tp`` divides
@@ -28,7 +29,9 @@ Rules by kind (``fsdp2``, ``megatron``, ``inference``, and the engines ``sglang`
   another (KV heads repeated when ``cp`` is a multiple). Today the FSDP2 engine runs
   ``c`` as data parallelism (``dp_shard = dp * cp``); the rule keeps a strategy
   accepted now valid once Ulysses is built;
-- Megatron: ``ep`` divides ``num_experts``, ``etp`` divides ``moe_intermediate_size``,
+- Megatron: ``tp`` divides the shared experts' width and, for multi-latent attention,
+  ``q_lora_rank`` and ``kv_lora_rank + qk_rope_head_dim`` (the local spec shards the
+  down projections); ``ep`` divides ``num_experts``, ``etp`` divides ``moe_intermediate_size``,
   ``pp * vpp <= num_layers``; inference: ``pp <= num_layers``;
 - ``sglang`` adds what SGLang's own model code cannot hold (sglang 0.5.23):
   ``LlamaForCausalLM`` with tied embeddings uses ``model.embed_tokens`` as ``lm_head``,
@@ -50,6 +53,7 @@ import attrs
 from areal_fn.errors import LayoutError, SpecError
 from areal_fn.model.spec import ModelSpec
 from areal_fn.strategy.allocation import ParallelDims, divisors
+from areal_fn.strategy.rules_fixed import _FSDP2_FIXED, _INFERENCE_FIXED, _MEGATRON_FIXED
 from areal_fn.typecheck import beartype
 
 __all__ = ["KINDS", "Kind", "Problem", "check_dims", "dims_problems", "valid_degrees"]
@@ -83,25 +87,6 @@ class _Options:
 
 
 _Rule = Callable[[ModelSpec, ParallelDims, _Options], Problem | None]
-
-_FSDP2_FIXED = {
-    "pp": "an FSDP2 layout has no pipeline stages (every rank holds a shard of every layer); "
-    "use pp=1, or megatron for pipeline parallelism",
-    "ep": "an FSDP2 layout does not split experts across ranks (FSDP2 shards the stacked "
-    "experts like any other parameter); use ep=1, or megatron for expert parallelism",
-    "etp": "an FSDP2 layout does not shard experts over tensor parallel ranks (its TP leaves "
-    "experts replicated); use etp=1, or megatron for expert tensor parallelism",
-    "vpp": "an FSDP2 layout has no pipeline stages to interleave; use vpp=1, or megatron "
-    "with pp >= 2 for virtual pipeline stages",
-}
-_INFERENCE_FIXED = {
-    "cp": "an inference layout takes d, t, p only; use cp=1",
-    "ep": "an inference layout takes d, t, p only (the engines shard experts by their own "
-    "options); use ep=1",
-    "etp": "an inference layout takes d, t, p only (the engines shard experts by their own "
-    "options); use etp=1",
-    "vpp": "an inference layout takes d, t, p only; use vpp=1",
-}
 
 
 def _fixed(table: dict[str, str]) -> list[_Rule]:
@@ -220,9 +205,10 @@ def _engine_vocab(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
 def _fsdp2_vocab(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
     if not o.tp_embeddings or d.tp == 1 or m.vocab_size % d.tp == 0:
         return None
-    if o.hsdp_replicas < 1 or d.dp % o.hsdp_replicas:
+    replicas = d.dp_replicate if d.dp_replicate > 1 else o.hsdp_replicas
+    if replicas < 1 or d.dp % replicas:
         return None  # fsdp2_mesh refuses it, with its own remedy
-    shards = d.dp // o.hsdp_replicas * d.cp
+    shards = d.dp // replicas * d.cp
     if shards <= 2:
         return None
     return Problem(
@@ -265,6 +251,38 @@ def _ulysses_kv(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
         text=f"cp={cp} and num_key_value_heads={nkv} / tp={tp} = {per} KV heads per TP rank "
         f"({m.model_type}) do not divide one another; Ulysses splits KV heads cp ways, "
         "repeating them when cp is a multiple",
+    )
+
+
+def _latents(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
+    """Megatron's local-spec MLA shards its down projections over TP (then gathers)."""
+    if not m.is_mla:
+        return None
+    sizes = {"kv_lora_rank + qk_rope_head_dim": m.kv_lora_rank + m.qk_rope_head_dim}
+    if m.q_lora_rank:
+        sizes = {"q_lora_rank": m.q_lora_rank, **sizes}
+    bad = {k: v for k, v in sizes.items() if v % d.tp}
+    if not bad:
+        return None
+    return Problem(
+        field="tp",
+        reads=("tp",),
+        text=f"tp={d.tp} does not divide {', '.join(f'{k}={v}' for k, v in bad.items())} "
+        f"({m.model_type}); Megatron's multi-latent attention shards its down projections "
+        "(linear_q_down_proj, linear_kv_down_proj) over TP",
+    )
+
+
+def _shared_channels(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
+    width = m.num_shared_experts * m.moe_intermediate_size
+    if not width or width % d.tp == 0:
+        return None
+    return Problem(
+        field="tp",
+        reads=("tp",),
+        text=f"tp={d.tp} does not divide the shared experts' width num_shared_experts x "
+        f"moe_intermediate_size = {width} ({m.model_type}); Megatron shards the shared "
+        "experts' channels over the dense TP group",
     )
 
 
@@ -361,10 +379,13 @@ _RULES: dict[str, tuple[_Rule, ...]] = {
         _fsdp2_vocab,
     ),
     "megatron": (
+        *_fixed(_MEGATRON_FIXED),
         _dense_experts,
         _heads,
         _kv_whole("Megatron shards whole query groups"),
         _channels,
+        _latents,
+        _shared_channels,
         _experts,
         _expert_tp,
         _chunks,

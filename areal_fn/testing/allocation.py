@@ -43,7 +43,8 @@ def parallel_dims(
 
     The world size is ``world`` when given, else drawn in ``[1, max_world]``; it is
     then factored into tp, pp, cp (the dims the backend takes) and dp; megatron (or
-    None) also draws etp and ep from the divisors of ``dp*tp*cp`` and vpp when pp > 1.
+    None) also draws etp and ep from the divisors of ``dp*tp*cp`` and vpp when pp > 1;
+    fsdp draws the HSDP replicas ``dp_replicate`` from the divisors of dp.
     """
     if world is None:
         world = draw(st.integers(1, max_world))
@@ -67,7 +68,8 @@ def parallel_dims(
         ep = _divisor(draw, stage // etp)
     if "v" in takes and pp > 1:
         vpp = draw(st.integers(1, max_vpp))
-    return ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, vpp=vpp)
+    replicas = _divisor(draw, dp) if backend is Backend.FSDP else 1  # HSDP: fsdp only
+    return ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, vpp=vpp, dp_replicate=replicas)
 
 
 _MAYBE_NAME: SearchStrategy[str | None] = st.none() | component_names()

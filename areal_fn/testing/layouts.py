@@ -133,7 +133,9 @@ def megatron_dims_for(
     from areal_fn.strategy.allocation import ParallelDims
 
     dense = [model.intermediate_size] if any(not m for m in model.moe_layers) else []
-    g = math.gcd(model.num_attention_heads, model.num_key_value_heads, *dense)
+    shared = model.num_shared_experts * model.moe_intermediate_size
+    latents = [model.q_lora_rank, model.kv_lora_rank + model.qk_rope_head_dim, shared]
+    g = math.gcd(model.num_attention_heads, model.num_key_value_heads, *dense, *latents)
     tp = draw(st.sampled_from([d for d in _divisors(g) if d <= max_world]))
     pp = draw(st.integers(1, min(model.num_layers, max(1, max_world // tp), 4)))
     vpp = draw(st.integers(1, max(1, model.num_layers // pp))) if pp > 1 else 1

@@ -38,6 +38,8 @@ def hf_configs(
     """A tiny, valid ``config.json`` dict of ``family`` (any family when None)."""
     name = draw(st.sampled_from(FAMILY_NAMES)) if family is None else family
     fam = _family(name)
+    if fam.mla:
+        return _mla_config(draw, name, max_layers=max_layers, max_experts=max_experts)
     kv = draw(st.integers(1, max_kv_heads))
     heads = kv * draw(st.integers(1, max_group))
     # partial rotary (a factor of 0.5) needs an even number of rotated dims
@@ -93,12 +95,41 @@ def hf_configs(
     return cfg
 
 
+def _mla_config(
+    draw: st.DrawFn, name: str, *, max_layers: int, max_experts: int
+) -> dict[str, object]:
+    """A multi-latent attention config (DeepSeek-V3): every head has its own keys and
+    values, so there are no KV heads to draw; the query LoRA is sometimes absent."""
+    layers = draw(st.integers(2, max(max_layers, 2)))
+    cfg: dict[str, object] = {
+        "model_type": name,
+        "hidden_size": draw(st.integers(1, 16)),
+        "intermediate_size": draw(st.integers(1, 16)),
+        "num_hidden_layers": layers,
+        "num_attention_heads": draw(st.integers(1, 4)),
+        "vocab_size": draw(st.integers(1, 64)),
+        "q_lora_rank": draw(st.one_of(st.none(), st.integers(1, 8))),
+        "kv_lora_rank": draw(st.integers(1, 8)),
+        "qk_nope_head_dim": draw(st.integers(1, 6)),
+        "qk_rope_head_dim": 2 * draw(st.integers(1, 3)),
+        "v_head_dim": draw(st.integers(1, 6)),
+    }
+    if draw(st.booleans()):
+        cfg["num_key_value_heads"] = cfg["num_attention_heads"]
+    _maybe(draw, cfg, "tie_word_embeddings", st.booleans())
+    _maybe(draw, cfg, "rms_norm_eps", st.sampled_from([1e-6, 1e-5]))
+    _maybe(draw, cfg, "max_position_embeddings", st.integers(16, 4096))
+    _maybe(draw, cfg, "torch_dtype", st.sampled_from(_DTYPES))
+    _draw_moe(draw, cfg, name, layers, max_experts)
+    return cfg
+
+
 def _draw_moe(
     draw: st.DrawFn, cfg: dict[str, object], name: str, layers: int, max_experts: int
 ) -> None:
     """The MoE keys of ``name``'s config (none for a dense family)."""
     fam = _family(name)
-    if name == "glm4_moe":
+    if name in ("glm4_moe", "deepseek_v3"):
         groups = draw(st.integers(1, 2))
         experts = groups * draw(st.integers(1, max(1, max_experts // groups)))
         group_topk = draw(st.integers(1, groups))

@@ -1,7 +1,8 @@
 """Hypothesis strategies for pipeline partitioning: layer costs, problems, stage plans.
 
-Valid by construction: the layer count is drawn at least ``num_stages * vpp``, ``vpp``
-is 1 when there is one stage, and stage lengths come from distinct cut points.
+Valid by construction: the layer count is drawn at least ``num_stages * vpp`` (at least
+``num_stages * vpp - 2`` with ``allow_empty_ends``), ``vpp`` is 1 when there is one
+stage, and stage lengths come from distinct cut points.
 """
 
 import attrs
@@ -21,6 +22,7 @@ class PipelineProblem:
     vpp: int = 1
     first_extra: float = 0.0
     last_extra: float = 0.0
+    allow_empty_ends: bool = False
 
     @property
     def num_chunks(self) -> int:
@@ -55,28 +57,47 @@ def pipeline_problems(
     max_stages: int = 3,
     max_vpp: int = 3,
     extras: bool = True,
+    allow_empty_ends: bool = False,
 ) -> PipelineProblem:
-    """A solvable problem: ``num_stages * vpp <= len(costs) <= max(max_layers, that)``."""
+    """A solvable problem: ``num_stages * vpp <= len(costs) <= max(max_layers, that)``;
+    with ``allow_empty_ends`` the first and the last chunk may be empty, so
+    ``len(costs) >= max(1, num_stages * vpp - 2)``."""
     s = draw(st.integers(1, max_stages))
     v = 1 if s == 1 else draw(st.integers(1, max_vpp))
     k = s * v
-    costs = draw(layer_costs(min_layers=k, max_layers=max(k, max_layers)))
+    least = max(1, k - 2) if allow_empty_ends else k
+    costs = draw(layer_costs(min_layers=least, max_layers=max(least, max_layers)))
     return PipelineProblem(
         costs=costs,
         num_stages=s,
         vpp=v,
         first_extra=draw(_extra()) if extras else 0.0,
         last_extra=draw(_extra()) if extras else 0.0,
+        allow_empty_ends=allow_empty_ends,
     )
 
 
 @st.composite
 def stage_plans(
-    draw: st.DrawFn, *, max_layers: int = 12, max_stages: int = 4, max_vpp: int = 3
+    draw: st.DrawFn,
+    *,
+    max_layers: int = 12,
+    max_stages: int = 4,
+    max_vpp: int = 3,
+    allow_empty_ends: bool = False,
 ) -> StagePlan:
-    """An arbitrary valid (not optimised) :class:`StagePlan`."""
-    p = draw(pipeline_problems(max_layers=max_layers, max_stages=max_stages, max_vpp=max_vpp))
-    n = len(p.costs)
+    """An arbitrary valid (not optimised) :class:`StagePlan`; with ``allow_empty_ends``
+    its first and last chunk may be empty (cut points drawn over the ``L + 2`` items
+    embedding, layers, head)."""
+    p = draw(
+        pipeline_problems(
+            max_layers=max_layers,
+            max_stages=max_stages,
+            max_vpp=max_vpp,
+            allow_empty_ends=allow_empty_ends,
+        )
+    )
+    n = len(p.costs) + (2 if allow_empty_ends else 0)  # items to cut
     cuts = draw(
         st.lists(
             st.integers(1, n - 1) if n > 1 else st.nothing(),
@@ -86,11 +107,13 @@ def stage_plans(
         )
     )
     b = [0, *sorted(cuts), n]
+    ends = (0, p.num_chunks - 1) if allow_empty_ends else ()  # chunks holding an extra item
     return StagePlan(
         costs=p.costs,
         num_stages=p.num_stages,
         vpp=p.vpp,
-        stage_lengths=tuple(b[j + 1] - b[j] for j in range(p.num_chunks)),
+        stage_lengths=tuple(b[j + 1] - b[j] - ends.count(j) for j in range(p.num_chunks)),
         first_extra=p.first_extra,
         last_extra=p.last_extra,
+        allow_empty_ends=allow_empty_ends,
     )

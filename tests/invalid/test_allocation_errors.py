@@ -33,22 +33,50 @@ CASES = [
         7,
     ),
     ("fsdp:d4\x00", r"character '\\x00' \(U\+0000\) is not allowed", 7),
+    # whitespace is allowed between tokens (AReaL ignores it there), never inside one
+    ("fs dp:d4", r"whitespace inside the backend 'fs dp'; write 'fsdp'", 2),
     (
-        "fsdp: d4",
-        r"expected a dimension such as 'd4' after 'fsdp:' \(fsdp takes d, t, c \(p and e only as 1\)\), got whitespace ' ' \(whitespace is allowed only around '\+' and '\|' and at both ends\)",
+        "megatron : d4 t2\t0",
+        r"whitespace inside a number: t2 0; write the number without spaces \(t20\) or give each number its letter\n    megatron : d4 t2\\t0\n",
+        16,
+    ),
+    ("fsdp:d1 024", r"whitespace inside a number: d1 024", 7),
+    (
+        "fsdp[ac tor]:d4",
+        r"whitespace inside the name opened at position 4; a name is one identifier such as 'actor'",
+        8,
+    ),
+    (
+        "fsdp: \t",
+        r"expected a dimension such as 'd4' after 'fsdp:' \(fsdp takes d, t, c \(p and e only as 1\)\), got end of input",
         5,
     ),
+    ("fsdp:d4 d2", r"repeated dimension 'd' \(data parallel\), first given at position 5", 8),
+    # -- HSDP: d<replicas>x<shards>, fsdp only
     (
-        "fsdp :d4",
-        r"expected ':' after the backend 'fsdp' \(e.g. 'fsdp:d4'\), got whitespace ' '",
-        4,
+        "sglang:d2x4",
+        r"'x' after d2: HSDP replicas x shards \(d<replicas>x<shards>\) are for fsdp only; sglang takes d as one number",
+        9,
+    ),
+    ("megatron:d2x4t2", r"'x' after d2: HSDP .* for fsdp only; megatron takes d as one number", 11),
+    (
+        "megatron:(attn:d2x2|ffn:e2)",
+        r"'x' after d2: .*; the attn section takes d as one number",
+        17,
     ),
     (
-        "fsdp:d\t4",
-        r"expected a number after 'd' \(e.g. 'd2'\), got whitespace '\\t' \(whitespace is allowed only around .*\)\n    fsdp:d\\t4\n",
-        6,
+        "fsdp:t2x4",
+        r"'x' goes right after d's number: fsdp writes HSDP as d<replicas>x<shards>, e.g. 'fsdp:d2x4'",
+        7,
     ),
-    ("fsdp:d4 d2", r"expected '\+', '\|' or end of input after a component, got 'd'", 8),
+    ("fsdp:d2x", r"expected a number after 'x' \(e.g. 'x2'\), got end of input", 8),
+    ("fsdp:d2x0", r"x0: every degree must be >= 1, got 0", 8),
+    ("fsdp:d2x4d2", r"repeated dimension 'd' \(data parallel\), first given at position 5", 9),
+    (
+        "fsdp:d1024x2048",
+        r"d1024x2048 is 2097152 data-parallel ranks, more than the maximum 1048576 \(2\*\*20\)",
+        5,
+    ),
     # -- backends
     (
         "d4t2",
@@ -121,7 +149,8 @@ CASES = [
     ("megatron:d2t00", r"t00: every degree must be >= 1, got 0", 12),
     ("fsdp:d04", r"d04 has a leading zero; write d4", 6),
     ("fsdp:d1.5", r"unexpected '.': degrees are whole numbers such as 'd4'", 7),
-    ("fsdp:x4", r"unknown dimension 'x'; fsdp takes d, t, c \(p and e only as 1\)\n", 5),
+    ("fsdp:x4", r"'x' goes right after d's number", 5),
+    ("fsdp:y4", r"unknown dimension 'y'; fsdp takes d, t, c \(p and e only as 1\)\n", 5),
     (
         "fsdp:D4",
         r"unknown dimension 'D'; fsdp takes d, t, c \(p and e only as 1\); dimensions are lower case",
@@ -239,11 +268,11 @@ CASES = [
         r"the hybrid form '\(attn:...\|ffn:...\)' is only for megatron, not sglang; write 'megatron:\(attn:...\|ffn:...\)'",
         7,
     ),
-    (
-        "megatron:attn:d4|ffn:d4",
-        r"the hybrid form needs parentheses: write 'megatron:\(attn:...\|ffn:...\)'",
-        9,
-    ),
+    # the hybrid form without parentheses is accepted; with one of them it is not
+    ("megatron:attn:d4|ffn:d4)", r"unbalanced parentheses: '\)' has no matching '\('", 23),
+    ("megatron:attn:d4", r"expected '\|' and the ffn section after the attn section", 16),
+    ("megatron:ffn:d4|attn:d4", r"expected 'attn:' \(the attn section comes first", 9),
+    ("megatron:attn d4|ffn:d4", r"expected ':' after 'attn', got 'd'", 14),
     (
         "megatron(attn:d4|ffn:d4)",
         r"expected ':' before the hybrid form: write 'megatron:\(attn:...\|ffn:...\)'",
@@ -323,6 +352,21 @@ CASES = [
     (
         lambda: ParallelDims(dp=1024, tp=1024, cp=2),
         r"ParallelDims world size dp\*tp\*pp\*cp = 1024\*1024\*1\*2 = 2097152 exceeds the maximum 1048576",
+        None,
+    ),
+    (
+        lambda: ParallelDims(dp=6, dp_replicate=4),
+        r"ParallelDims.dp_replicate=4 does not divide dp=6; HSDP splits the dp ranks into dp_replicate replicas x dp/dp_replicate shards; use dp_replicate in \{1, 2, 3, 6\}",
+        None,
+    ),
+    (
+        lambda: Component(backend=Backend.MEGATRON, dims=ParallelDims(dp=4, dp_replicate=2)),
+        r"Component megatron: backend megatron does not support dp_replicate=2 \(only dp_replicate=1\); HSDP replicas x shards \('d2x4'\) are an fsdp spelling; write d as one number",
+        None,
+    ),
+    (
+        lambda: Component(backend=Backend.VLLM, dims=ParallelDims(dp=4, dp_replicate=4)),
+        r"Component vllm: backend vllm does not support dp_replicate=4",
         None,
     ),
     (

@@ -56,7 +56,7 @@ CASES = [
         lambda: MegatronTensor(local="a.weight", hf="x", tp=Replicate(), when="bias"),
         SpecError,
         r"when='bias' is not a ModelSpec flag; use one of \('qkv_bias', 'o_bias', 'mlp_bias', "
-        r"'qk_norm', 'router_bias', 'num_shared_experts'\) or None$",
+        r"'qk_norm', 'router_bias', 'num_shared_experts', 'q_lora_rank', 'q_direct'\) or None$",
     ),
     (
         "expert record without {e}",

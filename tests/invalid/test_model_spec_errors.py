@@ -124,7 +124,7 @@ CASES: list[tuple[str, Callable[..., object], type[Exception], str]] = [
         "unsupported model_type",
         cfg("llama", model_type="gpt2"),
         SpecError,
-        r"model_type='gpt2' is not supported; supported model types are \['glm4_moe', 'llama', 'mistral', "
+        r"model_type='gpt2' is not supported; supported model types are \['deepseek_v3', 'glm4_moe', 'llama', 'mistral', "
         r"'mixtral', 'qwen2', 'qwen3', 'qwen3_moe'\]",
     ),
     (
@@ -182,7 +182,7 @@ CASES: list[tuple[str, Callable[..., object], type[Exception], str]] = [
         "no model_type",
         cfg("llama", model_type=None),
         SpecError,
-        r"config has model_type=None.*one of \['glm4_moe', 'llama'",
+        r"config has model_type=None.*one of \['deepseek_v3', 'glm4_moe', 'llama'",
     ),
     (
         "missing hidden_size",

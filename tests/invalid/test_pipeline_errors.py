@@ -114,6 +114,45 @@ CASES = [
         r"StagePlan.stage_lengths\[1\]=0 must be an int >= 1: every chunk holds at least one layer",
     ),
     (
+        "plan empty end without allow_empty_ends",
+        lambda: StagePlan(costs=(1.0,) * 4, num_stages=2, stage_lengths=(0, 4)),
+        r"StagePlan.stage_lengths\[0\]=0 must be an int >= 1: every chunk holds at least one "
+        r"layer; pass allow_empty_ends=True to let the first chunk hold only the embedding or "
+        r"the last only the head and loss",
+    ),
+    (
+        "plan negative length",
+        lambda: StagePlan(costs=(1.0,) * 4, num_stages=2, stage_lengths=(5, -1)),
+        r"StagePlan.stage_lengths\[1\]=-1 must be an int >= 1",
+    ),
+    (
+        "plan empty inner chunk with allow_empty_ends",
+        lambda: StagePlan(
+            costs=(1.0,) * 4, num_stages=3, stage_lengths=(2, 0, 2), allow_empty_ends=True
+        ),
+        r"StagePlan.stage_lengths\[1\]=0 is an empty inner chunk: allow_empty_ends=True lets "
+        r"only the first and the last chunk be empty; give chunk 1 at least one layer",
+    ),
+    (
+        "open ends, fewer layers than inner chunks",
+        lambda: partition_pipeline([1.0] * 2, 5, allow_empty_ends=True),
+        r"2 layers cannot fill the 3 inner chunks of num_stages=5 x vpp=1 = 5 chunks: "
+        r"allow_empty_ends=True lets only the first and the last chunk be empty, every inner "
+        r"chunk needs at least one layer; use num_stages \* vpp <= 4, or a model with more layers",
+    ),
+    (
+        "open-ended plan, fewer layers than inner chunks",
+        lambda: StagePlan(
+            costs=(1.0,), num_stages=2, vpp=2, stage_lengths=(0, 1, 0, 0), allow_empty_ends=True
+        ),
+        r"1 layers cannot fill the 2 inner chunks of num_stages=2 x vpp=2 = 4 chunks",
+    ),
+    (
+        "even split accounting for ends, too short",
+        lambda: split_evenly([1.0] * 3, 4, account_for_ends=True),
+        r"3 layers cannot fill num_stages=4 x vpp=1 = 4 chunks",
+    ),
+    (
         "given plan claims optimality",
         lambda: StagePlan(costs=(1.0,) * 2, num_stages=2, stage_lengths=(1, 1), rank_optimal=True),
         r"a given split is not proven optimal; leave rank_optimal=False",

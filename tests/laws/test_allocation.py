@@ -68,35 +68,56 @@ def test_parsing_is_deterministic(a: Allocation) -> None:
     assert repr(first) == repr(second) == repr(a)
 
 
+_WS = st.sampled_from(["", "", " ", "\t", "  ", "\n"])
+
+
 def _spell_dims(
-    draw: st.DrawFn, pairs: list[tuple[str, int]], takes: str, fallback: tuple[str, int] = ("d", 1)
+    draw: st.DrawFn,
+    pairs: list[tuple[str, int]],
+    takes: str,
+    fallback: tuple[str, int] = ("d", 1),
+    replicas: int = 1,
 ) -> str:
-    """Dims in a drawn order, each dim at most once, explicit 1s sometimes written;
-    ``fallback`` when nothing else would be written (a section is never empty)."""
+    """Dims in a drawn order, each dim at most once, explicit 1s sometimes written,
+    whitespace between tokens; ``fallback`` when nothing else would be written (a
+    section is never empty); ``d`` as ``d<replicas>x<shards>`` (fsdp) when
+    ``replicas`` is not 1, and sometimes as ``d1x<dp>`` when it is."""
     present = {letter: value for letter, value in pairs if value != 1}
-    for letter in takes:
+    for letter in takes.replace("x", ""):
         if letter not in present and draw(st.booleans()):
             present[letter] = 1
+    if replicas > 1:
+        present.setdefault("d", 1)
     if not present:
         present[fallback[0]] = fallback[1]
     order = draw(st.permutations(sorted(present)))
-    return "".join(f"{letter}{present[letter]}" for letter in order)
+    out = []
+    for letter in order:
+        value = f"{present[letter]}"
+        if letter == "d" and (replicas > 1 or ("x" in takes and draw(st.booleans()))):
+            value = f"{replicas}{draw(_WS)}x{draw(_WS)}{present[letter] // replicas}"
+        out.append(f"{draw(_WS)}{letter}{draw(_WS)}{value}")
+    return "".join(out)
 
 
 @st.composite
 def spellings(draw: st.DrawFn) -> tuple[Allocation, str]:
-    """A valid allocation and one of its many (mostly non-canonical) spellings."""
+    """A valid allocation and one of its many (mostly non-canonical) spellings:
+    whitespace between any two tokens, hybrids with or without parentheses."""
     a = draw(allocations())
-    ws = st.sampled_from(["", " ", "\t", "  "])
+    ws = _WS
     out = []
     for group in a.groups:
         parts = []
         for comp in group:
             d = comp.dims
-            head = comp.label
+            head = comp.backend.value
+            if comp.name is not None:
+                head += f"{draw(ws)}[{draw(ws)}{comp.name}{draw(ws)}]"
+            head += f"{draw(ws)}:{draw(ws)}"
             hybrid = comp.backend is Backend.MEGATRON and (d.etp != 1 or draw(st.booleans()))
             if not hybrid:
-                takes = {"sglang": "dtp", "vllm": "dtp", "fsdp": "dtcpe", "megatron": "dptcev"}
+                takes = {"sglang": "dtp", "vllm": "dtp", "fsdp": "dtcpex", "megatron": "dptcev"}
                 pairs = [
                     ("d", d.dp),
                     ("p", d.pp),
@@ -105,7 +126,8 @@ def spellings(draw: st.DrawFn) -> tuple[Allocation, str]:
                     ("e", d.ep),
                     ("v", d.vpp),
                 ]
-                parts.append(f"{head}:{_spell_dims(draw, pairs, takes[comp.backend.value])}")
+                dims = _spell_dims(draw, pairs, takes[comp.backend.value], replicas=d.dp_replicate)
+                parts.append(f"{head}{dims}")
                 continue
             attn = _spell_dims(
                 draw, [("d", d.dp), ("p", d.pp), ("t", d.tp), ("c", d.cp), ("v", d.vpp)], "dptcv"
@@ -116,7 +138,10 @@ def spellings(draw: st.DrawFn) -> tuple[Allocation, str]:
             if "p" in attn and draw(st.booleans()):
                 ffn_pairs.append(("p", d.pp))
             ffn = _spell_dims(draw, ffn_pairs, "te", fallback=("d", d.edp))
-            parts.append(f"{head}:(attn:{attn}{draw(ws)}|{draw(ws)}ffn:{ffn})")
+            body = f"attn{draw(ws)}:{attn}{draw(ws)}|{draw(ws)}ffn{draw(ws)}:{ffn}"
+            if draw(st.booleans()):
+                body = f"({draw(ws)}{body}{draw(ws)})"
+            parts.append(f"{head}{body}")
         out.append("".join(p + draw(ws) + "|" + draw(ws) for p in parts[:-1]) + parts[-1])
     text = draw(ws) + "".join(g + draw(ws) + "+" + draw(ws) for g in out[:-1]) + out[-1] + draw(ws)
     return a, text

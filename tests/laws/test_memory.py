@@ -53,7 +53,13 @@ def megatron_cases(draw: st.DrawFn) -> tuple[ModelSpec, ParallelDims]:
     """A tiny model and Megatron degrees valid for it (drawn from divisors)."""
     model = draw(model_specs(max_layers=4, max_experts=4))
     kv = model.num_key_value_heads
-    tp = draw(st.sampled_from([t for t in divisors(kv) if model.intermediate_size % t == 0]))
+    sizes = (
+        model.intermediate_size,
+        model.q_lora_rank,  # multi-latent attention's sharded down projections
+        model.kv_lora_rank + model.qk_rope_head_dim,
+        model.num_shared_experts * model.moe_intermediate_size,
+    )
+    tp = draw(st.sampled_from([t for t in divisors(kv) if all(n % t == 0 for n in sizes)]))
     pp = draw(st.integers(1, model.num_layers))
     vpp = draw(st.sampled_from([v for v in (1, 2) if pp > 1 and pp * v <= model.num_layers] or [1]))
     dp = draw(st.integers(1, 3))

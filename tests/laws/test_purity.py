@@ -17,7 +17,12 @@ IMPURE = {"cli.py", "__main__.py"}
 #: (module, function) pairs allowed to read a file: foreign inputs enter through these.
 FILE_READERS = {("model/spec.py", "load_hf_config")}
 #: modules that host such a reader may import what it needs (paths; no environment).
-READER_IMPORTS = {"model/spec.py": {"os", "pathlib", "json"}, "typecheck.py": {"random"}}
+READER_IMPORTS = {
+    "model/spec.py": {"os", "pathlib", "json"},
+    # the embedded configs (specs/models/*.json) that load_hf_config resolves names to
+    "model/embedded.py": {"pathlib"},
+    "typecheck.py": {"random"},
+}
 
 FORBIDDEN_IMPORTS = (
     "torch.distributed",

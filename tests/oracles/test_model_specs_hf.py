@@ -31,9 +31,10 @@ _ST_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
 def _build(cfg: dict[str, object], *, meta: bool = False) -> Any:
-    rest = {k: v for k, v in cfg.items() if k != "model_type"}
-    config = transformers.AutoConfig.for_model(cfg["model_type"], **rest)
-    dtype = torch_dtype(model_from_hf_config(cfg).dtype)
+    spec = model_from_hf_config(cfg)  # its model_type: Kimi-K2's kimi_k2 is deepseek_v3
+    rest = {k: v for k, v in cfg.items() if k not in ("model_type", "quantization_config")}
+    config = transformers.AutoConfig.for_model(spec.model_type, **rest)
+    dtype = torch_dtype(spec.dtype)
     if meta:
         with torch.device("meta"):
             return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -200,6 +201,39 @@ CASES = {
         routed_scaling_factor=2.5,
         torch_dtype="bfloat16",
     ),
+    "deepseek_v3": _cfg(
+        "deepseek_v3",
+        num_key_value_heads=4,
+        q_lora_rank=6,
+        kv_lora_rank=4,
+        qk_nope_head_dim=4,
+        qk_rope_head_dim=2,
+        v_head_dim=3,
+        moe_intermediate_size=8,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+    ),
+    "deepseek_v3-kimi-like-no-q-lora-bf16": _cfg(
+        "deepseek_v3",
+        num_key_value_heads=4,
+        q_lora_rank=None,
+        kv_lora_rank=6,
+        qk_nope_head_dim=2,
+        qk_rope_head_dim=4,
+        v_head_dim=5,
+        moe_intermediate_size=4,
+        n_routed_experts=3,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        n_shared_experts=2,
+        first_k_dense_replace=2,
+        routed_scaling_factor=2.827,
+        torch_dtype="bfloat16",
+    ),
     "qwen3_moe-sparse2-mlp-only": _cfg(
         "qwen3_moe",
         num_hidden_layers=6,
@@ -262,7 +296,7 @@ def test_random_configs_match_transformers(cfg: dict[str, object]) -> None:
 
 @settings(max_examples=10)
 @given(
-    cfg=st.sampled_from(["qwen3_moe", "mixtral", "glm4_moe"]).flatmap(
+    cfg=st.sampled_from(["qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3"]).flatmap(
         lambda f: hf_configs(f, max_layers=3)
     )
 )

@@ -18,7 +18,12 @@ from hypothesis import given, settings
 
 from areal_fn.model.spec import model_from_hf_config
 from areal_fn.pipeline.costs import flop_costs, megatron_moe_layers, partition_model
-from areal_fn.pipeline.partition import StagePlan, megatron_layout_string, partition_pipeline
+from areal_fn.pipeline.partition import (
+    StagePlan,
+    megatron_layout_string,
+    partition_pipeline,
+    split_evenly,
+)
 from areal_fn.testing.pipeline import stage_plans
 
 ps = pytest.importorskip("megatron.core.parallel_state")
@@ -67,8 +72,9 @@ def _layout_layers(plan: StagePlan) -> dict[tuple[int, int], list[int]]:
     }
 
 
-def _config_layers(plan: StagePlan) -> dict[tuple[int, int], list[int]]:
-    """The same through TransformerConfig and Megatron's layer-offset functions."""
+def _config_layers(plan: StagePlan, **split: object) -> dict[tuple[int, int], list[int]]:
+    """The same through TransformerConfig and Megatron's layer-offset functions; with
+    ``split`` (Megatron's own split options) instead of our layout string."""
     config = TransformerConfig(
         num_layers=plan.num_layers,
         hidden_size=64,
@@ -76,7 +82,7 @@ def _config_layers(plan: StagePlan) -> dict[tuple[int, int], list[int]]:
         pipeline_model_parallel_size=plan.num_stages,
         virtual_pipeline_model_parallel_size=plan.vpp if plan.vpp > 1 else None,
         pipeline_dtype=torch.float32,
-        pipeline_model_parallel_layout=megatron_layout_string(plan),
+        **(split or {"pipeline_model_parallel_layout": megatron_layout_string(plan)}),  # type: ignore[arg-type]
     )
     ps.set_virtual_pipeline_model_parallel_world_size(plan.vpp if plan.vpp > 1 else None)
     out = {}
@@ -98,6 +104,45 @@ def test_megatron_parses_our_layout_and_places_the_same_layers(plan: StagePlan) 
         assert _layout_layers(plan) == _expected(plan)
     finally:
         ps.set_virtual_pipeline_model_parallel_world_size(saved)
+
+
+@settings(max_examples=60)
+@given(stage_plans(max_layers=16, max_stages=4, max_vpp=3, allow_empty_ends=True))
+def test_megatron_places_our_layout_with_empty_first_or_last_chunk(plan: StagePlan) -> None:
+    saved = ps._VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE
+    try:
+        assert _layout_layers(plan) == _expected(plan)
+    finally:
+        ps.set_virtual_pipeline_model_parallel_world_size(saved)
+
+
+@pytest.mark.parametrize("vpp", [1, 2])
+def test_transformer_config_builds_empty_first_and_last_chunks(
+    megatron_rank: None, vpp: int
+) -> None:
+    plan = partition_pipeline(
+        [1.0] * 9, 3, vpp=vpp, first_extra=9.0, last_extra=9.0, allow_empty_ends=True
+    )
+    assert plan.stage_lengths[0] == 0 and plan.stage_lengths[-1] == 0
+    assert _config_layers(plan) == _expected(plan)
+
+
+@pytest.mark.parametrize(
+    ("layers", "pp", "vpp"),
+    [(6, 2, 1), (94, 8, 2), (126, 8, 2), (22, 4, 2), (13, 3, 1), (30, 4, 1)],
+)
+def test_split_accounting_for_ends_is_megatrons_account_for_split(
+    megatron_rank: None, layers: int, pp: int, vpp: int
+) -> None:
+    """``split_evenly(account_for_ends=True)`` places the layers exactly as Megatron does
+    with ``account_for_embedding_in_pipeline_split`` and ``account_for_loss_in_pipeline_split``."""
+    plan = split_evenly([1.0] * layers, pp, vpp=vpp, account_for_ends=True)
+    megatron = _config_layers(
+        plan,
+        account_for_embedding_in_pipeline_split=True,
+        account_for_loss_in_pipeline_split=True,
+    )
+    assert megatron == _expected(plan)
 
 
 @pytest.mark.parametrize(

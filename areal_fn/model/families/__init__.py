@@ -164,6 +164,8 @@ class Family:
       layers follow ``decoder_sparse_step`` / ``mlp_only_layers``.
     - ``moe_keys``: ``(ModelSpec field, config key)`` of the routing fields the config
       gives (``("num_shared_experts", "n_shared_experts")``...).
+    - ``mla``: multi-latent attention (DeepSeek-V3): the config gives ``q_lora_rank``,
+      ``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``.
     - ``memory_names``: canonical names (relative to the layer) that transformers 5 keeps
       under another name in memory (Mixtral's ``block_sparse_moe.gate.weight`` is
       ``mlp.gate.weight`` in ``state_dict()``).
@@ -200,6 +202,7 @@ class Family:
         default=(), converter=lambda v: tuple((str(a), str(b)) for a, b in v)
     )
     partial_rotary: bool = False
+    mla: bool = False
     first_k_dense: str | None = None
     moe_keys: tuple[tuple[str, str], ...] = attrs.field(
         default=(), converter=lambda v: tuple((str(a), str(b)) for a, b in v)
@@ -220,6 +223,7 @@ class Family:
 
 def _registry() -> dict[str, Family]:
     from areal_fn.model.families import (
+        deepseek_v3,
         glm4_moe,
         llama,
         mistral,
@@ -230,6 +234,7 @@ def _registry() -> dict[str, Family]:
     )
 
     fams = (
+        deepseek_v3.FAMILY,
         glm4_moe.FAMILY,
         llama.FAMILY,
         mistral.FAMILY,
@@ -240,6 +245,11 @@ def _registry() -> dict[str, Family]:
     )
     return {f.model_type: f for f in sorted(fams, key=lambda f: f.model_type)}
 
+
+#: ``model_type`` values of published configs that transformers has no class for, and the
+#: family whose architecture they declare (Kimi-K2's ``kimi_k2`` configs name
+#: ``DeepseekV3ForCausalLM``).
+MODEL_TYPE_ALIASES: tuple[tuple[str, str], ...] = (("kimi_k2", "deepseek_v3"),)
 
 #: Every supported family, keyed by ``model_type`` (sorted).
 FAMILIES: dict[str, Family] = _registry()

@@ -63,7 +63,7 @@ ROUTER_AND_SHARED_HF: tuple[HfTensor, ...] = (
 )
 
 
-def _float32_router(table: tuple[HfTensor, ...]) -> tuple[HfTensor, ...]:
+def float32_router(table: tuple[HfTensor, ...]) -> tuple[HfTensor, ...]:
     return tuple(
         HfTensor(name=r.name, shape=r.shape, layers=r.layers, dtype="float32")
         if r.name == "mlp.gate.weight"
@@ -105,7 +105,7 @@ FAMILY = Family(
     canonical=(
         *GQA_ATTENTION_HF,
         *SWIGLU_MLP_HF,
-        *_float32_router(ROUTED_EXPERTS_HF),
+        *float32_router(ROUTED_EXPERTS_HF),
         *ROUTER_AND_SHARED_HF,
         *LAYER_NORMS_HF,
     ),

@@ -22,7 +22,8 @@ A record says
 - ``hf``: the canonical (HF checkpoint) tensors it is made of (``{e}``: the expert);
 - ``fusion``: how those tensors are laid into it (:class:`Fusion`);
 - ``tp``: its placement over the tensor-parallel axis (``tp`` on the dense mesh,
-  ``etp`` on the expert mesh for ``expert`` records);
+  ``etp`` on the expert mesh for ``expert`` records); ``te_tp`` its placement under the
+  Transformer-Engine spec where that differs;
 - ``when``: a boolean :class:`~areal_fn.model.spec.ModelSpec` field that must be true
   for the parameter to exist (``qkv_bias``, ``qk_norm``, ...), or ``None``;
 - ``layers``: which layers have it (:class:`LayerKind`).
@@ -70,8 +71,18 @@ class LayerKind(enum.Enum):
 
 
 #: ModelSpec fields a record's ``when`` may name (a record exists when the field is
-#: true, or non-zero for ``num_shared_experts``).
-CONDITIONS = ("qkv_bias", "o_bias", "mlp_bias", "qk_norm", "router_bias", "num_shared_experts")
+#: true, or non-zero for ``num_shared_experts`` and ``q_lora_rank``; ``q_direct`` is
+#: true for multi-latent attention without a query LoRA).
+CONDITIONS = (
+    "qkv_bias",
+    "o_bias",
+    "mlp_bias",
+    "qk_norm",
+    "router_bias",
+    "num_shared_experts",
+    "q_lora_rank",
+    "q_direct",
+)
 
 
 class Dim(enum.Enum):
@@ -88,6 +99,15 @@ class Dim(enum.Enum):
     EXPERTS = "num_experts"
     #: ``num_shared_experts * moe_intermediate_size``: the shared experts' fused width.
     SHARED_INTER = "num_shared_experts * moe_intermediate_size"
+    #: Multi-latent attention: the query and key/value LoRA ranks.
+    Q_LORA = "q_lora_rank"
+    KV_LORA = "kv_lora_rank"
+    #: ``kv_lora_rank + qk_rope_head_dim``: the compressed key/value plus the shared rope key.
+    KV_A_OUT = "kv_lora_rank + qk_rope_head_dim"
+    #: ``num_attention_heads * (qk_nope_head_dim + v_head_dim)``: per head ``[k_nope; v]``.
+    KV_B_OUT = "num_attention_heads * (qk_nope_head_dim + v_head_dim)"
+    #: ``num_attention_heads * v_head_dim``: the attention output's width.
+    V_OUT = "num_attention_heads * v_head_dim"
 
     def __repr__(self) -> str:
         return f"Dim.{self.name}"
@@ -176,6 +196,7 @@ class MegatronTensor:
     tp: Placement
     fusion: Fusion = Fusion.WHOLE
     te: str | None = None
+    te_tp: Placement | None = None
     grouped: str | None = None
     expert: bool = False
     when: str | None = None
@@ -191,6 +212,12 @@ class MegatronTensor:
         if naming == "te" and self.te is not None:
             return self.te
         return self.local
+
+    def placement(self, naming: str) -> Placement:
+        """The parameter's TP placement under ``naming`` (``"local"`` or ``"te"``)."""
+        if naming == "te" and self.te_tp is not None:
+            return self.te_tp
+        return self.tp
 
 
 # -- building blocks the families compose ------------------------------------------------

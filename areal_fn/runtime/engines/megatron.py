@@ -87,6 +87,11 @@ class MegatronEngine(OptimizerSteps):
     leaves, and must equal the world size over ``tp*pp*cp``). ``stages``: the pipeline
     split (default: Megatron's even split). ``micro_batch_size``: rows per pipeline
     micro-batch (the interleaved schedule needs a multiple of ``pp`` micro-batches).
+    ``device_type``: ``"cpu"`` (Megatron's CUDA-only calls redirected, see
+    :mod:`~areal_fn.runtime.megatron.cpu`) or ``"cuda"`` (no redirections; the chunks,
+    gradient buffers and batches live on ``torch.cuda.current_device()``, so call
+    ``torch.cuda.set_device`` first; the process group must carry CUDA tensors, e.g.
+    NCCL). The ``"cuda"`` path has not been run on a GPU yet (``bench/gpu`` checks it).
     One engine per process at a time (Megatron's ``parallel_state`` is global); close it
     (or use it as a context manager) to tear the parallel state down.
     """
@@ -102,8 +107,14 @@ class MegatronEngine(OptimizerSteps):
         grad_clip: float | None = 1.0,
         micro_batch_size: int = 1,
         vocab_divisible_by: int = 128,
+        device_type: str = "cpu",
         seed: int = 0,
     ) -> None:
+        if device_type not in ("cpu", "cuda"):
+            raise LayoutError(
+                f"device_type={device_type!r} is not 'cpu' or 'cuda'; the CPU runs Megatron "
+                "with its CUDA-only calls redirected (gloo), 'cuda' the current CUDA device"
+            )
         pdims = dims.dims if isinstance(dims, Component) else dims
         self.spec = model_spec
         self.dims = pdims
@@ -131,12 +142,19 @@ class MegatronEngine(OptimizerSteps):
                 "and call dist.init_process_group first"
             )
         self.rank = dist.get_rank()
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if device_type == "cuda"
+            else torch.device("cpu")
+        )
         sizes = mb.MegatronSizes(
             tp=pdims.tp, pp=pdims.pp, cp=pdims.cp, ep=pdims.ep, etp=pdims.etp, vpp=pdims.vpp
         )
         self._stack = contextlib.ExitStack()
         try:
-            self._stack.enter_context(mb.megatron_session(sizes, seed=seed))
+            self._stack.enter_context(
+                mb.megatron_session(sizes, seed=seed, cpu=device_type == "cpu")
+            )
             self._build(plan, sizes)
         except BaseException:
             self._stack.close()
@@ -161,7 +179,7 @@ class MegatronEngine(OptimizerSteps):
         )
         prefix = "model0." if self.dims.vpp > 1 else ""
         vocab = self.layout.tensor(prefix + "embedding.word_embeddings.weight").shape[0]
-        chunks = mb.build_model_chunks(arch, config, vocab_size=vocab)
+        chunks = [c.to(self.device) for c in mb.build_model_chunks(arch, config, vocab_size=vocab)]
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=False,
@@ -259,7 +277,7 @@ class MegatronEngine(OptimizerSteps):
             if piece.canonical is not None:
                 lo, hi = piece.local_box.ranges[0]
                 pad[lo:hi] = False
-        return pad
+        return pad.to(self.device)
 
     # -- geometry read from the layout -------------------------------------------------
     @property
@@ -286,6 +304,7 @@ class MegatronEngine(OptimizerSteps):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         batch, seq = input_ids.shape
+        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
         mbs = self.micro_batch_size
         if batch % mbs:
             raise LayoutError(
@@ -297,8 +316,8 @@ class MegatronEngine(OptimizerSteps):
             (input_ids[i : i + mbs], targets[i : i + mbs], mask[i : i + mbs])
             for i in range(0, batch, mbs)
         ]
-        position_ids = torch.arange(seq).unsqueeze(0).expand(mbs, seq)
-        attention = _causal_mask(seq)
+        position_ids = torch.arange(seq, device=self.device).unsqueeze(0).expand(mbs, seq)
+        attention = _causal_mask(seq).to(self.device)
 
         def step(data_iterator: Iterator[tuple[Tensor, Tensor, Tensor]], model: Any) -> Any:
             ids, tgt, m = next(data_iterator)
@@ -353,7 +372,7 @@ class MegatronEngine(OptimizerSteps):
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad(set_to_none=True)
         outputs = self._schedule(input_ids, mask, forward_only=False)
-        stats = torch.zeros(2, dtype=torch.float64)
+        stats = torch.zeros(2, dtype=torch.float64, device=self.device)
         if self._is_loss_reporter():
             for out in outputs:
                 stats[0] += out["sum"].double()
@@ -388,7 +407,7 @@ class MegatronEngine(OptimizerSteps):
         if ps.is_pipeline_last_stage(ignore_virtual=True):
             logp = torch.cat([o["logprobs"] for o in outputs], dim=0).float()
         else:
-            logp = torch.empty(targets.shape, dtype=torch.float32)
+            logp = torch.empty(targets.shape, dtype=torch.float32, device=self.device)
         if self.dims.pp > 1:
             dist.broadcast(
                 logp,
