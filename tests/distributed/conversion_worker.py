@@ -109,6 +109,55 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "use_qk_norm": True,
         "attention_bias": True,
     },
+    # multi-latent attention with a query LoRA, yarn rope; dense layer 0, sigmoid routing
+    # with expert bias, 2 groups, a shared expert
+    "deepseek_v3": {
+        **_BASE,
+        "model_type": "deepseek_v3",
+        "num_key_value_heads": 4,
+        "head_dim": None,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 16,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 12,
+        "moe_intermediate_size": 16,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "n_group": 2,
+        "topk_group": 1,
+        "routed_scaling_factor": 2.5,
+        "first_k_dense_replace": 1,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 16,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+    },
+    # no query LoRA (q_proj), plain rope, two shared experts, no expert groups
+    "deepseek_v3_noq": {
+        **_BASE,
+        "model_type": "deepseek_v3",
+        "num_key_value_heads": 4,
+        "head_dim": None,
+        "q_lora_rank": None,
+        "kv_lora_rank": 24,
+        "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "moe_intermediate_size": 16,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 2,
+        "n_group": 1,
+        "topk_group": 1,
+        "first_k_dense_replace": 2,
+    },
     # MoE on layers 1 and 3, dense MLP on layers 0 and 2
     "qwen3_moe": {
         **_BASE,
@@ -130,6 +179,7 @@ STRATEGIES: dict[str, dict[str, int]] = {
     "e2": {"dp": 4, "ep": 2},
     "t2-moe": {"dp": 2, "tp": 2, "etp": 2},
     "t2p2": {"tp": 2, "pp": 2},
+    "t2p2-moe": {"tp": 2, "pp": 2, "etp": 2},
     "p2v2": {"dp": 2, "pp": 2, "vpp": 2},
 }
 
@@ -151,6 +201,10 @@ CASES += [
     ("glm4_moe", "e2"),
     ("glm4_moe", "t2-moe"),
     ("glm4_moe", "p2"),
+    ("deepseek_v3", "t2-moe"),
+    ("deepseek_v3", "e2"),
+    ("deepseek_v3", "p2"),
+    ("deepseek_v3_noq", "t2p2-moe"),
 ]
 
 SEQ = 8
@@ -191,6 +245,11 @@ def arch_of(spec: ModelSpec) -> dict[str, Any]:
         "router_group_topk": spec.router_group_topk,
         "routed_scaling_factor": spec.routed_scaling_factor,
         "rotary_fraction": spec.rotary_fraction,
+        "rope_scaling": spec.rope_scaling,
+        "kv_lora_rank": spec.kv_lora_rank,
+        "q_lora_rank": spec.q_lora_rank,
+        "qk_rope_head_dim": spec.qk_rope_head_dim,
+        "v_head_dim": spec.v_head_dim,
     }
 
 

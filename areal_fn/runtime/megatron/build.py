@@ -77,13 +77,37 @@ def layer_spec(arch: Mapping[str, Any], config: Any, *, vp_stage: int | None = N
         get_gpt_layer_local_spec,
     )
 
+    mla = bool(arch_field(arch, "kv_lora_rank", 0))
     if arch.get("num_experts"):
-        return get_gpt_decoder_block_spec(
+        spec = get_gpt_decoder_block_spec(
             config, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage
         )
-    return get_gpt_layer_local_spec(
-        qk_layernorm=bool(arch.get("qk_norm", False)), normalization="RMSNorm"
-    )
+        layers = spec.layer_specs
+    else:
+        spec = get_gpt_layer_local_spec(
+            qk_layernorm=mla or bool(arch.get("qk_norm", False)),
+            normalization="RMSNorm",
+            multi_latent_attention=mla,
+        )
+        layers = [spec]
+    if mla:
+        for layer in layers:
+            layer.submodules.self_attention.submodules.core_attention = _mla_core_attention()
+    return spec
+
+
+def _mla_core_attention() -> Any:
+    """The local ``DotProductAttention`` for multi-latent attention, which passes
+    ``k_channels`` / ``v_channels`` to its core attention: only Transformer Engine's
+    accepts them. The local one computes the same with ``kv_channels = v_head_dim``
+    (the query/key width comes from the tensors, the softmax scale from MLA)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class MlaDotProductAttention(DotProductAttention):  # type: ignore[misc]
+        def __init__(self, *args: Any, k_channels: Any = None, v_channels: Any = None, **kw: Any):
+            super().__init__(*args, **kw)
+
+    return MlaDotProductAttention
 
 
 def _rotary_base(theta: float) -> int | float:
@@ -110,6 +134,8 @@ def rope_kwargs(arch: Mapping[str, Any]) -> dict[str, Any]:
     ``rope_type`` ``default``): ``{"rope_scaling": False}``. Anything else GPTModel would
     ignore, computing other rotations than the config asks for: ``LayoutError``.
     """
+    if arch_field(arch, "kv_lora_rank", 0):
+        return {"rope_scaling": False}  # multi-latent attention: in the config (mla_fields)
     raw = arch.get("rope_scaling")
     items: dict[str, Any] = dict(raw.items() if isinstance(raw, Mapping) else raw or ())
     kind = items.get("rope_type", items.get("type", "default"))

@@ -13,11 +13,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from areal_fn.errors import SpecError
+from areal_fn.errors import LayoutError, SpecError
 from areal_fn.runtime.megatron.parallel import MegatronSizes
 from areal_fn.typecheck import beartype
 
-__all__ = ["ARCH_FIELDS", "arch_field", "arch_of", "transformer_config"]
+__all__ = ["ARCH_FIELDS", "arch_field", "arch_of", "mla_fields", "transformer_config"]
 
 #: The architecture fields read from the ``arch`` mapping (``None`` = optional).
 ARCH_FIELDS: Mapping[str, str] = {
@@ -47,6 +47,10 @@ ARCH_FIELDS: Mapping[str, str] = {
     "router_group_topk": "int or None (groups kept per token)",
     "routed_scaling_factor": "float or None (routed weights scaled by it)",
     "rotary_fraction": "float or None (GPTModel rotary_percent; default 1.0)",
+    "kv_lora_rank": "int or None (multi-latent attention when set; see mla_fields)",
+    "q_lora_rank": "int or None (multi-latent attention: 0/None = q_proj without LoRA)",
+    "qk_rope_head_dim": "int or None (multi-latent attention: rotary dims per head)",
+    "v_head_dim": "int or None (multi-latent attention: value dims per head)",
 }
 
 
@@ -89,7 +93,10 @@ def transformer_config(
     stage, virtual stages included). ``overrides`` are further ``TransformerConfig``
     fields, applied last (e.g. ``{"moe_token_dispatcher_type": "alltoall"}``).
     """
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import (
+        MLATransformerConfig,
+        TransformerConfig,
+    )
 
     fields: dict[str, Any] = dict(
         **_architecture_fields(arch),
@@ -103,8 +110,83 @@ def transformer_config(
         **_cpu_fields(params_dtype),
         **_moe_fields(arch, moe_grouped_gemm=moe_grouped_gemm),
     )
+    if arch_field(arch, "kv_lora_rank", 0):
+        fields.update(mla_fields(arch))
+        fields.update(overrides or {})
+        return MLATransformerConfig(**fields)
     fields.update(overrides or {})
     return TransformerConfig(**fields)
+
+
+#: The epsilon of transformers' DeepSeek-V3 q/kv latent norms (fixed in its code).
+MLA_LATENT_NORM_EPS = 1e-6
+
+
+def mla_fields(arch: Mapping[str, Any]) -> dict[str, Any]:
+    """``MLATransformerConfig``'s multi-latent attention fields for ``arch``: the ranks,
+    head dims, latent norms (``qk_layernorm``), rotary embedding (``rope`` or ``yarn``).
+
+    ``kv_channels`` is ``v_head_dim`` (the core attention's output width per head).
+    ``LayoutError`` where Megatron would compute otherwise than transformers: an
+    ``rms_norm_eps`` other than the latent norms' 1e-6 (Megatron applies one epsilon to
+    every norm), a rope scaling other than yarn, a yarn ``mscale`` other than 1 without
+    ``mscale_all_dim`` (transformers then ignores ``mscale``).
+    """
+    if arch["rms_norm_eps"] != MLA_LATENT_NORM_EPS:
+        raise LayoutError(
+            f"rms_norm_eps={arch['rms_norm_eps']}: transformers' multi-latent attention "
+            f"normalises its q/kv latents with eps {MLA_LATENT_NORM_EPS} and the layers with "
+            "rms_norm_eps, while Megatron applies one epsilon to every norm; use a config "
+            f"with rms_norm_eps={MLA_LATENT_NORM_EPS} (as DeepSeek-V3 and Kimi-K2)"
+        )
+    q_lora = arch_field(arch, "q_lora_rank", 0)
+    rope = arch["qk_rope_head_dim"]
+    return {
+        "q_lora_rank": q_lora or None,
+        "kv_lora_rank": arch["kv_lora_rank"],
+        "qk_head_dim": arch["head_dim"] - rope,
+        "qk_pos_emb_head_dim": rope,
+        "v_head_dim": arch["v_head_dim"],
+        "kv_channels": arch["v_head_dim"],
+        "num_query_groups": arch["num_attention_heads"],
+        "qk_layernorm": True,  # the q/kv latent norms (IdentityOp otherwise)
+        "rotary_base": _rotary_base(arch["rope_theta"]),
+        "rotary_percent": 1.0,
+        **_mla_rope(arch),
+    }
+
+
+def _rotary_base(theta: float) -> int | float:
+    return int(theta) if float(theta).is_integer() else theta
+
+
+def _mla_rope(arch: Mapping[str, Any]) -> dict[str, Any]:
+    raw = arch.get("rope_scaling")
+    items: dict[str, Any] = dict(raw.items() if isinstance(raw, Mapping) else raw or ())
+    kind = items.get("rope_type", items.get("type", "default"))
+    if kind == "default":
+        return {"rope_type": "rope", "rotary_scaling_factor": 1.0}
+    if kind != "yarn":
+        raise LayoutError(
+            f"rope scaling {items} (rope_type={kind!r}): Megatron's multi-latent attention "
+            "applies plain rope or yarn only; train this model with the fsdp backend"
+        )
+    mscale, all_dim = items.get("mscale", 1.0), items.get("mscale_all_dim")
+    if all_dim is None and mscale != 1.0:
+        raise LayoutError(
+            f"yarn rope scaling {items} has mscale={mscale} without mscale_all_dim: "
+            "transformers then scales by its default mscale and Megatron by this one; give "
+            "mscale_all_dim or use mscale=1"
+        )
+    return {
+        "rope_type": "yarn",
+        "rotary_scaling_factor": float(items["factor"]),
+        "original_max_position_embeddings": int(items["original_max_position_embeddings"]),
+        "beta_fast": float(items.get("beta_fast", 32)),
+        "beta_slow": float(items.get("beta_slow", 1)),
+        "mscale": float(mscale),
+        "mscale_all_dim": float(all_dim or 0.0),
+    }
 
 
 def _architecture_fields(arch: Mapping[str, Any]) -> dict[str, Any]:

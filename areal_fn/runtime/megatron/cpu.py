@@ -60,6 +60,13 @@ The redirections (``REDIRECTIONS`` lists them by name, in the order applied):
     ``weight.data = weight.data.cuda()``. Redirected: during this one call
     ``torch.Tensor.cuda`` returns the tensor itself, so the all-reduce runs on CPU.
 
+``multi_latent_attention.HAVE_TE``
+    ``megatron.core.transformer.multi_latent_attention`` imports Megatron's
+    TransformerEngine extension, which without TransformerEngine installed stands
+    mocks in for its classes, so the module sets ``HAVE_TE = True`` and building
+    ``MLASelfAttention`` fails (``isinstance() arg 2 must be a type``). Redirected (only
+    when ``transformer_engine`` is not installed): ``HAVE_TE = False``.
+
 ``megatron.core.pipeline_parallel.schedules.torch``
     The forward-backward schedules create their token counter with
     ``torch.zeros([], dtype=torch.int, device="cuda")``. Redirected: the module's
@@ -76,6 +83,7 @@ and ``flex`` MoE token dispatchers (use ``allgather``), activation recomputation
 
 import contextlib
 import functools
+import importlib.util
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -98,6 +106,7 @@ REDIRECTIONS: tuple[str, ...] = (
     "megatron.core.transformer.moe.moe_utils.te_general_gemm",
     "megatron.core.models.common.language_module.language_module.LanguageModule"
     ".setup_embeddings_and_output_layer",
+    "megatron.core.transformer.multi_latent_attention.HAVE_TE",
     "megatron.core.pipeline_parallel.schedules.torch",
 )
 
@@ -149,6 +158,10 @@ def enable() -> None:
             _tensor_cuda_is_identity_during(vars(lm)["setup_embeddings_and_output_layer"]),
         )
     )
+    if importlib.util.find_spec("transformer_engine") is None:
+        from megatron.core.transformer import multi_latent_attention
+
+        patches.append((multi_latent_attention, "HAVE_TE", False))
     patches.append((schedules, "torch", _CpuZerosTorch()))
     for owner, name, value in patches:
         _saved.append((owner, name, vars(owner).get(name, _MISSING)))
