@@ -271,7 +271,7 @@ def run_all(checks: Checks, rank: int, size: int, out: Path, pair: Any) -> None:
     except CheckpointError as e:
         checks.record(
             "corrupted file raises on every rank",
-            "" if "__3_0.distcp has sha256" in str(e) else str(e),
+            "" if "__3_0.distcp has blake3" in str(e) else str(e),
         )
     # -- nothing saved was modified by any load -----------------------------------------
     dist.barrier()

@@ -180,6 +180,28 @@ CONFIGS["glm4_moe"] = {
     "attention_bias": True,
     "torch_dtype": "float32",
 }
+CONFIGS["deepseek_v3"] = {
+    "model_type": "deepseek_v3",
+    "hidden_size": 16,
+    "intermediate_size": 24,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "vocab_size": 52,
+    "q_lora_rank": 8,
+    "kv_lora_rank": 6,
+    "qk_nope_head_dim": 4,
+    "qk_rope_head_dim": 2,
+    "v_head_dim": 4,
+    "moe_intermediate_size": 8,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "n_group": 2,
+    "topk_group": 1,
+    "routed_scaling_factor": 2.5,
+    "first_k_dense_replace": 1,
+    "torch_dtype": "float32",
+}
 DENSE = ("qwen2", "qwen3", "llama_tied", "llama_untied")
 
 #: label -> (allocation string, hsdp replicas, TP over the embeddings).
@@ -204,6 +226,8 @@ LAYOUT_CASES: tuple[tuple[str, str], ...] = (
     ("mixtral", "d2t2"),
     ("glm4_moe", "d4"),
     ("glm4_moe", "d2t2"),
+    ("deepseek_v3", "d4"),
+    ("deepseek_v3", "d2t2"),
 )
 #: label -> (runtime options, gradient tolerance, weight tolerance) of the training section.
 RUN_OPTIONS: dict[str, tuple[Fsdp2RunOptions, float, float]] = {
@@ -219,6 +243,7 @@ TRAIN_CASES: tuple[tuple[str, str, str], ...] = (
     ("mistral", "d2t2", "fp32"),
     ("mixtral", "d2t2", "fp32"),
     ("glm4_moe", "d2t2", "fp32"),
+    ("deepseek_v3", "d2t2", "fp32"),
     ("llama_tied", "d2t2_rep_emb", "fp32"),
     ("qwen3", "d2t2", "ac"),
     ("qwen3", "d2t2", "offload"),

@@ -151,6 +151,29 @@ CONFIGS["glm4_moe"] = {
     "torch_dtype": "float32",
 }
 
+CONFIGS["deepseek_v3"] = {
+    "model_type": "deepseek_v3",
+    "hidden_size": 16,
+    "intermediate_size": 24,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "vocab_size": 52,
+    "q_lora_rank": 8,
+    "kv_lora_rank": 6,
+    "qk_nope_head_dim": 4,
+    "qk_rope_head_dim": 2,
+    "v_head_dim": 4,
+    "moe_intermediate_size": 8,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "n_group": 2,
+    "topk_group": 1,
+    "routed_scaling_factor": 2.5,
+    "first_k_dense_replace": 1,
+    "torch_dtype": "float32",
+}
+
 #: label -> (allocation string, HSDP replicas, pipeline chunk lengths or None for the
 #: even split, FSDP2 run options). All fill the 4 ranks.
 STRATEGIES: dict[str, tuple[str, int, tuple[int, ...] | None, Fsdp2RunOptions]] = {
@@ -196,6 +219,8 @@ CASES: tuple[tuple[str, str], ...] = (
     ("mixtral", "megatron:d2p2"),
     ("glm4_moe", "fsdp:d2t2"),
     ("glm4_moe", "megatron:d2p2"),
+    ("deepseek_v3", "fsdp:d2t2"),
+    ("deepseek_v3", "megatron:d2p2"),
 )
 
 

@@ -112,6 +112,29 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "routed_scaling_factor": 2.5,
         "rotary_fraction": 0.5,
     },
+    # multi-latent attention (query LoRA, plain rope), dense layer 0, sigmoid routing with
+    # an expert bias, two groups, a shared expert
+    "deepseek_v3": {
+        **_BASE,
+        "hf": "deepseek_v3",
+        "num_key_value_heads": 4,
+        "head_dim": 24,  # qk_nope 16 + qk_rope 8
+        "q_lora_rank": 32,
+        "kv_lora_rank": 24,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 12,
+        "num_experts": 4,
+        "moe_intermediate_size": 16,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "moe_layer_pattern": [0, 1, 1, 1],
+        "num_shared_experts": 1,
+        "router_score": "sigmoid",
+        "router_bias": True,
+        "router_groups": 2,
+        "router_group_topk": 1,
+        "routed_scaling_factor": 2.5,
+    },
     # dense MLP on layers 0 and 2 (HF mlp_only_layers=[0, 2])
     "qwen3_moe_mixed": {
         **_BASE,
@@ -173,6 +196,7 @@ CASES += [
     _case("mixtral-t2e2x1", "mixtral", {"tp": 2, "ep": 2, "etp": 1}),
     _case("glm4_moe-t2e2x1", "glm4_moe", {"tp": 2, "ep": 2, "etp": 1}),
     _case("glm4_moe-p2e2", "glm4_moe", {"pp": 2, "ep": 2}),
+    _case("deepseek_v3-t2e2x1", "deepseek_v3", {"tp": 2, "ep": 2, "etp": 1}),
     _case(
         "qwen3_moe-e2-grouped",
         "qwen3_moe",
@@ -245,6 +269,25 @@ def _hf_model(arch: Mapping[str, Any], seed: int) -> Any:
             topk_group=arch["router_group_topk"],
             routed_scaling_factor=arch["routed_scaling_factor"],
             first_k_dense_replace=pattern.index(1),
+        )
+    elif kind == "deepseek_v3":
+        rope = arch["qk_rope_head_dim"]
+        config = transformers.DeepseekV3Config(
+            **{k: v for k, v in common.items() if k != "head_dim"},
+            q_lora_rank=arch["q_lora_rank"],
+            kv_lora_rank=arch["kv_lora_rank"],
+            qk_nope_head_dim=arch["head_dim"] - rope,
+            qk_rope_head_dim=rope,
+            v_head_dim=arch["v_head_dim"],
+            n_routed_experts=arch["num_experts"],
+            moe_intermediate_size=arch["moe_intermediate_size"],
+            num_experts_per_tok=arch["num_experts_per_tok"],
+            norm_topk_prob=arch["norm_topk_prob"],
+            n_shared_experts=arch["num_shared_experts"],
+            n_group=arch["router_groups"],
+            topk_group=arch["router_group_topk"],
+            routed_scaling_factor=arch["routed_scaling_factor"],
+            first_k_dense_replace=arch["moe_layer_pattern"].index(1),
         )
     elif kind == "qwen3_moe":
         pattern = arch["moe_layer_pattern"] or [1] * arch["num_layers"]
@@ -333,6 +376,18 @@ def _megatron_tensor(
         "mlp.router.weight": p + "mlp.gate.weight",
         "mlp.router.expert_bias": p + "mlp.gate.e_score_correction_bias",
     }
+    if arch["hf"] == "deepseek_v3":  # MLA: every projection whole, Shard(0) but linear_proj
+        mla = {
+            "self_attention.linear_q_down_proj.weight": "q_a_proj",
+            "self_attention.linear_q_up_proj.weight": "q_b_proj",
+            "self_attention.linear_q_proj.weight": "q_proj",
+            "self_attention.linear_kv_down_proj.weight": "kv_a_proj_with_mqa",
+            "self_attention.linear_kv_up_proj.weight": "kv_b_proj",
+        }
+        if rest in mla:
+            return _chunk(hf[f"{p}self_attn.{mla[rest]}.weight"], tp, tpr, 0)
+        simple["self_attention.q_layernorm.weight"] = p + "self_attn.q_a_layernorm.weight"
+        simple["self_attention.kv_layernorm.weight"] = p + "self_attn.kv_a_layernorm.weight"
     if rest in simple:
         return hf[simple[rest]]
     if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):

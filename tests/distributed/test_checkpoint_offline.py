@@ -126,7 +126,7 @@ def test_inspect_names_strategy_tensors_and_sizes(saved, capsys):
         "saved with allocation fsdp:d2t2 (fsdp2 layout, 4 ranks)",
         "model qwen2: 4 layers, hidden 64, vocab 250",
         "optimizer adam(exp_avg, exp_avg_sq, step)",
-        "every sha256 verified",
+        "every checksum verified: blake3",
         "model.embed_tokens.weight",
         "250x64",
         "... 47 more tensors",
@@ -225,7 +225,7 @@ def test_hf_files_are_saved_verified_and_exported_unchanged(tmp_path, capsys):
     tok = root / "step-00000005" / "hf" / "tokenizer.model"
     tok.write_bytes(bytes(reversed(tok.read_bytes())))
     with pytest.raises(
-        CheckpointError, match=r"hf/tokenizer\.model has sha256 .* the file is corrupted"
+        CheckpointError, match=r"hf/tokenizer\.model has blake3 .* the file is corrupted"
     ):
         load_checkpoint(root, layout=lay, states=states, optimizer="adam")
 

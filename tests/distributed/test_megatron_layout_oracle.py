@@ -46,7 +46,26 @@ def _hf_config(arch: dict[str, Any]) -> dict[str, Any]:
         cfg["sliding_window"] = None
         if arch["head_dim"] is None:
             del cfg["head_dim"]
-    if arch["hf"] == "glm4_moe":
+    if arch["hf"] == "deepseek_v3":
+        rope = arch["qk_rope_head_dim"]
+        del cfg["head_dim"]
+        cfg.update(
+            q_lora_rank=arch["q_lora_rank"],
+            kv_lora_rank=arch["kv_lora_rank"],
+            qk_nope_head_dim=arch["head_dim"] - rope,
+            qk_rope_head_dim=rope,
+            v_head_dim=arch["v_head_dim"],
+            n_routed_experts=arch["num_experts"],
+            moe_intermediate_size=arch["moe_intermediate_size"],
+            num_experts_per_tok=arch["num_experts_per_tok"],
+            norm_topk_prob=arch["norm_topk_prob"],
+            n_shared_experts=arch["num_shared_experts"],
+            n_group=arch["router_groups"],
+            topk_group=arch["router_group_topk"],
+            routed_scaling_factor=arch["routed_scaling_factor"],
+            first_k_dense_replace=arch["moe_layer_pattern"].index(1),
+        )
+    elif arch["hf"] == "glm4_moe":
         cfg.update(
             attention_bias=arch["qkv_bias"],
             use_qk_norm=arch["qk_norm"],

@@ -12,6 +12,8 @@ and by the TP stand-in inference engine (:mod:`areal_fn.runtime.engines.tp`).
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -38,6 +40,9 @@ __all__ = [
 
 #: Modules whose input is sharded over attention heads (dim -2) under TP.
 _HEAD_SHARDED_INPUT = ("self_attn.q_norm", "self_attn.k_norm")
+#: Multi-latent attention's replicated down projection whose last columns (the rope key
+#: shared by every head) get part of their gradient on each TP rank.
+_SHARED_ROPE_KEY = "self_attn.kv_a_proj_with_mqa"
 
 
 class ReplicateParallel(ParallelStyle):
@@ -52,9 +57,12 @@ class ReplicateParallel(ParallelStyle):
     computes the same full gradient.
     """
 
-    def __init__(self, *, partial_grads: bool = False) -> None:
+    def __init__(
+        self, *, partial_grads: bool = False, sum_output_grad: tuple[int, int] | None = None
+    ) -> None:
         super().__init__()
         self.partial_grads = partial_grads
+        self.sum_output_grad = sum_output_grad
         self._swapped: dict[int, dict[str, nn.Parameter]] = {}
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -81,15 +89,40 @@ class ReplicateParallel(ParallelStyle):
                     mod._parameters[name] = p.to_local(grad_placements=grads)  # type: ignore[assignment]
             self._swapped[id(mod)] = saved
 
-        def restore(mod: nn.Module, _args: Any, _out: Any) -> None:
+        def restore(mod: nn.Module, _args: Any, out: Any) -> Any:
             mod._parameters.update(self._swapped.pop(id(mod), {}))
+            if self.sum_output_grad is None or not torch.is_grad_enabled():
+                return None
+            return _SumGradColumns.apply(out, *self.sum_output_grad, device_mesh.get_group())
 
         module.register_forward_pre_hook(to_local)
         module.register_forward_hook(restore, always_call=True)
         return module
 
     def __repr__(self) -> str:
-        return f"ReplicateParallel(partial_grads={self.partial_grads})"
+        cols = "" if self.sum_output_grad is None else f", sum_output_grad={self.sum_output_grad}"
+        return f"ReplicateParallel(partial_grads={self.partial_grads}{cols})"
+
+
+class _SumGradColumns(torch.autograd.Function):
+    """Identity forward; backward sums the gradient of columns ``lo:hi`` (last dim) over
+    the TP group. Multi-latent attention's shared rope key (the last ``qk_rope_head_dim``
+    columns of ``kv_a_proj_with_mqa``) feeds every head, and each TP rank computes its
+    heads only, so each holds part of that gradient; the latent columns feed the
+    column-parallel ``kv_b_proj``, whose input gradient DTensor already sums."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, lo: int, hi: int, group: Any) -> torch.Tensor:
+        ctx.lo, ctx.hi, ctx.group = lo, hi, group
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        grad = grad.clone()
+        part = grad[..., ctx.lo : ctx.hi].contiguous()
+        dist.all_reduce(part, group=ctx.group)
+        grad[..., ctx.lo : ctx.hi] = part
+        return grad, None, None, None
 
 
 def param_names(model: nn.Module) -> dict[tuple[str, str], str]:
@@ -159,9 +192,16 @@ def module_placements(
     return grouped
 
 
-def _style(mname: str, module: nn.Module, placements: Mapping[str, Placement]) -> ParallelStyle:
+def _style(
+    mname: str, module: nn.Module, placements: Mapping[str, Placement], config: Any
+) -> ParallelStyle:
     if all(isinstance(p, Replicate) for p in placements.values()):
-        return ReplicateParallel(partial_grads=mname.endswith(_HEAD_SHARDED_INPUT))
+        cols = None
+        if mname.endswith(_SHARED_ROPE_KEY) and isinstance(module, nn.Linear):
+            cols = (int(config.kv_lora_rank), module.out_features)
+        return ReplicateParallel(
+            partial_grads=mname.endswith(_HEAD_SHARDED_INPUT), sum_output_grad=cols
+        )
     return tensor_parallel_style(mname, module, placements)
 
 
@@ -183,7 +223,7 @@ def tp_plan(model: nn.Module, layout: Layout) -> dict[str, ParallelStyle]:
     plan: dict[str, ParallelStyle] = {}
     for mname, module in model.named_modules():
         if mname in grouped:
-            plan[mname] = _style(mname, module, grouped[mname])
+            plan[mname] = _style(mname, module, grouped[mname], getattr(model, "config", None))
     return plan
 
 
