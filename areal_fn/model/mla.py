@@ -36,8 +36,7 @@ def check_mla(spec: Any) -> None:
     for name in ("kv_lora_rank", "v_head_dim"):
         if values[name] < 1:
             raise SpecError(
-                f"{spec.model_type}: {name}={values[name]} must be >= 1 for multi-latent "
-                "attention"
+                f"{spec.model_type}: {name}={values[name]} must be >= 1 for multi-latent attention"
             )
     rope = spec.qk_rope_head_dim
     if rope < 2 or rope % 2:

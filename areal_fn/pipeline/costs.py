@@ -193,9 +193,10 @@ def _activation_bytes_per_token(spec: ModelSpec, moe: bool, dtype_bytes: float) 
     flash attention: no sequence-squared term; softmax statistics in fp32)."""
     h = spec.hidden_size
     q = spec.num_attention_heads * spec.head_dim
-    kv = spec.num_key_value_heads * spec.head_dim
     # norm input, qkv input, q/k/v, attention output (o_proj input), second norm input
-    elems = h + h + q + 2 * kv + q + h
+    elems = h + h + q + spec.k_width + spec.v_width + spec.v_width + h
+    if spec.is_mla:  # the query and key/value latents (inputs of their norms and up projections)
+        elems += 2 * spec.q_lora_rank + 2 * spec.kv_lora_rank
     fp32 = spec.num_attention_heads  # log-sum-exp per head
     if moe:
         k, inter = spec.num_experts_per_tok, spec.moe_intermediate_size
@@ -252,6 +253,13 @@ def memory_costs(
     )
 
 
+def _attention_weights(spec: ModelSpec) -> int:
+    """Elements of layer 0's attention matrices (``self_attn.*`` tensors of rank 2)."""
+    return sum(
+        t.numel for t in spec.layer_tensors(0) if ".self_attn." in t.name and len(t.shape) == 2
+    )
+
+
 @beartype
 def flop_costs(
     spec: ModelSpec,
@@ -265,7 +273,9 @@ def flop_costs(
 
     Matrix multiplies count 2 FLOPs per multiply-add: the projections, the dense MLP or
     the router plus ``num_experts_per_tok`` experts per token, and attention scores and
-    values: ``4 * heads * head_dim`` per (query, key) pair, over ``seq_len * (seq_len +
+    values: ``2 * heads * (head_dim + v_head_dim)`` per (query, key) pair (``4 * heads *
+    head_dim`` but for multi-latent attention, whose projections count every latent
+    weight once), over ``seq_len * (seq_len +
     1) / 2`` pairs per sequence when ``causal`` (else ``seq_len**2``). Norms, rotary and
     element-wise ops are left out. Embedding: 0 (a gather); head: the output projection.
     """
@@ -274,8 +284,12 @@ def flop_costs(
     q = spec.num_attention_heads * spec.head_dim
     kv = spec.num_key_value_heads * spec.head_dim
     proj = 2 * (h * q + 2 * h * kv + q * h) * tokens
+    if spec.is_mla:  # the latent projections: every attention weight of the layer once
+        proj = 2 * _attention_weights(spec) * tokens
     pairs = seq_len * (seq_len + 1) // 2 if causal else seq_len * seq_len
-    attn = 4 * q * pairs * micro_batch_size
+    # scores (q . k) and values (p . v) per pair; multi-latent values are v_head_dim wide
+    v_head = spec.v_head_dim if spec.is_mla else spec.head_dim
+    attn = 2 * (q + spec.num_attention_heads * v_head) * pairs * micro_batch_size
     dense = 2 * 3 * h * spec.intermediate_size * tokens
     moe = (
         2

@@ -85,9 +85,7 @@ def _mla(
 MLA_ATTENTION: tuple[MegatronTensor, ...] = (
     MegatronTensor(local="input_layernorm.weight", hf="input_layernorm.weight", tp=Replicate()),
     _mla("linear_q_proj.weight", "q_proj", _ROWS, when="q_direct"),
-    _mla(
-        "linear_q_down_proj.weight", "q_a_proj", _ROWS, te_tp=Replicate(), when="q_lora_rank"
-    ),
+    _mla("linear_q_down_proj.weight", "q_a_proj", _ROWS, te_tp=Replicate(), when="q_lora_rank"),
     _mla(
         "q_layernorm.weight",
         "q_a_layernorm",
