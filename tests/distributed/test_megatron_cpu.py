@@ -81,6 +81,22 @@ def _expected_layer_params(
         "self_attention.linear_proj.weight": (h, nh * d // tp),
         "pre_mlp_layernorm.weight": (h,),
     }
+    if arch.get("kv_lora_rank"):  # multi-latent attention: every projection column-parallel
+        del out["self_attention.linear_qkv.weight"]
+        ql, kvl, rope, v = (
+            arch[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "v_head_dim")
+        )
+        a = "self_attention."
+        if ql:
+            out[a + "linear_q_down_proj.weight"] = (ql // tp, h)
+            out[a + "q_layernorm.weight"] = (ql,)
+            out[a + "linear_q_up_proj.weight"] = (nh * d // tp, ql)
+        else:
+            out[a + "linear_q_proj.weight"] = (nh * d // tp, h)
+        out[a + "linear_kv_down_proj.weight"] = ((kvl + rope) // tp, h)
+        out[a + "kv_layernorm.weight"] = (kvl,)
+        out[a + "linear_kv_up_proj.weight"] = (nh * (d - rope + v) // tp, kvl)
+        out[a + "linear_proj.weight"] = (h, nh * v // tp)
     if arch["qkv_bias"]:
         out["self_attention.linear_qkv.bias"] = (qkv_rows,)
     if arch["qk_norm"]:
@@ -166,7 +182,7 @@ def test_pipeline_stages_hold_each_layer_once(megatron_ground_truth: Path) -> No
         layers = recs[0]["arch"]["num_layers"]
         by_stage: dict[int, list[int]] = {}
         for rec in recs:
-            if rec["ranks"]["tp"] or rec["ranks"]["dp"]:
+            if rec["ranks"]["tp"] or rec["ranks"]["dp"] or rec["ranks"]["cp"]:  # one replica
                 continue
             for stage, layer in _stage_layers(rec):
                 by_stage.setdefault(stage, []).append(layer)
@@ -264,13 +280,22 @@ def test_what_the_local_spec_refuses_on_cpu(megatron_ground_truth: Path) -> None
         name: {r["error"] for r in recs}
         for name, recs in _cases(megatron_ground_truth, mode="expect_error")
     }
-    assert set(errors) == {"qwen3_moe-e2-grouped", "qwen2-c2"}
+    assert set(errors) == {"qwen3_moe-e2-grouped"}
     (grouped,) = errors["qwen3_moe-e2-grouped"]
     assert grouped.startswith("AssertionError: Grouped GEMM is not available")
-    (cp,) = errors["qwen2-c2"]
-    assert cp.startswith(
-        "AssertionError: Context parallelism is only supported by TEDotProductAttention"
-    )
+
+
+def test_the_local_spec_refuses_context_parallelism_without_our_core_attention() -> None:
+    # why build.layer_spec replaces the core attention under cp > 1 (no process needed)
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from areal_fn.runtime.megatron.build import MegatronSizes, transformer_config
+    from tests.distributed.megatron_worker import FAMILIES
+
+    config = transformer_config(FAMILIES["qwen2"], MegatronSizes(cp=2))
+    with pytest.raises(AssertionError, match=r"^Context parallelism is only supported by TEDot"):
+        DotProductAttention(config, 1, AttnMaskType.causal, "self")
 
 
 def test_legacy_grouped_mlp_structure(megatron_ground_truth: Path) -> None:
@@ -338,12 +363,15 @@ def test_tied_embeddings_are_synchronised_across_stages(megatron_ground_truth: P
     assert checked
 
 
-def _sharded_key_rest(rest: str) -> str:
-    """Checkpoint name of a layer-local parameter name (local spec -> TE-style keys)."""
+def _sharded_key_rest(rest: str, *, mla: bool = False) -> str:
+    """Checkpoint name of a layer-local parameter name (local spec -> TE-style keys;
+    a multi-latent attention layer maps no key: both its norms keep their names)."""
     renamed = {
         "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
         "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
     }
+    if mla:
+        renamed = {}
     if rest.startswith("mlp.experts.local_experts."):
         # mlp.experts.local_experts.<i>.linear_fc1.weight -> mlp.experts.experts.linear_fc1.weight
         return "mlp.experts.experts." + rest.split(".", 4)[4]
@@ -368,13 +396,19 @@ def test_sharded_state_dict_keys_and_offsets(megatron_ground_truth: Path) -> Non
                     g = chunk["layer_offset"] + int(parts[2])
                     rest = ".".join(parts[3:])
                     if per_layer_keys:
-                        assert entry["key"] == f"decoder.layers.{g}.{_sharded_key_rest(rest)}", (
+                        assert (
+                            entry["key"]
+                            == f"decoder.layers.{g}.{_sharded_key_rest(rest, mla=bool(arch.get('kv_lora_rank')))}"
+                        ), (
                             name,
                             entry,
                         )
                         axis = 0
                     else:
-                        assert entry["key"] == f"decoder.layers.{_sharded_key_rest(rest)}", (
+                        assert (
+                            entry["key"]
+                            == f"decoder.layers.{_sharded_key_rest(rest, mla=bool(arch.get('kv_lora_rank')))}"
+                        ), (
                             name,
                             entry,
                         )

@@ -25,6 +25,8 @@ strict readers, which list them as unexpected, not dropped.
 
 from areal_fn.model.families import CORE_KEYS, STACKED_SWIGLU_EXPERTS, Family
 from areal_fn.model.families.glm4_moe import (
+    DEEPSEEK_MOE_FOREIGN_KEYS,
+    DEEPSEEK_MOE_KEYS,
     ROUTER_AND_SHARED,
     ROUTER_AND_SHARED_HF,
     float32_router,
@@ -155,17 +157,7 @@ FAMILY = Family(
     mla=True,
     first_k_dense="first_k_dense_replace",
     key_sources=(("num_experts", "n_routed_experts"),),
-    foreign_keys=(
-        ("num_experts", "n_routed_experts"),
-        ("num_local_experts", "n_routed_experts"),
-        ("decoder_sparse_step", "first_k_dense_replace"),
-        ("mlp_only_layers", "first_k_dense_replace"),
-    ),
-    moe_keys=(
-        ("num_shared_experts", "n_shared_experts"),
-        ("router_groups", "n_group"),
-        ("router_group_topk", "topk_group"),
-        ("routed_scaling_factor", "routed_scaling_factor"),
-    ),
+    foreign_keys=DEEPSEEK_MOE_FOREIGN_KEYS,
+    moe_keys=DEEPSEEK_MOE_KEYS,
     fused_experts=STACKED_SWIGLU_EXPERTS,
 )

@@ -99,6 +99,21 @@ ROUTER_AND_SHARED: tuple[MegatronTensor, ...] = (
     ),
 )
 
+#: The config keys of the DeepSeek-style MoE block (GLM-4.5, DeepSeek-V3): keys other
+#: families use that these config classes lack, and the routing fields they give.
+DEEPSEEK_MOE_FOREIGN_KEYS: tuple[tuple[str, str], ...] = (
+    ("num_experts", "n_routed_experts"),
+    ("num_local_experts", "n_routed_experts"),
+    ("decoder_sparse_step", "first_k_dense_replace"),
+    ("mlp_only_layers", "first_k_dense_replace"),
+)
+DEEPSEEK_MOE_KEYS: tuple[tuple[str, str], ...] = (
+    ("num_shared_experts", "n_shared_experts"),
+    ("router_groups", "n_group"),
+    ("router_group_topk", "topk_group"),
+    ("routed_scaling_factor", "routed_scaling_factor"),
+)
+
 FAMILY = Family(
     model_type="glm4_moe",
     architecture="Glm4MoeForCausalLM",
@@ -148,17 +163,7 @@ FAMILY = Family(
     partial_rotary=True,
     first_k_dense="first_k_dense_replace",
     key_sources=(("num_experts", "n_routed_experts"),),
-    foreign_keys=(
-        ("num_experts", "n_routed_experts"),
-        ("num_local_experts", "n_routed_experts"),
-        ("decoder_sparse_step", "first_k_dense_replace"),
-        ("mlp_only_layers", "first_k_dense_replace"),
-    ),
-    moe_keys=(
-        ("num_shared_experts", "n_shared_experts"),
-        ("router_groups", "n_group"),
-        ("router_group_topk", "topk_group"),
-        ("routed_scaling_factor", "routed_scaling_factor"),
-    ),
+    foreign_keys=DEEPSEEK_MOE_FOREIGN_KEYS,
+    moe_keys=DEEPSEEK_MOE_KEYS,
     fused_experts=STACKED_SWIGLU_EXPERTS,
 )
