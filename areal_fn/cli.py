@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING, Any
 
 from areal_fn.errors import SpecError
 from areal_fn.layouts.layout import Layout
-from areal_fn.layouts.layout_for import layout_for
+from areal_fn.layouts.layout_for import layout_for as layout_for
 from areal_fn.model.demo import DEMO_CONFIG as DEMO_CONFIG
 from areal_fn.model.spec import ModelSpec, model_from_hf_config
 from areal_fn.runtime.console import text_console as text_console
-from areal_fn.sharding.mesh import Axis
 from areal_fn.strategy.allocation import Component
-from areal_fn.strategy.parse import parse_allocation
+from areal_fn.strategy.parse import parse_allocation as parse_allocation
+from areal_fn.version import __version__
 
 if TYPE_CHECKING:
     pass
@@ -60,198 +60,51 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
-
-
-def _bytes_arg(text: str) -> int:
-    units = {
-        "": 1,
-        "B": 1,
-        "KB": 10**3,
-        "MB": 10**6,
-        "GB": 10**9,
-        "TB": 10**12,
-        "KIB": 2**10,
-        "MIB": 2**20,
-        "GIB": 2**30,
-        "TIB": 2**40,
-    }
-    t = text.strip().upper()
-    num = t.rstrip("KMGTIB")
-    unit = t[len(num) :]
-    try:
-        value = float(num)
-    except ValueError:
-        raise SpecError(
-            f"--device-memory {text!r} is not a size; write e.g. 80GB or 80GiB"
-        ) from None
-    if unit not in units or value <= 0:
-        raise SpecError(f"--device-memory {text!r} is not a size; write e.g. 80GB or 80GiB")
-    return int(value * units[unit])
-
-
 def cmd_plan(args: argparse.Namespace) -> int:
-    from rich.table import Table
-    from rich.text import Text
-
-    from areal_fn.model.tensor_spec import DTYPE_BYTES
-    from areal_fn.plans.memory import PrecisionPolicy, estimate_memory
-    from areal_fn.strategy.check import check_strategy
+    from areal_fn.runtime.commands.plan import cmd_plan as run
+    from areal_fn.runtime.commands.suggest import cmd_suggest
 
     console = text_console()
     model = _model(args.config)
     if args.suggest:
-        return _suggest(console, model, args)
+        return cmd_suggest(console, model, args)
     if args.allocation is None:
         raise SpecError(
             "plan needs an ALLOCATION (e.g. 'megatron:d2p2t2'), or --suggest N to rank strategies"
         )
-    alloc = parse_allocation(args.allocation)
-    check_strategy(model, alloc)
-    console.print(
-        Text.assemble(
-            (model.model_type, "bold"),
-            f" {model.num_layers} layers, {model.num_params:,} parameters; allocation ",
-            (str(alloc), "bold"),
-            f" on {alloc.world_size} ranks",
-        )
-    )
-    for comp in alloc.components:
-        layout = layout_for(model, comp)
-        rr = alloc.rank_range(comp)
-        console.print(
-            Text.assemble(
-                "\n",
-                (comp.label, "bold"),
-                f" {comp} ranks {rr.start}..{rr.stop - 1}: meshes ",
-                ", ".join(str(m) for m in layout.meshes),
-            )
-        )
-        if comp.is_training:
-            console.print(str(estimate_memory(layout, PrecisionPolicy.bf16_mixed())))
-        else:
-            table = Table(title=f"{comp.label}: weights per rank ({model.dtype})")
-            for col in ("rank", "tensors", "elements", "bytes"):
-                table.add_column(col, justify="right")
-            shown = (
-                range(layout.world_size)
-                if layout.world_size <= args.max_ranks
-                else [0, layout.world_size // 2, layout.world_size - 1]
-            )
-            for r in shown:
-                lts = layout.local_tensors(r)
-                numel = sum(t.numel for t in lts)
-                table.add_row(
-                    str(rr.start + r),
-                    str(len(lts)),
-                    f"{numel:,}",
-                    _human(numel * DTYPE_BYTES[model.dtype]),
-                )
-            console.print(table)
-        if layout.stages is not None:
-            from areal_fn.pipeline.partition import megatron_layout_string
-
-            console.print(f"pipeline: {megatron_layout_string(layout.stages)}")
-        if args.tensors:
-            t2 = Table(title=f"{comp.label}: placements")
-            for col in ("tensor", "shape", "placements", "present"):
-                t2.add_column(col, overflow="fold")
-            for t in layout.tensors[: args.tensors]:
-                t2.add_row(
-                    t.name,
-                    str(t.shape),
-                    str(t.sharding),
-                    ",".join(f"{a}={c}" for a, c in t.present),
-                )
-            console.print(t2)
-        if args.png:
-            _pictures(console, model, comp, layout, Path(args.png))
-    return 0
+    if args.png:
+        _require_pictures()
+    return run(console, model, args, pictures=_pictures)
 
 
-def _pictures(console: "Any", model: ModelSpec, comp: Component, layout: Layout, out: Path) -> None:
-    from areal_fn.model.tensor_spec import DTYPE_BYTES
-    from areal_fn.runtime.pictures import bar_chart_png, rank_grid_png, write
+def _pictures(
+    console: "Any",
+    model: ModelSpec,
+    comp: Component,
+    layout: Layout,
+    args: argparse.Namespace,
+    first_rank: int,
+) -> None:
+    from areal_fn.runtime.pictures import plan_pictures
 
-    mesh = layout.meshes[0]
-    rows = mesh.sizes[0]
-    cols = mesh.size // rows
-    stage_axis = Axis.PP if Axis.PP in mesh.names else None
-    stage_of = [
-        mesh.coords(r)[mesh.axis_index(stage_axis)] if stage_axis else 0
-        for r in range(layout.world_size)
-    ]
-    bytes_of = [
-        sum(t.numel for t in layout.local_tensors(r)) * DTYPE_BYTES[model.dtype]
-        for r in range(layout.world_size)
-    ]
-    name = str(comp).replace(":", "-").replace("|", "_").replace("(", "").replace(")", "")
-    paths = [write(out / f"{name}.ranks.png", rank_grid_png(rows, cols, stage_of, bytes_of))]
-    if layout.stages is not None:
-        from areal_fn.pipeline.costs import param_costs
-        from areal_fn.pipeline.partition import StagePlan
-
-        lengths = layout.stages.stage_lengths
-        costs = param_costs(model)
-        plan = StagePlan(
-            costs=costs.layers,
-            num_stages=comp.dims.pp,
-            vpp=comp.dims.vpp,
-            stage_lengths=lengths,
-            first_extra=costs.embedding,
-            last_extra=costs.head,
-        )
-        paths.append(write(out / f"{name}.stages.png", bar_chart_png(plan.chunk_loads)))
+    paths = plan_pictures(args.config, model, comp, layout, Path(args.png), first_rank=first_rank)
     console.print("pictures: " + ", ".join(str(p) for p in paths))
 
 
-def _suggest(console: "Any", model: ModelSpec, args: argparse.Namespace) -> int:
-    from rich.table import Table
+def _require_pictures() -> None:
+    """``--png`` without matplotlib: one line saying how to install the extra."""
+    from areal_fn.runtime.pictures import require_matplotlib
 
-    from areal_fn.plans.advisor import suggest_strategy
-
-    if args.device_memory is None:
-        raise SpecError("--suggest needs --device-memory (e.g. 80GB)")
-    found = suggest_strategy(model, args.suggest, _bytes_arg(args.device_memory), top=args.top)
-    table = Table(
-        title=f"strategies for {model.model_type} ({model.num_params:,} parameters) on {args.suggest} devices of {args.device_memory}"
-    )
-    for col in ("#", "allocation", "peak memory", "score (s/step)"):
-        table.add_column(col)
-    for i, sgn in enumerate(found, 1):
-        table.add_row(str(i), sgn.allocation, _human(sgn.memory.max_rank.total), f"{sgn.score:.3g}")
-    console.print(table)
-    for i, sgn in enumerate(found, 1):
-        console.print(f"{i}. {sgn.why}")
-    return 0
+    try:
+        require_matplotlib()
+    except ImportError as e:
+        raise SpecError(f"--png: {e}") from None
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from rich.progress import Progress
+    from areal_fn.runtime.commands.convert import cmd_convert as run
 
-    from areal_fn.runtime.hf.convert import convert_back, convert_to_local
-
-    console = text_console()
-    if args.to_hf:
-        summary = convert_back(args.src, args.allocation, args.dst, overwrite=args.overwrite)
-    else:
-        with Progress(console=console, transient=True) as progress:
-            task = progress.add_task("converting", total=None)
-            summary = convert_to_local(
-                args.src,
-                args.allocation,
-                args.dst,
-                ranks=None if args.rank is None else [args.rank],
-                overwrite=args.overwrite,
-                progress=lambda _name: progress.advance(task),
-            )
-    console.print(f"converted {summary}")  # the summary says how long it took
-    return 0
+    return run(args)
 
 
 def _checkpoint_key() -> bytes | None:
@@ -275,8 +128,13 @@ def _checkpoint_key() -> bytes | None:
 
 def cmd_checkpoint_inspect(args: argparse.Namespace) -> int:
     from areal_fn.runtime.checkpoint.api import cmd_checkpoint_inspect as run
+    from areal_fn.runtime.commands.inspect_json import cmd_inspect_json
 
     args.hmac_key = _checkpoint_key()
+    if args.json:
+        return cmd_inspect_json(args)
+    if args.tensors is None:
+        args.tensors = 24
     return run(args)
 
 
@@ -308,10 +166,13 @@ def _add_checkpoint_parser(sub: "argparse._SubParsersAction[argparse.ArgumentPar
     insp.add_argument(
         "--verify",
         action="store_true",
-        help="also check every file's sha256; with AREAL_FN_CHECKPOINT_KEY set, a keyed "
+        help="also check every file's checksum (BLAKE3; SHA-256 for older checkpoints); with AREAL_FN_CHECKPOINT_KEY set, a keyed "
         "digest that matches then vouches for every file, not only the manifest",
     )
-    insp.add_argument("--tensors", type=int, default=24, help="how many tensors to list")
+    insp.add_argument(
+        "--tensors", type=int, default=None, help="how many tensors to list (24; --json: all)"
+    )
+    insp.add_argument("--json", action="store_true", help="print one JSON document (docs/cli.md)")
     insp.set_defaults(func=cmd_checkpoint_inspect)
     exp = csub.add_parser("export-hf", help="write a checkpoint's parameters as an HF checkpoint")
     exp.add_argument("dir")
@@ -327,12 +188,8 @@ def _add_checkpoint_parser(sub: "argparse._SubParsersAction[argparse.ArgumentPar
     exp.set_defaults(func=cmd_checkpoint_export_hf)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="areal-fn",
-        description="Plan, convert, checkpoint and run distributed LLM training layouts.",
-    )
-    sub = p.add_subparsers(dest="command", required=True)
+def _add_plan_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """``areal-fn plan CONFIG [ALLOCATION] [--suggest N ...]``."""
     plan = sub.add_parser(
         "plan", help="mesh, per-rank tensors and placements of a model under an allocation"
     )
@@ -346,13 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="?",
         help="allocation string, e.g. 'megatron:d2p2t2' or 'sglang:d4t2+fsdp:d8'",
     )
+    plan.add_argument("--json", action="store_true", help="print one JSON document (docs/cli.md)")
     plan.add_argument(
-        "--suggest", type=int, metavar="N", help="rank training strategies for N devices"
-    )
-    plan.add_argument("--device-memory", help="memory per device for --suggest, e.g. 80GB")
-    plan.add_argument("--top", type=int, default=5, help="how many suggestions to show")
-    plan.add_argument(
-        "--png", metavar="DIR", help="write pictures (rank grid, stage loads) into DIR"
+        "--tensors", type=int, default=0, help="also list the placements of the first N tensors"
     )
     plan.add_argument(
         "--max-ranks",
@@ -361,23 +214,128 @@ def build_parser() -> argparse.ArgumentParser:
         help="rows of the per-rank table before it is summarised",
     )
     plan.add_argument(
-        "--tensors", type=int, default=0, help="also list the placements of the first N tensors"
+        "--png",
+        metavar="DIR",
+        help="write pictures into DIR: a rank grid per component and, with pipeline "
+        "stages, parameters per chunk (needs the pictures extra: "
+        "pip install 'areal-fn[pictures]')",
     )
+    kv = plan.add_argument_group("inference components: the KV cache budgeted per rank")
+    kv.add_argument(
+        "--context-len", type=int, default=4096, help="tokens per sequence (default 4096)"
+    )
+    kv.add_argument("--batch", type=int, default=1, help="sequences per engine replica (default 1)")
+    _add_suggest_arguments(plan)
     plan.set_defaults(func=cmd_plan)
+
+
+def _add_suggest_arguments(plan: argparse.ArgumentParser) -> None:
+    """``plan --suggest N --device-memory SIZE`` and the assumptions it prints."""
+    sg = plan.add_argument_group("--suggest: rank training strategies (assumptions printed)")
+    sg.add_argument(
+        "--suggest", type=int, metavar="N", help="rank training strategies for N devices"
+    )
+    sg.add_argument(
+        "--device-memory",
+        metavar="SIZE",
+        help="memory per device, with its unit: 80GB (80*10^9 bytes) or 80GiB (80*2^30)",
+    )
+    sg.add_argument("--top", type=int, default=5, help="how many suggestions to show")
+    sg.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (4096)")
+    sg.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch (1)")
+    sg.add_argument(
+        "--global-batch", type=int, default=256, help="sequences per optimizer step (256)"
+    )
+    sg.add_argument(
+        "--recompute",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="full activation recomputation (default: on)",
+    )
+    sg.add_argument("--gpus-per-node", type=int, default=8, help="devices per node (8)")
+    sg.add_argument(
+        "--optimizer-offload",
+        action="store_true",
+        help="optimizer master weights and states in host memory (default: on the device)",
+    )
+    sg.add_argument(
+        "--memory-margin",
+        type=float,
+        default=0.1,
+        help="fraction of device memory kept free for what the estimate leaves out: CUDA "
+        "context, communication buffers, fragmentation (0.1)",
+    )
+
+
+def _add_convert_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """``areal-fn convert SRC ALLOCATION DST`` and ``convert SRC [ALLOCATION] DST --to-hf``."""
     conv = sub.add_parser(
         "convert", help="HF checkpoint -> per-rank state of a layout (safetensors per rank)"
     )
-    conv.add_argument("src", help="HF checkpoint directory")
-    conv.add_argument("allocation", help="e.g. megatron:t2p2")
+    conv.add_argument("src", help="HF checkpoint directory (with --to-hf: the per-rank files)")
+    conv.add_argument(
+        "allocation",
+        nargs="?",
+        help="e.g. megatron:t2p2; with --to-hf optional: the files record it",
+    )
     conv.add_argument("dst", help="output directory")
+    conv.add_argument(
+        "--component",
+        metavar="NAME",
+        help="of an allocation with several components, the one to convert "
+        "(label megatron[actor], name actor, or backend megatron)",
+    )
     conv.add_argument("--rank", type=int, default=None, help="convert only this rank")
-    conv.add_argument("--overwrite", action="store_true")
+    conv.add_argument("--overwrite", action="store_true", help="replace what DST holds")
     conv.add_argument(
         "--to-hf",
         action="store_true",
-        help="reverse: per-rank files in SRC (written for ALLOCATION) -> HF checkpoint DST",
+        help="reverse: per-rank files in SRC -> HF checkpoint DST (checksums verified)",
     )
+    conv.add_argument(
+        "--model",
+        metavar="CONFIG",
+        help="with --to-hf: the model's config (file, directory or embedded name) when SRC "
+        "holds no config.json",
+    )
+    conv.add_argument("--json", action="store_true", help="print one JSON document (docs/cli.md)")
     conv.set_defaults(func=cmd_convert)
+
+
+#: What the library's messages say in Python, and what the command line says instead.
+CLI_WORDS = (
+    ("pass overwrite=True", "pass --overwrite"),
+    ("trust_pickle=True (--trust-pickle on the command line)", "--trust-pickle"),
+    ("trust_pickle=True (--trust-pickle)", "--trust-pickle"),
+    ("(hmac_key=None; on the command line, unset", "(unset"),
+    ("pass model= (a ModelSpec)", "pass --model CONFIG"),
+    ("another model than model=; drop model= or", "another model than --model; drop --model or"),
+    ("pass verify", "pass --verify"),
+    (
+        "a lighter policy (PrecisionPolicy.bf16_pure()), recompute=True, a smaller micro-batch "
+        "or optimizer_offload=True",
+        "--recompute, a smaller --micro-batch or --optimizer-offload",
+    ),
+    ("ranks=[", "--rank ["),
+)
+
+
+def cli_words(message: str) -> str:
+    """``message`` with the library's Python spellings replaced by the flags (CLI_WORDS)."""
+    for python, flag in CLI_WORDS:
+        message = message.replace(python, flag)
+    return message
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="areal-fn",
+        description="Plan, convert, checkpoint and run distributed LLM training layouts.",
+    )
+    p.add_argument("--version", action="version", version=f"areal-fn {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+    _add_plan_parser(sub)
+    _add_convert_parser(sub)
     _add_checkpoint_parser(sub)
     models = sub.add_parser(
         "models", help="list the embedded model configs (names usable wherever a config is)"
@@ -407,7 +365,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except (SpecError, OSError) as e:
-        print(f"areal-fn: error: {e}", file=sys.stderr)
+        print(f"areal-fn: error: {cli_words(str(e))}", file=sys.stderr)
         return 2
 
 

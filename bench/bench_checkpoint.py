@@ -9,17 +9,21 @@ process group: the offline form of the same code path).
 Timed, one process, same run, same bytes:
 
 - save: :func:`areal_fn.runtime.checkpoint.api.save_checkpoint` (DCP files, every file
-  fsync'ed and hashed, manifest, atomic commit) against ``torch.save`` of each rank's
-  ``{name: tensor}`` dict into one file per rank, then ``fsync`` (same durability);
+  fsync'ed and its BLAKE3 taken as it is written, manifest, atomic commit) against
+  ``torch.save`` of each rank's ``{name: tensor}`` dict into one file per rank, then
+  ``fsync`` (same durability);
 - load, same strategy: :func:`load_checkpoint` into preallocated local tensors, with
-  and without sha256 verification, against ``torch.load`` of those files;
+  and without checksum verification, against ``torch.load`` of those files;
 - load, resharded: the same checkpoint into ``megatron:t2`` (fused QKV and gate/up,
-  padded vocabulary), against the same-strategy load.
+  padded vocabulary), with and without verification, against ``torch.load`` too.
 
-Files go to ``/dev/shm`` (tmpfs) when it has room, else to the temporary directory:
-on a shared disk both sides are bound by the disk and its neighbours, on tmpfs the
-figures compare the software (serialisation, sha256, copies). Saves include the
-``fsync`` (both sides); before the loads every file is read once (page cache). Run: ``python -m bench checkpoint``.
+The last line prints the speed ratios (torch's time / ours: >= 1.0 is at least as fast)
+of the save, the verified load and the verified resharded load. Files go to
+``/dev/shm`` (tmpfs) when it has room, else to the temporary directory: on a shared
+disk both sides are bound by the disk and its neighbours, on tmpfs the figures compare
+the software (serialisation, checksums, copies). Saves include the ``fsync`` (both
+sides); before the loads every file is read once (page cache). Run:
+``python -m bench checkpoint``.
 """
 
 import functools
@@ -42,7 +46,7 @@ from areal_fn.runtime.checkpoint.api import RankState, load_checkpoint, save_che
 from areal_fn.strategy.parse import parse_allocation
 
 LAYERS = 2
-SAVE_REPEATS = 2
+SAVE_REPEATS = 3
 LOAD_REPEATS = 3
 SHM = Path("/dev/shm")
 CONFIG = Path(__file__).resolve().parents[1] / "specs" / "models" / "Qwen2.5-0.5B.json"
@@ -162,62 +166,67 @@ def _same(a: dict[int, RankState], b: dict[int, RankState]) -> bool:
 def _save_rounds(
     tmp: Path, spec: ModelSpec, src: Layout, states: dict[int, RankState]
 ) -> dict[str, list[float]]:
-    """Save times of ours and of ``torch.save``, ``SAVE_REPEATS`` rounds each."""
+    """Save times of ours and of ``torch.save``, ``SAVE_REPEATS`` rounds each after one
+    untimed round of each.
+
+    Both sides write a new copy while their previous one is kept (ours: ``keep=2``; the
+    baseline: a new folder per round), and the copy before that is removed, untimed,
+    right before each side's save: so both write into memory just freed by the same
+    amount of their own files, and neither times a deletion.
+    """
     saves: dict[str, list[float]] = {"ours": [], "torch": []}
-    for i in range(SAVE_REPEATS):  # alternate, so both see the same disk weather
-        saves["ours"].append(
-            _timed(
-                functools.partial(
-                    save_checkpoint,
-                    tmp / "ours",
-                    layout=src,
-                    states=states,
-                    model=spec,
-                    allocation="fsdp:d2",
-                    step=i,
-                    optimizer="adam",
-                    keep=1,
-                    save_rng=False,
-                )
+    for i in range(SAVE_REPEATS + 1):  # alternate, so both see the same disk weather
+        shutil.rmtree(tmp / "ours" / f"step-{i - 2:08d}", ignore_errors=True)
+        ours = _timed(
+            functools.partial(
+                save_checkpoint,
+                tmp / "ours",
+                layout=src,
+                states=states,
+                model=spec,
+                allocation="fsdp:d2",
+                step=i,
+                optimizer="adam",
+                keep=2,
+                save_rng=False,
             )
         )
-        shutil.rmtree(tmp / "torch", ignore_errors=True)
-        saves["torch"].append(_timed(lambda: _torch_save(states, tmp / "torch")))
+        shutil.rmtree(tmp / f"torch-{i - 2}", ignore_errors=True)
+        base = _timed(functools.partial(_torch_save, states, tmp / f"torch-{i}"))
+        if i:  # round 0 warms up
+            saves["ours"].append(ours)
+            saves["torch"].append(base)
     return saves
 
 
 def _load_rounds(
-    tmp: Path, src: Layout, dst: Layout
+    ours: Path, base: Path, src: Layout, dst: Layout
 ) -> tuple[dict[str, list[float]], dict[int, RankState]]:
-    """Load times (same strategy with and without verification, ``torch.load``, resharded),
-    ``LOAD_REPEATS`` rounds each, and the states the same-strategy loads filled."""
-    loads: dict[str, list[float]] = {"ours": [], "ours_nv": [], "torch": [], "reshard": []}
+    """Load times (same strategy and resharded, each with and without verification, and
+    ``torch.load``), ``LOAD_REPEATS`` rounds each, and the states the same-strategy loads
+    filled."""
+    loads: dict[str, list[float]] = {k: [] for k in ("same", "same_nv", "torch", "re", "re_nv")}
     same, resharded = _blank(src), _blank(dst)
+    runs: dict[str, Callable[[], Any]] = {
+        "same_nv": lambda: load_checkpoint(
+            ours, layout=src, states=same, optimizer="adam", verify=False
+        ),
+        "same": lambda: load_checkpoint(ours, layout=src, states=same, optimizer="adam"),
+        "torch": lambda: _torch_load(base, src.world_size),
+        "re_nv": lambda: load_checkpoint(
+            ours, layout=dst, states=resharded, optimizer="adam", verify=False
+        ),
+        "re": lambda: load_checkpoint(ours, layout=dst, states=resharded, optimizer="adam"),
+    }
     for _ in range(LOAD_REPEATS):
-        loads["ours_nv"].append(
-            _timed(
-                lambda: load_checkpoint(
-                    tmp / "ours", layout=src, states=same, optimizer="adam", verify=False
-                )
-            )
-        )
-        loads["ours"].append(
-            _timed(lambda: load_checkpoint(tmp / "ours", layout=src, states=same, optimizer="adam"))
-        )
-        loads["torch"].append(_timed(lambda: _torch_load(tmp / "torch", src.world_size)))
-        loads["reshard"].append(
-            _timed(
-                lambda: load_checkpoint(
-                    tmp / "ours", layout=dst, states=resharded, optimizer="adam", verify=False
-                )
-            )
-        )
+        for k, fn in runs.items():
+            loads[k].append(_timed(fn))
     return loads, same
 
 
 def _row(gb: float, name: str, s: float, ref: float | None = None) -> None:
-    ratio = f"  x{s / ref:.2f} of torch" if ref else ""
-    print(f"  {name:<46} {s:7.2f} s  {gb / s:6.2f} GB/s{ratio}")
+    ratio = f"  speed x{ref / s:.2f} of torch" if ref else ""
+    print(f"  {name:<48} {s:7.2f} s  {gb / s:6.2f} GB/s{ratio}")
 
 
 def _report(
@@ -227,24 +236,29 @@ def _report(
     on_disk: int,
     base_disk: int,
 ) -> None:
-    ours_save, base_save = min(saves["ours"]), min(saves["torch"])
-    ours_load, ours_load_nv = min(loads["ours"]), min(loads["ours_nv"])
-    base_load, reshard_load = min(loads["torch"]), min(loads["reshard"])
+    best = {k: min(v) for k, v in (saves | {f"load_{k}": v for k, v in loads.items()}).items()}
+    base_save, base_load = best["torch"], best["load_torch"]
     print(
         f"best of {SAVE_REPEATS} saves (with fsync) and {LOAD_REPEATS} loads (files in the page cache)"
     )
     print(
         f"files: ours {on_disk / 1e9:.2f} GB (DCP + manifest), torch.save {base_disk / 1e9:.2f} GB"
     )
-    _row(gb, "save_checkpoint (fsync, sha256, commit)", ours_save, base_save)
+    _row(gb, "save_checkpoint (fsync, blake3, commit)", best["ours"], base_save)
     _row(gb, "torch.save + fsync", base_save)
-    _row(gb, "load_checkpoint, same strategy, verified", ours_load, base_load)
-    _row(gb, "load_checkpoint, same strategy, verify=False", ours_load_nv, base_load)
+    _row(gb, "load_checkpoint, same strategy, verified", best["load_same"], base_load)
+    _row(gb, "load_checkpoint, same strategy, verify=False", best["load_same_nv"], base_load)
+    _row(gb, "load_checkpoint, resharded to megatron:t2, verified", best["load_re"], base_load)
+    _row(gb, "load_checkpoint, resharded, verify=False", best["load_re_nv"], base_load)
     _row(gb, "torch.load", base_load)
-    _row(gb, "load_checkpoint, resharded to megatron:t2", reshard_load)
     print(
-        f"  reshard-on-load / same-strategy load (both verify=False): x{reshard_load / ours_load_nv:.2f}; "
-        f"save time ratio ours/torch x{ours_save / base_save:.2f}, load ratio (verified) x{ours_load / base_load:.2f}"
+        f"  reshard-on-load / same-strategy load (both verify=False): "
+        f"x{best['load_re_nv'] / best['load_same_nv']:.2f} the time"
+    )
+    print(
+        f"  goals (speed, ours / torch; >= 1.0 meets it): save x{base_save / best['ours']:.2f}, "
+        f"verified load x{base_load / best['load_same']:.2f}, verified resharded load "
+        f"x{base_load / best['load_re']:.2f}"
     )
 
 
@@ -265,9 +279,11 @@ def run() -> None:
     )
     try:
         saves = _save_rounds(tmp, spec, src, states)
-        on_disk = _warm(tmp / "ours")
-        base_disk = _warm(tmp / "torch")
-        loads, same = _load_rounds(tmp, src, dst)
+        ours = tmp / "ours" / f"step-{SAVE_REPEATS:08d}"
+        base = tmp / f"torch-{SAVE_REPEATS}"
+        on_disk = _warm(ours)
+        base_disk = _warm(base)
+        loads, same = _load_rounds(ours, base, src, dst)
         assert _same(same, states), "same-strategy load is not bitwise equal"
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -28,7 +28,9 @@ peak RSS (``VmHWM`` reset through ``/proc/self/clear_refs``; it includes the che
 pages a rank maps, which are page cache the OS can drop) and peak anonymous memory
 (``RssAnon`` sampled every millisecond: what the process itself allocates).
 One rank's results are held until it is done (as a loader would); for all ranks each
-rank's results are dropped once produced. Run: ``python -m bench convert``.
+rank's results are dropped once produced. Last, :mod:`bench.convert_into`: one rank
+loaded into existing tensors (``load_into`` vs the old path, against ``memcpy``).
+Run: ``python -m bench convert``.
 """
 
 import ctypes
@@ -420,6 +422,9 @@ def run() -> None:
         _check_agreement(ckpt_dir, layout)
         for title, sizes, fns in _groups(ckpt_dir, layout):
             _run_group(title, sizes, fns)
+        from bench.convert_into import run_into  # it imports this module
+
+        run_into(ckpt_dir, layout)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

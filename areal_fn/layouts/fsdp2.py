@@ -4,10 +4,12 @@ Names are the transformers 5 parameter names (``model.named_parameters()``: MoE
 experts stacked as ``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` and ``down_proj``; tied
 ``lm_head`` is the embedding and not listed twice). The mesh is the one torch builds,
 row-major: ``dp_replicate`` (HSDP replicas, only when > 1), ``dp_shard`` (FSDP shards
-over data x context parallel ranks), ``tp`` (only when > 1). The ``cp`` ranks are
-folded into ``dp_shard``: the FSDP2 engine runs them as extra data-parallel ranks
-(Ulysses sequence parallelism, which ``c`` is reserved for, is not built yet).
-``pp``, ``ep``, ``etp`` and ``vpp`` must be 1.
+over data x sequence parallel ranks), ``tp`` (only when > 1). ``c`` is Ulysses
+sequence parallelism: the parameters are sharded over ``dp_shard = dp/replicas * cp``
+ranks as if all were data parallel, and :func:`fsdp2_data_mesh` factors ``dp_shard``
+into ``(dp_shard, cp)``, ``cp`` fastest: the ``cp`` ranks of one data-parallel share
+(equal ``dp_replicate``, data-shard and ``tp`` coordinates) take the same rows and
+each computes ``T/cp`` of their tokens. ``pp``, ``ep``, ``etp`` and ``vpp`` must be 1.
 
 TP plan by role (like AReaL's): q/k/v/gate/up, multi-latent attention's up
 projections ``q_b_proj`` / ``kv_b_proj`` and ``lm_head`` column-wise
@@ -84,6 +86,23 @@ def fsdp2_mesh(dims: ParallelDims, options: Fsdp2Options) -> Mesh:
     return Mesh(names=tuple(axes), sizes=tuple(axes.values()))
 
 
+@beartype
+def fsdp2_data_mesh(mesh: Mesh, cp: int) -> Mesh:
+    """``mesh`` (an FSDP2 layout's) with ``dp_shard`` factored into data shards x ``cp``.
+
+    The ranks are unchanged; the ``cp`` axis is the fastest part of the ``dp_shard``
+    coordinate. Its groups (``groups(Axis.CP)``) are the sequence-parallel groups;
+    ``dp_replicate`` and the new ``dp_shard`` give a rank's data-parallel share.
+    """
+    shards = mesh.axis_size(Axis.DP_SHARD)
+    if cp < 1 or shards % cp:
+        raise LayoutError(
+            f"cp={cp} does not divide dp_shard={shards} of {mesh}; the FSDP2 mesh has "
+            "dp_shard = dp/replicas * cp, build it with fsdp2_mesh from the same dims"
+        )
+    return mesh.split(Axis.DP_SHARD, dp_shard=shards // cp, cp=cp)
+
+
 def tp_placement(name: str, options: Fsdp2Options) -> Placement:
     """The TP placement of a parameter by its role (its name's suffix)."""
     if name.endswith(_COLWISE) and ".experts." not in name:
@@ -132,8 +151,8 @@ def fsdp2_layout(
     or ``vpp`` other than 1 (FSDP2 has no pipeline stages and does not split experts:
     use :func:`~areal_fn.layouts.megatron.megatron_layout`) and for degrees the model
     does not divide (:func:`~areal_fn.strategy.rules.check_dims`). ``cp`` ranks are
-    FSDP shards like ``dp`` ranks (``dp_shard = dp/hsdp_replicas * cp``): the FSDP2
-    engine runs them as data parallelism until Ulysses sequence parallelism is built.
+    FSDP shards like ``dp`` ranks (``dp_shard = dp/hsdp_replicas * cp``); the FSDP2
+    engine runs them as Ulysses sequence parallelism (:func:`fsdp2_data_mesh`).
     ``dims`` may also be an fsdp allocation string or component (``"fsdp:d2x4t2"``).
     """
     dims = as_dims(dims, caller="fsdp2_layout", backends=(Backend.FSDP,))

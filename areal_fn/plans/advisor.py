@@ -204,7 +204,15 @@ def _census(w: _Workload, backend: Backend, dims: ParallelDims) -> Census:
 def _screen(w: _Workload, dims: ParallelDims, census: Census) -> RankMemory:
     """The largest row among one rank per pipeline stage (coordinate 0 elsewhere)."""
     reps = [s * (w.n // dims.pp) for s in range(dims.pp)]
-    rows = estimate_rows(census, reps, w.policy, activation=w.act, model=w.model, dims=dims)
+    rows = estimate_rows(
+        census,
+        reps,
+        w.policy,
+        activation=w.act,
+        model=w.model,
+        dims=dims,
+        optimizer_offload=w.offload,
+    )
     return max(rows, key=lambda r: (r.total, -r.rank))
 
 
@@ -294,13 +302,18 @@ def suggest_strategy(
     global_batch_size: int = 256,
     memory_margin: float = 0.1,
     hardware: Hardware = _DEFAULT_HARDWARE,
+    optimizer_offload: bool = False,
 ) -> tuple[Suggestion, ...]:
     """The best ``top`` training strategies for ``model`` on ``n_devices`` devices of
     ``device_memory_bytes`` each, best first (see the module docstring for the search,
     the fit rule and the score).
 
     ``global_batch_size``: sequences per optimizer step (sets the micro-batches per
-    replica, hence the bubble and the per-step communication). Raises
+    replica, hence the bubble and the per-step communication). ``memory_margin``: the
+    fraction of device memory kept free for what the estimate leaves out (CUDA context,
+    communication buffers, allocator fragmentation). ``optimizer_offload``: the
+    optimizer's master copy and states live in host memory (not counted on the device;
+    the time of the offloaded optimizer step is not scored). Raises
     :class:`~areal_fn.errors.PlanError` naming what was tried when nothing fits.
     """
     chosen = _check_args(
@@ -313,6 +326,7 @@ def suggest_strategy(
         act=activation,
         batch=global_batch_size,
         hw=hardware,
+        offload=optimizer_offload,
     )
     capacity = math.floor(device_memory_bytes * (1 - memory_margin))
     fitting, tried, skipped, smallest = _screened(w, chosen, capacity)
@@ -364,7 +378,14 @@ def _suggestions(
     for c in fitting:
         if len(out) == top:
             break
-        report = estimate_memory(c.census, w.policy, activation=w.act, model=w.model, dims=c.dims)
+        report = estimate_memory(
+            c.census,
+            w.policy,
+            activation=w.act,
+            model=w.model,
+            dims=c.dims,
+            optimizer_offload=w.offload,
+        )
         if report.max_total > capacity:
             continue
         c = attrs.evolve(c, peak=report.max_rank)
@@ -402,5 +423,5 @@ def _nothing_fits(
         f"params) on {w.n} devices of {device_memory / GIB:.1f} GiB fits: tried "
         f"{sum(tried.values())} ({counts}){skip}{best}; policy {w.policy}, activations "
         f"{w.act}; use more devices, a lighter policy (PrecisionPolicy.bf16_pure()), "
-        f"recompute=True or a smaller micro-batch"
+        f"recompute=True, a smaller micro-batch or optimizer_offload=True"
     )

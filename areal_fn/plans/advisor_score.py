@@ -103,6 +103,7 @@ class _Workload:
     act: ActivationModel
     batch: int
     hw: Hardware
+    offload: bool = False
 
 
 def _stage_compute(

@@ -12,7 +12,7 @@ layout saves and any other layout loads (FSDP2 <-> Megatron, other world sizes).
   rank computes the same one (:mod:`~areal_fn.plans.checkpoint_write`).
 - :class:`CheckpointManifest` is what a checkpoint says about itself: allocation,
   model config, canonical tensors with their chunks and writers, optimizer, step, data
-  position, and a sha256 of every file; its JSON carries its own digest
+  position, and a checksum (BLAKE3; SHA-256 in older ones) of every file; its JSON carries its own digest
   (:mod:`~areal_fn.plans.checkpoint_manifest`, with the optimizers and the checks).
 - :func:`plan_load` intersects a rank's local pieces with the stored chunks: the reads
   that fill that rank's local tensors (padding is listed apart, to be zeroed)

@@ -1,8 +1,9 @@
 """What a checkpoint says about itself, and whether it fits a model and an optimizer.
 
 :class:`CheckpointManifest` (``manifest.json``): allocation, model config, canonical
-tensors with their chunks and writers, optimizer, step, data position, a sha256 of
-every file, where each DCP entry lies in them (``storage``: a load never reads the
+tensors with their chunks and writers, optimizer, step, data position, a checksum of
+every file (:class:`~areal_fn.plans.checkpoint_storage.FileDigest`, the algorithm
+named), where each DCP entry lies in them (``storage``: a load never reads the
 pickled ``.metadata``) and, saved with a key, a keyed digest
 (:mod:`~areal_fn.plans.checkpoint_keyed`); its JSON carries its own digest.
 :func:`make_manifest` builds it from a :class:`~areal_fn.plans.checkpoint_write.WritePlan`; :func:`check_model` and
@@ -20,7 +21,8 @@ import attrs
 
 from areal_fn.errors import CheckpointError
 from areal_fn.model.tensor_spec import DTYPE_BYTES, TensorSpec, dtype_name
-from areal_fn.plans.checkpoint_storage import StoredItem, check_inside, check_storage
+from areal_fn.plans.checkpoint_storage import FileDigest as FileDigest
+from areal_fn.plans.checkpoint_storage import StoredItem, check_storage
 from areal_fn.plans.checkpoint_write import WritePlan
 from areal_fn.plans.tensor_check import diff_shapes, joined
 from areal_fn.sharding.box import Box
@@ -177,23 +179,9 @@ class SavedTensor:
         return min(self.chunks, key=lambda c: c.box.ranges).rank
 
 
-def _check_digest(inst: "FileDigest", _attr: object, value: str) -> None:
-    if len(value) != 64 or any(c not in "0123456789abcdef" for c in value):
-        raise CheckpointError(f"{inst.path}: sha256 {value!r} is not 64 lowercase hex digits")
-
-
 def _check_hex(_inst: object, _attr: object, value: str | None) -> None:
     if value is not None and (len(value) != 64 or any(c not in "0123456789abcdef" for c in value)):
         raise CheckpointError(f"manifest_hmac {value!r} is not 64 lowercase hex digits")
-
-
-@attrs.frozen(kw_only=True)
-class FileDigest:
-    """A file of the checkpoint (path relative to its directory), its size and sha256."""
-
-    path: str = attrs.field(validator=check_inside)
-    size: int = attrs.field(validator=attrs.validators.ge(0))
-    sha256: str = attrs.field(validator=_check_digest)
 
 
 def _json_text(value: object) -> str:
@@ -316,7 +304,7 @@ class CheckpointManifest:
                 for t in self.tensors
             ],
             "extras": list(self.extras),
-            "files": [{"path": f.path, "size": f.size, "sha256": f.sha256} for f in self.files],
+            "files": [f.to_json() for f in self.files],
         } | ({"storage": [s.to_json() for s in self.storage]} if self.storage else {})
 
     def to_json(self) -> str:
@@ -408,10 +396,7 @@ def _from_raw(raw: dict[str, Any]) -> CheckpointManifest:
             for t in raw["tensors"]
         ),
         extras=tuple(raw["extras"]),
-        files=tuple(
-            FileDigest(path=f["path"], size=int(f["size"]), sha256=f["sha256"])
-            for f in raw["files"]
-        ),
+        files=tuple(FileDigest.from_json(f) for f in raw["files"]),
         storage=tuple(StoredItem.from_json(x) for x in raw.get("storage", ())),
         keyed_digest=raw.get("manifest_hmac"),
     )

@@ -1,4 +1,9 @@
-"""Where a checkpoint's entries lie in its files.
+"""A checkpoint's files: their checksums, and where its entries lie in them.
+
+:class:`FileDigest` is one file's size and checksum, with the algorithm named
+(:data:`CHECKSUMS`: ``blake3``, what saves write; ``sha256``, what older saves wrote
+and loads still verify); in JSON the algorithm is the checksum's key
+(``{"path": ..., "size": ..., "blake3": ...}``), so an older manifest reads unchanged.
 
 torch DCP locates every entry (a chunk of a parameter or moment, a scalar state, a
 byte entry) in its ``.metadata`` file, a Python pickle; unpickling a file runs any
@@ -11,7 +16,7 @@ listed data file. Pure: no files, no environment, no clock.
 
 import re
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 
@@ -62,6 +67,48 @@ def check_inside(_inst: object, _attr: object, value: str) -> None:
     if value.startswith("/") or any(p in ("", ".", "..") for p in value.split("/")):
         raise CheckpointError(
             f"file {value!r} is not a path inside the checkpoint directory (no '..', not absolute)"
+        )
+
+
+#: a checksum algorithm of a checkpoint file
+Checksum = Literal["blake3", "sha256"]
+#: the checksum algorithms a manifest may name, the one saves use first
+CHECKSUMS: tuple[Checksum, ...] = ("blake3", "sha256")
+
+
+def _check_hex64(inst: "FileDigest", _attr: object, value: str) -> None:
+    if len(value) != 64 or any(c not in "0123456789abcdef" for c in value):
+        raise CheckpointError(
+            f"{inst.path}: {inst.algorithm} {value!r} is not 64 lowercase hex digits"
+        )
+
+
+@attrs.frozen(kw_only=True)
+class FileDigest:
+    """A file of the checkpoint (path relative to its directory), its size and its
+    checksum (``digest``, 32 bytes in hex) under ``algorithm``."""
+
+    path: str = attrs.field(validator=check_inside)
+    size: int = attrs.field(validator=attrs.validators.ge(0))
+    algorithm: Checksum = attrs.field(validator=attrs.validators.in_(CHECKSUMS))
+    digest: str = attrs.field(validator=_check_hex64)
+
+    def to_json(self) -> dict[str, object]:
+        return {"path": self.path, "size": self.size, self.algorithm: self.digest}
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> "FileDigest":
+        named = [a for a in CHECKSUMS if a in raw]
+        if len(named) != 1:
+            raise CheckpointError(
+                f"file {raw.get('path')!r} names {len(named)} checksums ({named}); each file "
+                f"entry names exactly one of {list(CHECKSUMS)}: the manifest is malformed"
+            )
+        return cls(
+            path=str(raw["path"]),
+            size=int(raw["size"]),
+            algorithm=named[0],
+            digest=str(raw[named[0]]),
         )
 
 

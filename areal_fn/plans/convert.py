@@ -7,7 +7,7 @@ and dropped on the way out. Streaming forms take a *reader* (``read(name, box)``
 so that only the slices a rank needs are ever loaded, and yield one tensor at a time.
 """
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -53,7 +53,32 @@ def check_canonical(
             + "; ".join(problems)
             + ". Nothing is dropped, added or "
             "reshaped silently: fix the checkpoint or pass the model it belongs to"
+            + _unexpected_hint(d.unexpected, specs)
         )
+
+
+_QUANTISED = ("weight_scale_inv", "_blocks", "_scales")
+
+
+def _unexpected_hint(unexpected: Sequence[str], specs: tuple[TensorSpec, ...]) -> str:
+    """What unexpected names usually mean: quantised weights, multi-token-prediction layers."""
+    hints = []
+    if any(n.endswith(_QUANTISED) for n in unexpected):
+        hints.append(
+            "; the checkpoint holds quantised weights (FP8 'weight_scale_inv', MXFP4 "
+            "'_blocks'/'_scales'): dequantise it to the dtype of its config.json first"
+        )
+    layers = {n.split(".")[2] for n in (s.name for s in specs) if n.startswith("model.layers.")}
+    extra = sorted(
+        {n.split(".")[2] for n in unexpected if n.startswith("model.layers.")} - layers, key=int
+    )
+    if extra:
+        hints.append(
+            f"; layers {extra} are beyond num_hidden_layers (multi-token-prediction layers, "
+            "num_nextn_predict_layers, are not part of the model transformers builds): keep "
+            "them out of the checkpoint this model is read from"
+        )
+    return "".join(hints)
 
 
 def materialize(local: LocalTensor, read: Reader, *, dtype: torch.dtype | None = None) -> Tensor:
@@ -182,3 +207,146 @@ def to_hf(
 ) -> dict[str, Tensor]:
     """Canonical (HF checkpoint) tensors from every rank's local state dict."""
     return dict(iter_to_hf(states, layout, check_replicas=check_replicas))
+
+
+# ------------------------------------------------------------ into existing tensors
+
+
+def _target_problems(layout: Layout, rank: int, out: Mapping[str, Tensor]) -> list[str]:
+    """What keeps ``out`` from holding ``rank``'s local tensors: names, shapes, storage."""
+    d = diff_shapes(
+        {lt.name: lt.shape for lt in layout.local_tensors(rank)},
+        {n: tuple(t.shape) for n, t in out.items()},
+    )
+    problems = []
+    if d.missing:
+        problems.append(f"no destination for {len(d.missing)}: {listing(d.missing)}")
+    if d.unexpected:
+        problems.append(
+            f"{len(d.unexpected)} destination(s) the rank does not hold: {listing(d.unexpected)}"
+        )
+    if d.misshaped:
+        shapes = [f"{n}: destination {g}, layout {w}" for n, g, w in d.misshaped]
+        problems.append(f"mis-shaped {len(shapes)}: {listing(shapes)}")
+    meta = [n for n, t in out.items() if t.is_meta]
+    if meta:
+        problems.append(
+            f"{len(meta)} on the meta device (no storage): {listing(meta)}; allocate them first "
+            "(module.to_empty(device=...))"
+        )
+    return problems
+
+
+def _dtype_problems(
+    layout: Layout, rank: int, out: Mapping[str, Tensor], dtypes: Mapping[str, torch.dtype]
+) -> list[str]:
+    """``"name: canonical X -> destination Y"`` for every piece whose dtypes differ."""
+    bad: dict[str, str] = {}
+    for lt in layout.local_tensors(rank):
+        for p in lt.pieces:
+            if p.canonical is not None and dtypes[p.canonical] != out[lt.name].dtype:
+                bad.setdefault(
+                    lt.name,
+                    f"{lt.name}: {p.canonical} is {dtypes[p.canonical]}, the destination "
+                    f"{out[lt.name].dtype}",
+                )
+    return list(bad.values())
+
+
+@beartype
+def check_into(
+    layout: Layout,
+    rank: int,
+    out: Mapping[str, Tensor],
+    *,
+    dtypes: Mapping[str, torch.dtype] | None = None,
+    cast: bool = False,
+) -> None:
+    """``ConversionError`` unless ``out`` can hold ``rank``'s local tensors as they are.
+
+    ``out`` must have exactly the rank's local tensor names, the layout's shapes and
+    real storage (any device but ``meta``); with canonical ``dtypes`` given and
+    without ``cast``, every destination the dtype of the canonical tensors it holds.
+    """
+    problems = _target_problems(layout, rank, out)
+    if not problems and dtypes is not None and not cast:
+        bad = _dtype_problems(layout, rank, out, dtypes)
+        if bad:
+            problems.append(
+                f"dtypes differ for {len(bad)}: {listing(bad)}; pass cast=True to cast into "
+                "the destinations' dtypes"
+            )
+    if problems:
+        raise ConversionError(
+            f"the destination tensors cannot hold rank {rank}'s local tensors of the "
+            f"{layout.kind} layout: " + "; ".join(problems) + ". Pass the rank's tensors by "
+            "layout name (layout.local_tensors(rank)), allocated with the layout's shapes"
+        )
+
+
+def _copy_piece(region: Tensor, src: Tensor, p: Piece, name: str, *, cast: bool) -> None:
+    assert p.canonical_box is not None
+    if tuple(src.shape) != p.canonical_box.shape:
+        raise ConversionError(
+            f"reader returned shape {tuple(src.shape)} for {p.canonical}{p.canonical_box}, "
+            f"expected {p.canonical_box.shape}"
+        )
+    if src.dtype != region.dtype and not cast:
+        raise ConversionError(
+            f"{name}: {p.canonical} is {src.dtype}, the destination {region.dtype}; pass "
+            "cast=True to cast into the destination's dtype"
+        )
+    region.copy_(src.reshape(region.shape))
+
+
+@beartype
+def to_megatron_into(
+    source: "Mapping[str, Tensor] | Reader",
+    layout: Layout,
+    rank: int,
+    *,
+    out: Mapping[str, Tensor],
+    cast: bool = False,
+) -> int:
+    """Write ``rank``'s local tensors into the existing tensors ``out`` (name -> tensor).
+
+    The ``out=`` form of :func:`to_megatron`: each piece is copied from the canonical
+    slice straight into its view of the destination (``copy_``; padding zeroed), so
+    nothing but what ``source`` returns is allocated, and a mapping of tensors (or of
+    zero-copy views of files) is read without any copy of its own. Destinations keep
+    their dtype: without ``cast`` it must be the canonical one. Everything that can be
+    checked is checked before the first write (:func:`check_into`; a reader's dtypes
+    and shapes only as it returns them). Returns the bytes written.
+    """
+    if isinstance(source, Mapping):
+        check_canonical(source, layout.canonical)
+        dtypes: dict[str, torch.dtype] | None = {n: t.dtype for n, t in source.items()}
+        read = mapping_reader(source)
+    else:
+        dtypes, read = None, source
+    check_into(layout, rank, out, dtypes=dtypes, cast=cast)
+    with torch.no_grad():
+        for name, region, p in pieces_into(layout, rank, out):
+            if p.canonical is None or p.canonical_box is None:
+                region.zero_()
+            else:
+                _copy_piece(region, read(p.canonical, p.canonical_box), p, name, cast=cast)
+    return _nbytes(layout, rank, out)
+
+
+def _nbytes(layout: Layout, rank: int, out: Mapping[str, Tensor]) -> int:
+    """Bytes of ``rank``'s local tensors in ``out``."""
+    return sum(
+        out[lt.name].numel() * out[lt.name].element_size() for lt in layout.local_tensors(rank)
+    )
+
+
+def pieces_into(
+    layout: Layout, rank: int, out: Mapping[str, Tensor]
+) -> Iterator[tuple[str, Tensor, Piece]]:
+    """``(local name, view of the destination in out, piece)`` for every piece of
+    ``rank``'s local tensors, in layout order (check ``out`` with :func:`check_into`)."""
+    for lt in layout.local_tensors(rank):
+        dest = out[lt.name]
+        for p in lt.pieces:
+            yield lt.name, dest[p.local_box.slices()], p

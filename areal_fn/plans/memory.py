@@ -22,6 +22,10 @@ the layout's logical tensors, padding rows included):
   replicated), summed per group size; Megatron's bucket alignment padding (under
   0.1%) is left out. ``inference``: weights only, no gradients, no optimizer.
 
+  With ``optimizer_offload`` (Megatron's ``optimizer_cpu_offload``, FSDP2's optimizer
+  on CPU) the master copy and the optimizer states live in host memory: ``optimizer``
+  is 0 on the device.
+
 **Estimated part** (needs ``activation``, ``model`` and ``dims``; an estimate, not a
 measurement): ``activations``, the bytes a rank keeps for the backward pass, and
 ``buffers``, FSDP2's unsharded parameters and gradient in flight; the formulas are in
@@ -229,6 +233,8 @@ class MemoryReport:
     policy: PrecisionPolicy
     activation: ActivationModel | None
     rows: tuple[RankMemory, ...] = attrs.field(converter=_rows)
+    #: the optimizer's master copy and states are in host memory (``optim`` is 0)
+    optimizer_offload: bool = attrs.field(default=False, validator=_check_bool)
 
     def __attrs_post_init__(self) -> None:
         ranks = [r.rank for r in self.rows]
@@ -249,6 +255,8 @@ class MemoryReport:
 
     def __str__(self) -> str:
         act = str(self.activation) if self.activation else "no activation model"
+        if self.optimizer_offload:
+            act += "; optimizer state offloaded to host memory"
         head = (
             f"MemoryReport {self.kind}, {self.world_size} ranks; {self.policy}; {act}\n"
             f"{'ranks':<12}{'params':>9}{'grads':>9}{'optim':>9}{'activ':>9}{'buffers':>9}"
@@ -307,14 +315,20 @@ def data_parallel_numels(layout: Layout | Census, rank: int) -> tuple[tuple[int,
 
 
 def _state(
-    census: Census, share: RankShare, policy: PrecisionPolicy, distributed_optimizer: bool
+    census: Census,
+    share: RankShare,
+    policy: PrecisionPolicy,
+    distributed_optimizer: bool,
+    optimizer_offload: bool = False,
 ) -> tuple[int, int, int]:
-    """(params, grads, optimizer) bytes of a rank holding ``share``."""
+    """(params, grads, optimizer) bytes a rank holding ``share`` keeps on its device."""
     numel = share.numel
     params = numel * DTYPE_BYTES[policy.param_dtype]
     if census.kind == "inference":
         return params, 0, 0
     grads = numel * DTYPE_BYTES[policy.grad_dtype]
+    if optimizer_offload:
+        return params, grads, 0
     if census.kind == "megatron" and distributed_optimizer:
         opt_numel = sum(-(-n // d) for d, n in share.by_dp_group)
     else:
@@ -371,9 +385,12 @@ def _row(
     model: ModelSpec | None,
     dims: ParallelDims | None,
     distributed_optimizer: bool,
+    optimizer_offload: bool = False,
 ) -> RankMemory:
     share = index.share(rank)
-    params, grads, optimizer = _state(index.census, share, policy, distributed_optimizer)
+    params, grads, optimizer = _state(
+        index.census, share, policy, distributed_optimizer, optimizer_offload
+    )
     acts = bufs = 0
     if activation is not None and model is not None and dims is not None:
         cb, gb = DTYPE_BYTES[policy.compute_dtype], DTYPE_BYTES[policy.grad_dtype]
@@ -405,6 +422,7 @@ def estimate_memory(
     model: ModelSpec | None = None,
     dims: Strategy | None = None,
     distributed_optimizer: bool = True,
+    optimizer_offload: bool = False,
 ) -> MemoryReport:
     """Every rank's memory for ``layout`` (or its :class:`~areal_fn.plans.census.Census`).
 
@@ -412,7 +430,8 @@ def estimate_memory(
     with ``activation`` (which needs ``model`` and ``dims``) activations and FSDP2
     buffers are estimated. Ranks that differ only along axes where every tensor is
     replicated are computed once. ``dims`` may also be an allocation string or
-    component of one component (``"megatron:d2p2t2"``).
+    component of one component (``"megatron:d2p2t2"``). ``optimizer_offload``: the
+    optimizer state is in host memory (see the module docstring).
     """
     dims = None if dims is None else as_dims(dims, caller="estimate_memory")
     census = _census(layout)
@@ -423,7 +442,16 @@ def estimate_memory(
     for rank in range(census.world_size):
         k = index.key(rank)
         if k not in by_key:
-            by_key[k] = _row(index, rank, policy, activation, model, dims, distributed_optimizer)
+            by_key[k] = _row(
+                index,
+                rank,
+                policy,
+                activation,
+                model,
+                dims,
+                distributed_optimizer,
+                optimizer_offload,
+            )
         rows.append(attrs.evolve(by_key[k], rank=rank))
     return MemoryReport(
         kind=census.kind,
@@ -431,6 +459,7 @@ def estimate_memory(
         policy=policy,
         activation=activation,
         rows=tuple(rows),
+        optimizer_offload=optimizer_offload,
     )
 
 
@@ -444,6 +473,7 @@ def estimate_rows(
     model: ModelSpec | None = None,
     dims: Strategy | None = None,
     distributed_optimizer: bool = True,
+    optimizer_offload: bool = False,
 ) -> tuple[RankMemory, ...]:
     """The rows of :func:`estimate_memory` (same arguments) for ``ranks`` only."""
     dims = None if dims is None else as_dims(dims, caller="estimate_rows")
@@ -451,5 +481,6 @@ def estimate_rows(
     _check_inputs(census, activation, model, dims)
     index = CensusIndex(census)
     return tuple(
-        _row(index, r, policy, activation, model, dims, distributed_optimizer) for r in ranks
+        _row(index, r, policy, activation, model, dims, distributed_optimizer, optimizer_offload)
+        for r in ranks
     )

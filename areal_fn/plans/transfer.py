@@ -4,50 +4,24 @@
 destination layout's pieces with the source layout's pieces. Every destination
 element of every non-padding piece is received exactly once; a destination rank that
 already holds an element as a source (colocated layouts) copies it locally; otherwise
-the source is chosen deterministically among the replicas holding it, balancing bytes
-sent. The result is data: readable, diffable, and identical on every rank that
-computes it.
+the replicas holding it take turns, by a rule local to each destination piece
+(:mod:`areal_fn.plans.transfer_classes`). The result is data: readable, diffable, and
+identical on every rank that computes it. ``plan_rank_transfers(src, dst, rank, ...)``
+computes one rank's rows of the same plan alone, and :func:`bucket` cuts either into
+the same buckets.
 """
 
-import itertools
 from collections.abc import Sequence
 
 import attrs
 
 from areal_fn.errors import PlanError
-from areal_fn.layouts.layout import Layout, LocalTensor, Piece
-from areal_fn.model.tensor_spec import DTYPE_BYTES
+from areal_fn.layouts.layout import Layout
+from areal_fn.plans.transfer_classes import Planner
+from areal_fn.plans.transfer_records import Transfer as Transfer
+from areal_fn.plans.transfer_records import check_ranks as check_ranks
 from areal_fn.sharding.box import Box
 from areal_fn.typecheck import beartype
-
-
-@attrs.frozen(kw_only=True)
-class Transfer:
-    """Copy ``box`` of canonical tensor ``canonical`` from ``src`` to ``dst`` (global ranks).
-
-    ``src_tensor[src_box]`` on the source becomes ``dst_tensor[dst_box]`` on the
-    destination. ``src == dst`` is a local copy.
-    """
-
-    src: int
-    dst: int
-    canonical: str
-    box: Box
-    src_tensor: str
-    src_box: Box
-    dst_tensor: str
-    dst_box: Box
-    nbytes: int
-
-    @property
-    def is_local(self) -> bool:
-        return self.src == self.dst
-
-    def __str__(self) -> str:
-        return (
-            f"{self.src}->{self.dst} {self.canonical}{self.box} "
-            f"({self.src_tensor}{self.src_box} -> {self.dst_tensor}{self.dst_box}, {self.nbytes} B)"
-        )
 
 
 @attrs.frozen(kw_only=True)
@@ -90,70 +64,23 @@ class TransferPlan:
         return "\n".join([head, *(f"  {t}" for t in self.transfers)])
 
 
-@attrs.frozen
-class _Holder:
-    rank: int  # global
-    tensor: str
-    piece: Piece
-    itemsize: int
-
-    @property
-    def cbox(self) -> Box:
-        assert self.piece.canonical_box is not None
-        return self.piece.canonical_box
-
-
-def _cuts(boxes: Sequence[Box], outer: Box) -> list[list[int]]:
-    out = []
-    for d, (lo, hi) in enumerate(outer.ranges):
-        pts = {lo, hi}
-        for b in boxes:
-            blo, bhi = b.ranges[d]
-            if lo < blo < hi:
-                pts.add(blo)
-            if lo < bhi < hi:
-                pts.add(bhi)
-        out.append(sorted(pts))
-    return out
-
-
-def _merge_runs(cells: list[tuple[Box, int]]) -> list[tuple[Box, int]]:
-    """Merge grid cells assigned to the same holder into larger boxes (dim by dim)."""
-    if not cells:
-        return cells
-    ndim = cells[0][0].ndim
-    for d in reversed(range(ndim)):
-        groups: dict[tuple, list[tuple[Box, int]]] = {}
-        for box, h in cells:
-            key = (h, tuple(r for i, r in enumerate(box.ranges) if i != d))
-            groups.setdefault(key, []).append((box, h))
-        merged: list[tuple[Box, int]] = []
-        for items in groups.values():
-            items.sort(key=lambda x: x[0].ranges[d])
-            cur = items[0]
-            for nxt in items[1:]:
-                if cur[0].ranges[d][1] == nxt[0].ranges[d][0]:
-                    ranges = list(cur[0].ranges)
-                    ranges[d] = (cur[0].ranges[d][0], nxt[0].ranges[d][1])
-                    cur = (Box._trusted(tuple(ranges)), cur[1])
-                else:
-                    merged.append(cur)
-                    cur = nxt
-            merged.append(cur)
-        cells = merged
-    cells.sort(key=lambda x: x[0].ranges)
-    return cells
-
-
-def check_ranks(what: str, ranks: Sequence[int], world: int) -> tuple[int, ...]:
-    ranks = tuple(ranks)
-    if len(ranks) != world:
-        raise PlanError(
-            f"{what} lists {len(ranks)} ranks but its layout has {world}; give one global rank per layout rank"
-        )
-    if len(set(ranks)) != len(ranks) or any(r < 0 for r in ranks):
-        raise PlanError(f"{what}={ranks} must be distinct non-negative global ranks")
-    return ranks
+def _planner(
+    src: Layout, dst: Layout, src_ranks: Sequence[int] | None, dst_ranks: Sequence[int] | None
+) -> Planner:
+    src_g = check_ranks(
+        "src_ranks", src_ranks if src_ranks is not None else range(src.world_size), src.world_size
+    )
+    dst_g = check_ranks(
+        "dst_ranks", dst_ranks if dst_ranks is not None else range(dst.world_size), dst.world_size
+    )
+    src_shapes = {c.name: c.shape for c in src.canonical}
+    for c in dst.canonical:
+        if c.name in src_shapes and src_shapes[c.name] != c.shape:
+            raise PlanError(
+                f"canonical tensor {c.name!r} has shape {src_shapes[c.name]} in the source layout but {c.shape} "
+                "in the destination; both layouts must describe the same model"
+            )
+    return Planner(src, dst, src_g, dst_g)
 
 
 @beartype
@@ -169,120 +96,38 @@ def plan_transfers(
     ``src_ranks[i]`` / ``dst_ranks[i]`` are the global ranks of layout rank ``i``
     (default: ``range(world)`` for both, i.e. colocated). Raises ``PlanError`` when a
     destination needs canonical data the source does not hold, or shapes disagree.
+    Sources are chosen per destination piece (:mod:`areal_fn.plans.transfer_classes`),
+    so :func:`plan_rank_transfers` gives any one rank's rows of this plan alone.
     """
-    src_g = check_ranks(
-        "src_ranks", src_ranks if src_ranks is not None else range(src.world_size), src.world_size
+    planner = _planner(src, dst, src_ranks, dst_ranks)
+    return TransferPlan(
+        transfers=tuple(planner.world()), src_ranks=planner.src.ranks, dst_ranks=planner.dst.ranks
     )
-    dst_g = check_ranks(
-        "dst_ranks", dst_ranks if dst_ranks is not None else range(dst.world_size), dst.world_size
-    )
-    src_shapes = {c.name: c.shape for c in src.canonical}
-    for c in dst.canonical:
-        if c.name in src_shapes and src_shapes[c.name] != c.shape:
-            raise PlanError(
-                f"canonical tensor {c.name!r} has shape {src_shapes[c.name]} in the source layout but {c.shape} "
-                "in the destination; both layouts must describe the same model"
-            )
-    holders: dict[str, list[_Holder]] = {}
-    for i, g in enumerate(src_g):
-        for lt in src.local_tensors(i):
-            size = DTYPE_BYTES[lt.dtype]
-            for p in lt.pieces:
-                if p.canonical is not None and p.canonical_box is not None:
-                    holders.setdefault(p.canonical, []).append(_Holder(g, lt.name, p, size))
-    sent: dict[int, int] = dict.fromkeys(src_g, 0)
-    transfers: list[Transfer] = []
-    for j, g in enumerate(dst_g):
-        for lt in dst.local_tensors(j):
-            _plan_tensor(lt, g, holders, sent, transfers)
-    # Plan order: canonical tensor (checkpoint order), then destination, so that
-    # consecutive buckets feed every receiver at once instead of one after another.
-    position = {c.name: i for i, c in enumerate(dst.canonical)}
-    dst_pos = {g: i for i, g in enumerate(dst_g)}
-    order = sorted(
-        range(len(transfers)),
-        key=lambda i: (position[transfers[i].canonical], dst_pos[transfers[i].dst], i),
-    )
-    transfers = [transfers[i] for i in order]
-    return TransferPlan(transfers=tuple(transfers), src_ranks=src_g, dst_ranks=dst_g)
 
 
-def _plan_tensor(
-    lt: LocalTensor,
-    dst_rank: int,
-    holders: dict[str, list[_Holder]],
-    sent: dict[int, int],
-    out: list[Transfer],
-) -> None:
-    for piece in lt.pieces:
-        if piece.canonical is None or piece.canonical_box is None:
-            continue
-        want = piece.canonical_box
-        cands: list[tuple[_Holder, Box]] = []
-        for h in holders.get(piece.canonical, ()):
-            inter = h.cbox.intersect(want)
-            if inter is not None:
-                cands.append((h, inter))
-        whole = [n for n, (_, inter) in enumerate(cands) if inter == want]
-        if whole:
-            # fast path (the common case): holders of the whole piece; one transfer
-            local = [n for n in whole if cands[n][0].rank == dst_rank]
-            if local:
-                choice = local[0]
-            else:
-                choice = min(whole, key=lambda n: (sent[cands[n][0].rank], cands[n][0].rank, n))
-                sent[cands[choice][0].rank] += want.numel * cands[choice][0].itemsize
-            h = cands[choice][0]
-            out.append(
-                Transfer(
-                    src=h.rank,
-                    dst=dst_rank,
-                    canonical=piece.canonical,
-                    box=want,
-                    src_tensor=h.tensor,
-                    src_box=h.piece.local_of(want),
-                    dst_tensor=lt.name,
-                    dst_box=piece.local_box,
-                    nbytes=want.numel * h.itemsize,
-                )
-            )
-            continue
-        covered_by = [i for _, i in cands]
-        cuts = _cuts(covered_by, want)
-        cells: list[tuple[Box, int]] = []
-        for idx in itertools.product(*(range(len(c) - 1) for c in cuts)):
-            cell = Box._trusted(tuple((c[k], c[k + 1]) for c, k in zip(cuts, idx, strict=True)))
-            options = [n for n, (_, inter) in enumerate(cands) if inter.contains(cell)]
-            if not options:
-                raise PlanError(
-                    f"destination rank {dst_rank} needs {piece.canonical}{cell} for {lt.name!r}, which no "
-                    "source rank holds; the source layout must cover every canonical tensor the destination needs"
-                )
-            local = [n for n in options if cands[n][0].rank == dst_rank]
-            if local:
-                choice = local[0]
-            else:
-                choice = min(options, key=lambda n: (sent[cands[n][0].rank], cands[n][0].rank, n))
-            cells.append((cell, choice))
-            if not local:
-                sent[cands[choice][0].rank] += cell.numel * cands[choice][0].itemsize
-        for box, n in _merge_runs(cells):
-            h = cands[n][0]
-            src_box = h.piece.local_of(box)  # local coordinates (stacked dims included)
-            dst_box = piece.local_of(box)
-            out.append(
-                Transfer(
-                    src=h.rank,
-                    dst=dst_rank,
-                    canonical=piece.canonical,
-                    box=box,
-                    src_tensor=h.tensor,
-                    src_box=src_box,
-                    dst_tensor=lt.name,
-                    dst_box=dst_box,
-                    nbytes=box.numel * h.itemsize,
-                )
-            )
+@beartype
+def plan_rank_transfers(
+    src: Layout,
+    dst: Layout,
+    rank: int,
+    *,
+    src_ranks: Sequence[int] | None = None,
+    dst_ranks: Sequence[int] | None = None,
+) -> TransferPlan:
+    """The rows of ``plan_transfers(src, dst, ...)`` in which global ``rank`` sends or
+    receives, in plan order, planned without the other ranks' rows.
+
+    Equal to ``plan_transfers(...).for_rank(rank)`` (a law), offsets included, so
+    :func:`bucket` puts each row in the same bucket on both of its ranks without any
+    metadata travelling. A rank in neither layout gets no rows. A canonical tensor that
+    this rank does not touch is checked only for being held at all.
+    """
+    planner = _planner(src, dst, src_ranks, dst_ranks)
+    return TransferPlan(
+        transfers=tuple(planner.rank(rank)),
+        src_ranks=planner.src.ranks,
+        dst_ranks=planner.dst.ranks,
+    )
 
 
 # -- buckets ---------------------------------------------------------------------------
@@ -319,34 +164,75 @@ class BucketPlan:
         return "\n".join(lines)
 
 
-def _split_transfer(t: Transfer, max_bytes: int) -> list[Transfer]:
-    if t.nbytes <= max_bytes:
-        return [t]
+def grid_step(max_bytes: int) -> int:
+    """The byte clock's bucket length for ``max_bytes``: a multiple of every element size
+    up to 8 bytes (``max_bytes`` rounded down to 8, or to a power of two below 8), so that
+    no element straddles two buckets."""
+    if max_bytes >= 8:
+        return max_bytes - max_bytes % 8
+    return 1 << (max_bytes.bit_length() - 1)
+
+
+def _linear(shape: tuple[int, ...], a: int, b: int) -> list[tuple[tuple[int, int], ...]]:
+    """Elements ``a:b`` (row-major) of a box of ``shape``, as boxes relative to its start."""
+    if a >= b:
+        return []
+    if not shape:
+        return [()]
+    inner = 1
+    for n in shape[1:]:
+        inner *= n
+    r0, a_in = divmod(a, inner)
+    r1, b_in = divmod(b, inner)
+    if r0 == r1:
+        return [((r0, r0 + 1), *sub) for sub in _linear(shape[1:], a_in, b_in)]
+    out = []
+    if a_in:
+        out += [((r0, r0 + 1), *sub) for sub in _linear(shape[1:], a_in, inner)]
+        r0 += 1
+    if r1 > r0:
+        out.append(((r0, r1), *((0, n) for n in shape[1:])))
+    if b_in:
+        out += [((r1, r1 + 1), *sub) for sub in _linear(shape[1:], 0, b_in)]
+    return out
+
+
+def _cut(b: Box, rel: tuple[tuple[int, int], ...]) -> Box:
+    # canonical dim d is local dim d + k: a local box may lead with k stacked dims of
+    # extent 1 (FSDP2's [E, ...] experts), as in Piece.local_of
+    k = b.ndim - len(rel)
+    r = b.ranges
+    return Box._trusted(
+        r[:k] + tuple((r[k + d][0] + lo, r[k + d][0] + hi) for d, (lo, hi) in enumerate(rel))
+    )
+
+
+def _split(t: Transfer, step: int) -> list[tuple[int, Transfer]]:
+    """``t`` cut where the byte clock crosses a multiple of ``step``: (bucket, part) pairs."""
+    first, last = t.offset // step, (t.offset + t.nbytes - 1) // step
+    if first == last or t.nbytes == 0:
+        return [(first, t)]
     itemsize = t.nbytes // t.box.numel
-    # split the outermost dim with extent > 1 into slabs that fit (recursively deeper)
-    d = next(i for i, s in enumerate(t.box.shape) if s > 1)
-    inner = t.box.numel // t.box.shape[d]
-    rows = max(1, max_bytes // (inner * itemsize))
-    out: list[Transfer] = []
-    for start in range(0, t.box.shape[d], rows):
-        stop = min(start + rows, t.box.shape[d])
-
-        def cut(b: Box, d: int = d, start: int = start, stop: int = stop) -> Box:
-            # canonical dim d is local dim d + k: a local box may lead with k stacked
-            # dims of extent 1 (FSDP2's [E, ...] experts), as in Piece.local_of
-            k = b.ndim - t.box.ndim
-            r = list(b.ranges)
-            r[d + k] = (b.ranges[d + k][0] + start, b.ranges[d + k][0] + stop)
-            return Box._trusted(tuple(r))
-
-        part = attrs.evolve(
-            t,
-            box=cut(t.box),
-            src_box=cut(t.src_box),
-            dst_box=cut(t.dst_box),
-            nbytes=(stop - start) * inner * itemsize,
-        )
-        out.extend(_split_transfer(part, max_bytes))
+    shape = t.box.shape
+    strides = [1] * len(shape)
+    for d in reversed(range(len(shape) - 1)):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    out = []
+    for b in range(first, last + 1):
+        lo = (max(t.offset, b * step) - t.offset) // itemsize
+        hi = (min(t.offset + t.nbytes, (b + 1) * step) - t.offset) // itemsize
+        for rel in _linear(shape, lo, hi):
+            box = _cut(t.box, rel)
+            start = sum(r0 * st for (r0, _), st in zip(rel, strides, strict=True))
+            part = attrs.evolve(
+                t,
+                box=box,
+                src_box=_cut(t.src_box, rel),
+                dst_box=_cut(t.dst_box, rel),
+                nbytes=box.numel * itemsize,
+                offset=t.offset + start * itemsize,
+            )
+            out.append((b, part))
     return out
 
 
@@ -354,9 +240,13 @@ def _split_transfer(t: Transfer, max_bytes: int) -> list[Transfer]:
 def bucket(plan: TransferPlan, max_bytes: int, *, version: int = 0) -> BucketPlan:
     """Cut ``plan`` into buckets of at most ``max_bytes`` each, in plan order.
 
-    Both sides compute the same buckets from the same plan: no metadata travels. A
-    transfer larger than ``max_bytes`` is split into slabs along its outermost dim
-    (deeper dims when one slab is still too large). Local copies are bucketed too.
+    Bucket ``b`` holds the bytes at ``[b * step, (b + 1) * step)`` of the plan's byte
+    clock (:attr:`Transfer.offset`; ``step`` is :func:`grid_step` of ``max_bytes``),
+    and a transfer crossing a multiple of ``step`` is cut there into boxes. A row's
+    bucket depends on that row alone, so both sides compute the same buckets, from the
+    whole plan or from their own rows (:func:`plan_rank_transfers`): no metadata
+    travels. A rank's own plan lists only the buckets it takes part in, under their
+    indices in the whole plan. Local copies are bucketed too.
     """
     if max_bytes < 1:
         raise PlanError(
@@ -370,16 +260,10 @@ def bucket(plan: TransferPlan, max_bytes: int, *, version: int = 0) -> BucketPla
             raise PlanError(
                 f"max_bytes={max_bytes} is smaller than one element ({itemsize} B) of {t.canonical!r}"
             )
-    buckets: list[Bucket] = []
-    cur: list[Transfer] = []
-    size = 0
+    step = grid_step(max_bytes)
+    found: dict[int, list[Transfer]] = {}
     for t in plan.transfers:
-        for part in _split_transfer(t, max_bytes):
-            if cur and size + part.nbytes > max_bytes:
-                buckets.append(Bucket(index=len(buckets), transfers=tuple(cur)))
-                cur, size = [], 0
-            cur.append(part)
-            size += part.nbytes
-    if cur:
-        buckets.append(Bucket(index=len(buckets), transfers=tuple(cur)))
-    return BucketPlan(version=version, max_bytes=max_bytes, buckets=tuple(buckets))
+        for b, part in _split(t, step):
+            found.setdefault(b, []).append(part)
+    buckets = tuple(Bucket(index=b, transfers=tuple(found[b])) for b in sorted(found))
+    return BucketPlan(version=version, max_bytes=max_bytes, buckets=buckets)

@@ -23,16 +23,17 @@ Rules by kind (``fsdp2``, ``megatron``, ``inference``, and the engines ``sglang`
 - inference: ``tp`` divides the vocabulary padded to ``vocab_multiple`` (64);
   FSDP2 (``tp_embeddings``): ``tp`` divides ``vocab_size`` unless FSDP2 shards over at
   most two ranks (:func:`~areal_fn.layouts.fsdp2.fsdp2_sharding` says why);
-- FSDP2 ``cp`` is reserved for Ulysses sequence parallelism (AReaL's
+- FSDP2 ``cp`` is Ulysses sequence parallelism (as AReaL's
   ``areal/models/transformers/ulyssess_patch.py``, ``apply_monkey_patch``): ``cp``
   divides the heads of a TP rank, and the KV heads of a TP rank and ``cp`` divide one
-  another (KV heads repeated when ``cp`` is a multiple). Today the FSDP2 engine runs
-  ``c`` as data parallelism (``dp_shard = dp * cp``); the rule keeps a strategy
-  accepted now valid once Ulysses is built;
+  another (KV heads repeated when ``cp`` is a multiple), as the FSDP2 engine's
+  attention all-to-all needs;
 - Megatron: ``tp`` divides the shared experts' width and, for multi-latent attention,
   ``q_lora_rank`` and ``kv_lora_rank + qk_rope_head_dim`` (the local spec shards the
   down projections); ``ep`` divides ``num_experts``, ``etp`` divides ``moe_intermediate_size``,
-  ``pp * vpp <= num_layers``; inference: ``pp <= num_layers``;
+  ``pp * vpp <= num_layers``; inference: ``pp <= num_layers``; Megatron ``cp`` reads
+  no model field (rows of a multiple of ``2 * cp`` tokens are the engine's check,
+  :func:`~areal_fn.plans.context.check_context_split`);
 - ``sglang`` adds what SGLang's own model code cannot hold (sglang 0.5.23):
   ``LlamaForCausalLM`` with tied embeddings uses ``model.embed_tokens`` as ``lm_head``,
   and ``embed_tokens`` is a ``PPMissingLayer`` off the first pipeline rank
@@ -232,9 +233,8 @@ def _ulysses_heads(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None
         field="cp",
         reads=("cp", "tp"),
         text=f"cp={cp} does not divide num_attention_heads={nq} / tp={tp} = {per} heads per TP "
-        f"rank ({m.model_type}); fsdp's c is reserved for Ulysses sequence parallelism, which "
-        "splits those heads cp ways (the FSDP2 engine runs c as data parallelism until Ulysses "
-        "is built)",
+        f"rank ({m.model_type}); fsdp's c is Ulysses sequence parallelism, whose attention "
+        "all-to-all splits those heads cp ways",
     )
 
 

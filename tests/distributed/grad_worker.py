@@ -22,6 +22,7 @@ raise inside a case (a rank that raised would leave the others in a collective).
 import argparse
 import datetime
 import json
+import re
 import sys
 import time
 import traceback
@@ -39,6 +40,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from areal_fn.errors import LayoutError  # noqa: E402
 from areal_fn.layouts.fsdp2 import Fsdp2Options  # noqa: E402
 from areal_fn.model.hf_memory import hf_state_to_canonical  # noqa: E402
 from areal_fn.model.spec import ModelSpec, model_from_hf_config  # noqa: E402
@@ -48,6 +50,7 @@ from areal_fn.runtime.engines.common import AdamWConfig, split_rows  # noqa: E40
 from areal_fn.runtime.engines.fsdp2 import Fsdp2Engine, build_hf_model  # noqa: E402
 from areal_fn.runtime.engines.fsdp2_apply import Fsdp2RunOptions  # noqa: E402
 from areal_fn.runtime.engines.megatron import MegatronEngine  # noqa: E402
+from areal_fn.runtime.engines.packed import TokenSequence  # noqa: E402
 from areal_fn.strategy.parse import parse_allocation  # noqa: E402
 
 WORLD = 4
@@ -186,21 +189,37 @@ STRATEGIES: dict[str, tuple[str, int, tuple[int, ...] | None, Fsdp2RunOptions]] 
         Fsdp2RunOptions(activation_checkpointing=True, cpu_offload=True),
     ),
     "hsdp:d4r2": ("fsdp:d4", 2, None, Fsdp2RunOptions()),
+    "fsdp:d2c2": ("fsdp:d2c2", 1, None, Fsdp2RunOptions()),
+    "fsdp:t2c2": ("fsdp:t2c2", 1, None, Fsdp2RunOptions()),
+    "hsdp:d2r2c2": ("fsdp:d2c2", 2, None, Fsdp2RunOptions()),
     "megatron:d2t2": ("megatron:d2t2", 1, None, Fsdp2RunOptions()),
     "megatron:d2p2": ("megatron:d2p2", 1, None, Fsdp2RunOptions()),
     "megatron:t2p2": ("megatron:t2p2", 1, None, Fsdp2RunOptions()),
     "megatron:d2p2v2": ("megatron:d2p2v2", 1, None, Fsdp2RunOptions()),
     "megatron:d2p2[1,3]": ("megatron:d2p2", 1, (1, 3), Fsdp2RunOptions()),
+    # context parallelism (Megatron's load-balanced 2*cp chunks), with DP, TP, PP, EP
+    "megatron:d2c2": ("megatron:d2c2", 1, None, Fsdp2RunOptions()),
+    "megatron:t2c2": ("megatron:t2c2", 1, None, Fsdp2RunOptions()),
+    "megatron:p2c2": ("megatron:p2c2", 1, None, Fsdp2RunOptions()),
+    "megatron:d2c2e2": ("megatron:d2c2e2", 1, None, Fsdp2RunOptions()),
 }
 
 #: A label ending in this runs with ``global_mask()``: unequal token counts per share.
 MASKED = "+mask"
+#: A label ending in this trains on packed variable-length sequences (``PACKED_LENGTHS``,
+#: a prompt of 2 tokens that are not targets, per-token weights), against the plain
+#: model run on each sequence alone.
+PACKED = "+pack"
+PACKED_LENGTHS = (16, 5, 9, 12, 3, 16, 7, 10)
+PACKED_BUDGET = 16
 
 CASES: tuple[tuple[str, str], ...] = (
     ("qwen2", "fsdp:d4"),
     ("qwen2", "fsdp:d2t2"),
     ("qwen2", "fsdp:d2t2[ac,offload]"),
     ("qwen2", "hsdp:d4r2"),
+    ("qwen2", "fsdp:d2c2"),
+    ("qwen2", "hsdp:d2r2c2+pack"),
     ("qwen2", "fsdp:d4+mask"),
     ("qwen2", "megatron:d2p2+mask"),
     ("qwen2", "megatron:d2t2"),
@@ -208,7 +227,12 @@ CASES: tuple[tuple[str, str], ...] = (
     ("qwen2", "megatron:t2p2"),
     ("qwen2_4l", "megatron:d2p2v2"),
     ("qwen2_4l", "megatron:d2p2[1,3]"),
+    ("qwen2", "megatron:d2c2"),
+    ("qwen2", "megatron:t2c2"),
+    ("qwen2", "megatron:p2c2+pack"),
+    ("deepseek_v3", "megatron:d2c2e2"),  # multi-latent attention and experts under CP
     ("qwen3", "fsdp:d2t2"),
+    ("qwen3", "fsdp:t2c2"),
     ("qwen3", "megatron:d2t2"),
     ("llama_tied", "fsdp:d2t2"),
     ("llama_tied", "megatron:d2p2"),
@@ -216,6 +240,7 @@ CASES: tuple[tuple[str, str], ...] = (
     ("mistral", "fsdp:d2t2"),
     ("mistral", "megatron:d2t2"),
     ("mixtral", "fsdp:d4"),
+    ("mixtral", "fsdp:t2c2"),  # 1 KV head per TP rank, repeated for cp=2
     ("mixtral", "megatron:d2p2"),
     ("glm4_moe", "fsdp:d2t2"),
     ("glm4_moe", "megatron:d2p2"),
@@ -299,6 +324,118 @@ def reference(config: str, *, masked: bool = False) -> dict[str, Any]:
     }
 
 
+def packed_data(vocab: int) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """``(ids, loss_mask, weights)`` of every packed sequence (2 prompt tokens each)."""
+    gen = torch.Generator().manual_seed(5)
+    out = []
+    for n in PACKED_LENGTHS:
+        ids = torch.randint(0, vocab, (n,), generator=gen)
+        out.append((ids, torch.arange(n) >= 2, 0.5 + torch.rand(n, generator=gen)))
+    return out
+
+
+def reference_packed(config: str) -> dict[str, Any]:
+    """One single-process AdamW step of the plain model, each sequence run on its own.
+
+    The loss is ``sum(weights * CE)`` over the targets of all sequences divided by
+    their count; log-probs after the step per sequence.
+    """
+    spec = model_from_hf_config(CONFIGS[config])
+    model = randomized_model(spec, seed=11)
+    w0 = canonical_of(model, spec)
+    data = packed_data(spec.vocab_size)
+    total = torch.zeros(())
+    count = 0.0
+    for ids, mask, w in data:
+        logits = model(input_ids=ids[None]).logits[0, :-1]
+        token_loss = F.cross_entropy(logits, ids[1:], reduction="none")
+        total = total + (token_loss * mask[1:].float() * w[1:]).sum()
+        count += float(mask[1:].sum())
+    loss = total / count
+    loss.backward()
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP))
+    grads = canonical_of(model, spec, grads=True)
+    opt = ADAMW.build(model.parameters())
+    opt.step()
+    w1 = canonical_of(model, spec)
+    model.eval()
+    logp = []
+    with torch.no_grad():
+        for ids, _, _ in data:
+            lp = torch.log_softmax(model(input_ids=ids[None]).logits[0, :-1], dim=-1)
+            logp.append(lp.gather(-1, ids[1:, None]).squeeze(-1))
+    return {
+        "spec": spec,
+        "data": data,
+        "tokens": count,
+        "w0": w0,
+        "loss": float(loss),
+        "norm": norm,
+        "grads": grads,
+        "w1": w1,
+        "logp": logp,
+    }
+
+
+def token_hooks(engine: Any) -> list[int]:
+    """Record how many tokens this rank's embedding and first attention layer see."""
+    seen: list[int] = []
+    if isinstance(engine, MegatronEngine):
+        return megatron_token_hooks(engine)
+    if not isinstance(engine, Fsdp2Engine):
+        return seen
+
+    def hook(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        x = args[0] if args else kwargs["hidden_states"]
+        seen.append(int(x.shape[1]))
+
+    for name in ("model.embed_tokens", "model.layers.0.self_attn"):
+        engine.model.get_submodule(name).register_forward_pre_hook(hook, with_kwargs=True)
+    return seen
+
+
+def megatron_token_hooks(engine: MegatronEngine) -> list[int]:
+    """Record how many tokens this rank's embedding (first stage) and each chunk's first
+    attention layer see (Megatron's hidden states are ``[s, b, h]``)."""
+    seen: list[int] = []
+
+    def embedding(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        seen.append(int((args[0] if args else kwargs["input_ids"]).shape[1]))
+
+    def attention(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        seen.append(int((args[0] if args else kwargs["hidden_states"]).shape[0]))
+
+    for chunk in engine.chunks:
+        gpt = chunk.module
+        if gpt.pre_process:
+            gpt.embedding.register_forward_pre_hook(embedding, with_kwargs=True)
+        gpt.decoder.layers[0].self_attention.register_forward_pre_hook(attention, with_kwargs=True)
+    return seen
+
+
+def train_and_logprobs(engine: Any, label: str, ref: dict[str, Any]) -> tuple[Any, float]:
+    """The engine's step on its share and the largest log-prob difference after it."""
+    if label.endswith(PACKED):
+        seqs = [
+            TokenSequence(input_ids=ids, loss_mask=mask, weights=w)
+            for i, (ids, mask, w) in enumerate(ref["data"])
+            if i % engine.dp_size == engine.dp_rank
+        ]
+        stats = engine.train_step_packed(seqs, max_tokens_per_micro_batch=PACKED_BUDGET)
+        logp = engine.forward_logprobs_packed(seqs, max_tokens_per_micro_batch=PACKED_BUDGET)
+        want = [lp for i, lp in enumerate(ref["logp"]) if i % engine.dp_size == engine.dp_rank]
+        diff = max(float((a - b).abs().max()) for a, b in zip(logp, want, strict=True))
+        return stats, diff
+    ids = split_rows(ref["ids"], engine.dp_size, engine.dp_rank)
+    mask = ref["mask"]
+    stats = engine.train_step(
+        ids, None if mask is None else split_rows(mask, engine.dp_size, engine.dp_rank)
+    )
+    logp = engine.forward_logprobs(ids)
+    want_logp = split_rows(ref["logp"], engine.dp_size, engine.dp_rank)
+    return stats, float((logp - want_logp).abs().max())
+
+
 def max_abs(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in b)
 
@@ -311,7 +448,9 @@ def bitwise(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> bool:
 
 
 def build_engine(spec: ModelSpec, label: str) -> Any:
-    text, replicas, lengths, run_options = STRATEGIES[label.removesuffix(MASKED)]
+    text, replicas, lengths, run_options = STRATEGIES[
+        label.removesuffix(MASKED).removesuffix(PACKED)
+    ]
     component = parse_allocation(text).training
     if label.startswith(("fsdp", "hsdp")):
         return Fsdp2Engine(
@@ -344,11 +483,18 @@ def run_case(config: str, label: str, ref: dict[str, Any]) -> dict[str, Any]:
             float(st["step"]) == 0.0 and not st["exp_avg"].any() and not st["exp_avg_sq"].any()
             for st in created.values()
         )
-        ids = split_rows(ref["ids"], engine.dp_size, engine.dp_rank)
-        mask = ref["mask"]
-        stats = engine.train_step(
-            ids, None if mask is None else split_rows(mask, engine.dp_size, engine.dp_rank)
-        )
+        seen = token_hooks(engine)
+        stats, logp_max = train_and_logprobs(engine, label, ref)
+        gathered_seen: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered_seen, seen)
+        out["tokens_seen"] = gathered_seen  # per rank: embedding, layer-0 attention, ...
+        out["dp_size"], out["sp"] = engine.dp_size, getattr(engine, "sp", 1)
+        if isinstance(engine, Fsdp2Engine) and engine.sp > 1:  # refused before any collective
+            try:
+                engine.train_step(ref.get("ids", torch.zeros(1, SEQ, dtype=torch.long))[:1, :-1])
+                out["odd_length_error"] = None
+            except LayoutError as e:
+                out["odd_length_error"] = str(e)
         state = engine.local_state()
         local = {  # a buffer has no gradient: zero (as the reference's canonical_of)
             k: torch.zeros_like(state[k]).cpu() if g is None else g.detach().cpu().clone()
@@ -370,9 +516,7 @@ def run_case(config: str, label: str, ref: dict[str, Any]) -> dict[str, Any]:
             for n in engine.local_state()
             if not n.endswith(("e_score_correction_bias", "mlp.router.expert_bias"))
         }
-        logp = engine.forward_logprobs(ids)
-        want_logp = split_rows(ref["logp"], engine.dp_size, engine.dp_rank)
-        logp_diff = torch.tensor(float((logp - want_logp).abs().max()), dtype=torch.float64)
+        logp_diff = torch.tensor(logp_max, dtype=torch.float64)
         dist.all_reduce(logp_diff, op=dist.ReduceOp.MAX)
         grad_scale = max(float(g.abs().max()) for g in ref["grads"].values())
         out.update(
@@ -422,7 +566,8 @@ def main() -> int:
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=180))
     rank = dist.get_rank()
-    wanted = {tuple(c.split("/", 1)) for c in args.cases.split(",") if c}
+    # commas inside brackets belong to a label ("fsdp:d2t2[ac,offload]")
+    wanted = {tuple(c.split("/", 1)) for c in re.split(r",(?![^\[]*\])", args.cases) if c}
     cases = [c for c in CASES if not wanted or c in wanted]
     results: dict[str, Any] = {}
     refs: dict[str, dict[str, Any]] = {}
@@ -431,9 +576,12 @@ def main() -> int:
         for config, label in cases:
             t0 = time.monotonic()
             try:
-                key = f"{config}{MASKED}" if label.endswith(MASKED) else config
-                if key not in refs:
-                    refs[key] = reference(config, masked=label.endswith(MASKED))
+                suffix = next((x for x in (MASKED, PACKED) if label.endswith(x)), "")
+                key = f"{config}{suffix}"
+                if key not in refs and suffix == PACKED:
+                    refs[key] = reference_packed(config)
+                elif key not in refs:
+                    refs[key] = reference(config, masked=suffix == MASKED)
                 rec = run_case(config, label, refs[key])
                 rec["error"] = None
             except Exception:

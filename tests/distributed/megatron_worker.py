@@ -36,6 +36,7 @@ from areal_fn.runtime.megatron.build import (
     pipeline_forward_logits,
     transformer_config,
 )
+from areal_fn.runtime.megatron.context import split_for_cp
 
 # ----------------------------------------------------------------- families
 
@@ -204,8 +205,10 @@ CASES += [
         {"moe_grouped_gemm": True},
         mode="expect_error",
     ),
-    # parallel_state accepts cp=2, the local spec's DotProductAttention does not
-    _case("qwen2-c2", "qwen2", {"cp": 2}, mode="expect_error"),
+    # context parallelism: the local spec's DotProductAttention refuses cp > 1, the
+    # core attention of areal_fn.runtime.megatron.context runs it
+    _case("qwen2-c2", "qwen2", {"cp": 2}),
+    _case("qwen2-t2c2", "qwen2", {"tp": 2, "cp": 2}),
     _case(
         "qwen3_moe-t2e2-grouped-structure",
         "qwen3_moe",
@@ -701,19 +704,26 @@ def _train_step(
     chunks: list[Any], input_ids: torch.Tensor, hf_logits: torch.Tensor
 ) -> dict[str, Any]:
     """forward_backward (1 sample per micro-batch); per-token loss CE(logits_t, tokens_t)."""
+    from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     batch, seq = input_ids.shape
-    position_ids = torch.arange(seq).unsqueeze(0)
+    # under context parallelism each rank runs its chunks of the row (the mask stays whole)
+    position_ids = split_for_cp(torch.arange(seq).unsqueeze(0))
     mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
+    cp = ps.get_context_parallel_world_size()
 
     def step(data_iterator: Iterator[torch.Tensor], model: Any) -> tuple[Any, Any]:
-        tokens = next(data_iterator)
-        output = model(tokens, position_ids, mask, labels=tokens)  # [1, seq] token losses
+        tokens = split_for_cp(next(data_iterator))
+        output = model(tokens, position_ids, mask, labels=tokens)  # [1, seq/cp] token losses
 
         def loss_func(token_losses: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
             loss = token_losses.float().mean()
-            return loss, {"loss": loss.detach().clone()}  # the schedule divides `loss` in place
+            report = loss.detach().clone()  # the schedule divides `loss` in place
+            if cp > 1:  # every CP rank holds seq/cp tokens: the mean of the means
+                dist.all_reduce(report, group=ps.get_context_parallel_group())
+                report /= cp
+            return loss, {"loss": report}
 
         return output, loss_func
 

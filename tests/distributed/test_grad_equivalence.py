@@ -15,11 +15,25 @@ Every data-parallel share has the same number of target tokens, except in the
 different counts, and the reference is the masked mean over the whole batch; the
 engines all-reduce the counts, so their loss is the same global token mean.
 
+Ulysses sequence parallelism (``fsdp:d2c2``, ``fsdp:t2c2``, ``c`` with HSDP): every
+rank of a sequence-parallel group gets the same rows, and hooks on the embedding and
+the first attention layer record that each rank ran ``T/cp`` tokens; mixtral under
+``t2c2`` has one KV head per TP rank, repeated for ``cp=2``. The ``+pack`` case trains
+on sequences of 3 to 16 tokens (2 prompt tokens that are not targets, per-token
+weights) packed into rows of at most 16 tokens, against the plain model run on each
+sequence alone: packed equals one by one, log-probs included.
+
+Megatron context parallelism (``megatron:d2c2``, ``t2c2``, ``p2c2`` on packed sequences,
+and ``d2c2e2`` for deepseek_v3: multi-latent attention with experts): each CP rank holds
+chunks ``r`` and ``3 - r`` of the 4 chunks of a row, and hooks on the embedding and
+the first attention layer of every chunk record that each rank ran ``T/cp`` tokens.
+
 The pure helpers the engines share are tested at the end (no launch).
 """
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +104,9 @@ def test_one_step_equals_the_plain_model(results: dict[str, Any], case: str) -> 
     assert rec["world"] == worker.WORLD
     assert rec["load_export_bitwise"], "load_canonical -> export_canonical is not bitwise"
     full = worker.BATCH * (worker.SEQ - 1)
-    assert rec["tokens"] == rec["ref_tokens"] and (rec["tokens"] < full) == case.endswith("+mask")
+    assert rec["tokens"] == rec["ref_tokens"]
+    if not case.endswith(worker.PACKED):
+        assert (rec["tokens"] < full) == case.endswith(worker.MASKED)
     assert rec["lr"] == worker.ADAMW.lr
     assert rec["clip_coef"] < 1.0, "the test is meant to exercise clipping"
     assert rec["loss_abs_diff"] <= LOSS_ATOL, rec
@@ -102,6 +118,73 @@ def test_one_step_equals_the_plain_model(results: dict[str, Any], case: str) -> 
     assert rec["logprob_max_abs_diff"] <= LOGPROB_ATOL, rec
     assert rec["optimizer_created_zero"] and rec["optimizer_names_ok"], rec
     assert rec["optimizer_shapes_ok"] and rec["optimizer_steps"] == [1.0], rec
+
+
+_SP_CASES = [  # the FSDP2 engine's Ulysses cases
+    c for c in _case_ids() if c.split("/")[1].startswith(("fsdp", "hsdp")) and "c2" in c
+]
+
+
+@pytest.mark.parametrize("case", _SP_CASES)
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.xdist_group("grad_equivalence")
+def test_each_sequence_parallel_rank_runs_its_share_of_tokens(
+    results: dict[str, Any], case: str
+) -> None:
+    rec = results["cases"][case]
+    assert rec["error"] is None, rec["error"]
+    assert rec["sp"] == 2 and rec["dp_size"] * rec["sp"] * (2 if "t2" in case else 1) == 4
+    for seen in rec["tokens_seen"]:  # embedding and layer-0 attention, step and log-probs
+        assert seen, "no forward ran on a rank"
+        if case.endswith(worker.PACKED):
+            assert max(seen) <= worker.PACKED_BUDGET // 2, seen
+        else:
+            assert set(seen) == {worker.SEQ // 2}, seen
+    assert re.match(
+        r"^rows of 15 tokens do not split over cp=2 sequence-parallel ranks; pad rows to a "
+        r"multiple of 2 \(loss_mask False\) or use train_step_packed$",
+        rec["odd_length_error"],
+    ), rec["odd_length_error"]
+    if case.endswith(worker.PACKED):  # both ranks of a sequence-parallel group: same rows
+        per_rank = rec["tokens_seen"]
+        assert per_rank[0] == per_rank[1] and per_rank[2] == per_rank[3]
+        assert per_rank[0] != per_rank[2], "data-parallel shares were meant to differ"
+
+
+_CP_CASES = [  # the Megatron engine's context-parallel cases
+    c for c in _case_ids() if c.split("/")[1].startswith("megatron") and "c2" in c
+]
+
+
+@pytest.mark.parametrize("case", _CP_CASES)
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.xdist_group("grad_equivalence")
+def test_each_context_parallel_rank_runs_t_over_cp_tokens(
+    results: dict[str, Any], case: str
+) -> None:
+    rec = results["cases"][case]
+    assert rec["error"] is None, rec["error"]
+    # every row (padded: SEQ tokens; packed: the widest row, a full budget) in 2*cp
+    # chunks, two per rank: every embedding and attention layer sees half of it
+    width = worker.PACKED_BUDGET if case.endswith(worker.PACKED) else worker.SEQ
+    for seen in rec["tokens_seen"]:  # embedding (first stage), layer-0 attention per chunk
+        assert seen and set(seen) == {width // 2}, seen
+
+
+def test_cp_cases_are_in_the_launch() -> None:
+    assert set(_CP_CASES) == {
+        "qwen2/megatron:d2c2",
+        "qwen2/megatron:t2c2",
+        "qwen2/megatron:p2c2+pack",
+        "deepseek_v3/megatron:d2c2e2",
+    }
+
+
+def test_sp_cases_are_in_the_launch() -> None:
+    labels = {label for _, label in worker.CASES}
+    assert {"fsdp:d2c2", "fsdp:t2c2", "hsdp:d2r2c2+pack"} <= labels
 
 
 @pytest.mark.dist

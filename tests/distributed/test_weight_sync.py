@@ -34,7 +34,7 @@ from areal_fn.layouts.layout import Layout
 from areal_fn.layouts.megatron import megatron_layout
 from areal_fn.model.spec import model_from_hf_config
 from areal_fn.plans.convert import to_megatron
-from areal_fn.plans.transfer import BucketPlan, bucket, plan_transfers
+from areal_fn.plans.transfer import BucketPlan, bucket, plan_rank_transfers, plan_transfers
 from areal_fn.plans.transfer_apply import apply_transfers
 from areal_fn.plans.transfer_bound import transfer_lower_bound
 from areal_fn.runtime.engines.fsdp2_apply import materialize_local
@@ -303,6 +303,45 @@ def test_megatron_pipeline_to_inference_through_fused_pieces() -> None:
         want = case.live(rank, new)  # the new weights; padding rows keep the old (zero) rows
         assert same(lives[rank], want)
         assert results[rank].bytes_received == case.plan.recv_bytes()[rank]
+
+
+@pytest.mark.parametrize("which", ["megatron_t2p2", "fsdp2_d2"])
+def test_each_rank_executing_its_own_plan_equals_the_whole_plan(which: str) -> None:
+    """Every rank plans and buckets only its own rows (``plan_rank_transfers``), Megatron
+    t2p2 -> SGLang t2 and FSDP2 d2 -> t2: the sync gives the reference result and the
+    byte counts of the whole plan, with buckets smaller than one tensor."""
+    if which == "fsdp2_d2":
+        case = split_case(max_bytes=700)
+    else:
+        src = megatron_layout(SPEC, ParallelDims(tp=2, pp=2))
+        dst = inference_layout(SPEC, ParallelDims(tp=2))
+        case = Case(src, dst, (0, 1, 2, 3), (4, 5), max_bytes=1000)
+    old, new = canonical(40), canonical(41)
+    mine = {
+        r: bucket(
+            plan_rank_transfers(
+                case.src, case.dst, r, src_ranks=case.src_ranks, dst_ranks=case.dst_ranks
+            ),
+            case.buckets.max_bytes,
+            version=1,
+        )
+        for r in range(case.world)
+    }
+    lives = [case.live(r, old) for r in range(case.world)]
+
+    def body(rank: int, store: dist.Store) -> Any:
+        group = SyncGroup.from_store(store, members=range(case.world), rank=rank, timeout_s=10)
+        src = to_megatron(new, case.src, rank) if rank in case.src_ranks else {}
+        return send_and_receive(mine[rank], src_tensors=src, dst_tensors=lives[rank], group=group)
+
+    results = run_ranks(case.world, body)
+    assert all(isinstance(r, SyncReport) for r in results), results
+    for rank in range(case.world):
+        assert results[rank].bytes_sent == case.plan.send_bytes().get(rank, 0)
+        assert results[rank].bytes_received == case.plan.recv_bytes().get(rank, 0)
+        assert len(mine[rank].buckets) < len(case.buckets.buckets)
+    for rank in case.dst_ranks:
+        assert same(lives[rank], case.live(rank, new))
 
 
 def test_wire_dtype_casts_on_the_way() -> None:

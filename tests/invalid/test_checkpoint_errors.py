@@ -105,7 +105,7 @@ def truncate(name: str) -> Callable[[Path], None]:
 
 
 def zero(name: str) -> Callable[[Path], None]:
-    """Overwrite a file with zeros, keeping its size (only its sha256 tells)."""
+    """Overwrite a file with zeros, keeping its size (only its checksum tells)."""
 
     def damage(root: Path) -> None:
         f = root / STEP / name
@@ -346,13 +346,13 @@ CASES = [
         "flipped byte in a data file",
         flip_byte("__0_0.distcp"),
         load(),
-        r"__0_0\.distcp has sha256 [0-9a-f]{16}\.\.\., the manifest says [0-9a-f]{16}\.\.\.; the file is corrupted",
+        r"__0_0\.distcp has blake3 [0-9a-f]{16}\.\.\., the manifest says [0-9a-f]{16}\.\.\.; the file is corrupted",
     ),
     (
         "flipped byte in DCP metadata",
         flip_byte(".metadata"),
         load(),
-        r"\.metadata has sha256 .* the file is corrupted",
+        r"\.metadata has blake3 .* the file is corrupted",
     ),
     (
         "truncated data file",
@@ -377,7 +377,7 @@ CASES = [
         "zeroed data file, not verified",
         zero("__0_0.distcp"),
         load(verify=False),
-        r"__0_0\.distcp \(model\.[a-z_.0-9]+\): the \d+ bytes at offset 0 are not a torch\.save "
+        r"__0_0\.distcp \((optim/)?model\.[a-z_.0-9/]+\): the \d+ bytes at offset 0 are not a torch\.save "
         r"archive; the file is corrupted: restore it from a copy or use another checkpoint$",
     ),
     (
@@ -387,7 +387,7 @@ CASES = [
         r"__0_0\.distcp \(.+\): the \d+ bytes at offset \d+ are not a torch\.save archive; the file "
         r"is corrupted: restore it from a copy or use another checkpoint; the local tensors may be "
         r"partly overwritten: load them again before using them \(verify=True checks every file's "
-        r"sha256 before any tensor is touched\)",
+        r"checksum before any tensor is touched\)",
     ),
     (
         "zeroed DCP metadata, not verified",
@@ -523,6 +523,12 @@ CASES = [
     ),
     ("keep < 1", nothing, save(keep=0), r"keep=0 must be >= 1"),
     ("negative step", nothing, save(step=-1), r"step=-1 must be >= 0"),
+    (
+        "no writer thread",
+        nothing,
+        save(thread_count=0),
+        r"thread_count=0 must be >= 1 \(the data files each process writes at once\)$",
+    ),
     (
         "a rank missing from an offline save",
         nothing,

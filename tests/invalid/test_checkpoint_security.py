@@ -3,7 +3,7 @@
 The attack of the issue, as a new user who receives a checkpoint would meet it: the
 ``.metadata`` of a saved checkpoint replaced by a pickle that runs a shell command
 (``touch <marker>``), then ``manifest.json`` updated as docs/checkpoints.md describes
-(the file's size and sha256, ``manifest_sha256`` recomputed). Every way of opening it
+(the file's size and checksum, ``manifest_sha256`` recomputed). Every way of opening it
 (load, reader, HF export, inspect, verify, the CLI, with and without ``trust_pickle``)
 refuses it with a ``CheckpointError`` naming the file, the marker never appears, and
 the checkpoint is left untouched. The same for payloads in the entries the manifest
@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import blake3
 import pytest
 import torch
 
@@ -138,15 +139,18 @@ def inst_opcode(marker: Path) -> bytes:
 
 
 def resign(folder: Path, edit: Callable[[dict[str, Any]], None] = lambda raw: None) -> None:
-    """What anyone can do to a manifest: edit it, put every file's size and sha256, and
-    recompute ``manifest_sha256`` (sha256 of the rest, compact JSON, sorted keys)."""
+    """What anyone can do to a manifest: edit it, put every file's size and checksum (the
+    algorithm each entry names, with its own library), and recompute ``manifest_sha256``
+    (sha256 of the rest, compact JSON, sorted keys)."""
     f = folder / "manifest.json"
     raw = json.loads(f.read_text())
     raw.pop("manifest_sha256")
     edit(raw)
     for entry in raw["files"]:
         data = (folder / entry["path"]).read_bytes()
-        entry["size"], entry["sha256"] = len(data), hashlib.sha256(data).hexdigest()
+        algorithm = "blake3" if "blake3" in entry else "sha256"
+        hasher = blake3.blake3 if algorithm == "blake3" else hashlib.sha256
+        entry["size"], entry[algorithm] = len(data), hasher(data).hexdigest()
     body = json.dumps(raw, sort_keys=True, separators=(",", ":"))
     raw["manifest_sha256"] = hashlib.sha256(body.encode()).hexdigest()
     f.write_text(json.dumps(raw))
@@ -442,6 +446,11 @@ LEGACY = (
     r"the command line\) only for a checkpoint you saved yourself or got from a source you "
     r"trust\. Saved again \(load, then save_checkpoint\), it reads without that$"
 )
+#: The same on the command line, which names its flags (areal_fn.cli.CLI_WORDS).
+LEGACY_CLI = LEGACY.replace(
+    r"pass trust_pickle=True \(--trust-pickle on the command line\) only",
+    "pass --trust-pickle only",
+)
 
 
 @pytest.fixture
@@ -485,7 +494,7 @@ def test_an_older_checkpoint_on_the_command_line(legacy, tmp_path, capsys):
 
     assert main(["checkpoint", "export-hf", str(legacy), str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and re.search(LEGACY, err), err
+    assert len(err.splitlines()) == 1 and re.search(LEGACY_CLI, err), err
     assert not (tmp_path / "hf").exists()
     assert (
         main(["checkpoint", "export-hf", str(legacy), str(tmp_path / "hf"), "--trust-pickle"]) == 0
@@ -527,6 +536,12 @@ NO_DIGEST = (
     r"which job wrote it; open it without a key \(hmac_key=None; on the command line, unset "
     r"AREAL_FN_CHECKPOINT_KEY\) only if you trust where it came from$"
 )
+#: The same on the command line, which names its flags (areal_fn.cli.CLI_WORDS).
+NO_DIGEST_CLI = (
+    r"carries no keyed digest \(manifest_hmac\): it was saved without a key, so nothing shows "
+    r"which job wrote it; open it without a key \(unset AREAL_FN_CHECKPOINT_KEY\) only if you "
+    r"trust where it came from$"
+)
 MISMATCH = (
     r": manifest_hmac does not match the key given: the checkpoint was not saved with this key "
     r"\(it comes from another job, or its manifest was changed after the save\); do not use it, "
@@ -560,7 +575,7 @@ def test_a_keyed_checkpoint_loads_with_its_key_only(keyed, saved, tmp_path):
 
 
 def test_a_keyed_digest_catches_what_a_checksum_cannot(keyed, tmp_path, marker):
-    """The attack on a keyed checkpoint: sha256 and manifest_sha256 recomputed, the keyed
+    """The attack on a keyed checkpoint: checksums and manifest_sha256 recomputed, the keyed
     digest left (nobody without the key can remake it): refused by the key."""
     root = _copy(keyed, tmp_path)
     craft(root, payload(marker))
@@ -578,13 +593,13 @@ def test_the_keyed_digest_on_the_command_line(keyed, saved, tmp_path, capsys, mo
     assert main(["checkpoint", "inspect", str(keyed), "--verify"]) == 0
     out = capsys.readouterr().out
     assert (
-        "keyed digest: matches the key given (every file's sha256 verified: it vouches for the "
+        "keyed digest: matches the key given (every file's checksum verified: it vouches for the "
         "files too)"
     ) in out, out
     assert main(["checkpoint", "inspect", str(keyed)]) == 0
     assert "it vouches for the manifest; pass verify to check the files" in capsys.readouterr().out
     assert main(["checkpoint", "export-hf", str(saved), str(tmp_path / "hf")]) == 2
-    assert re.search(NO_DIGEST, capsys.readouterr().err.strip())
+    assert re.search(NO_DIGEST_CLI, capsys.readouterr().err.strip())
     monkeypatch.setenv("AREAL_FN_CHECKPOINT_KEY", "another-key-0123456789")
     assert main(["checkpoint", "inspect", str(keyed), "--verify"]) == 2
     assert re.search(MISMATCH, capsys.readouterr().err.strip())
@@ -657,7 +672,7 @@ BAD_MANIFESTS = [
     ),
     (
         "a file outside the directory",
-        lambda raw: raw["files"].append({"path": "../x", "size": 0, "sha256": "0" * 64}),
+        lambda raw: raw["files"].append({"path": "../x", "size": 0, "blake3": "0" * 64}),
         r"manifest\.json: file '\.\./x' is not a path inside the checkpoint directory \(no "
         r"'\.\.', not absolute\)$",
     ),

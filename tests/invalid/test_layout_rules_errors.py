@@ -81,9 +81,8 @@ CASES = [
         "fsdp2 layout c3 on 28 heads",
         lambda: fsdp2_layout(spec(Q7), ParallelDims(cp=3)),
         r"^cp=3 does not divide num_attention_heads=28 / tp=1 = 28 heads per TP rank \(qwen2\); "
-        r"fsdp's c is reserved for Ulysses sequence parallelism, which splits those heads cp "
-        r"ways \(the FSDP2 engine runs c as data parallelism until Ulysses is built\); "
-        r"use cp in \{1, 2, 4, 28\}$",
+        r"fsdp's c is Ulysses sequence parallelism, whose attention all-to-all splits those "
+        r"heads cp ways; use cp in \{1, 2, 4, 28\}$",
     ),
     (
         "check_strategy fsdp:c3",

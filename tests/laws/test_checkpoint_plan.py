@@ -158,7 +158,7 @@ def manifest_of(layout: Layout, optimizer: str = "adam") -> CheckpointManifest:
         data_position={"epoch": 2, "i": [1, 2]},
         extras=("rng/0",),
         library_version="0.1.0",
-        files=(FileDigest(path="__0_0.distcp", size=10, sha256="0" * 64),),
+        files=(FileDigest(path="__0_0.distcp", size=10, algorithm="blake3", digest="0" * 64),),
     )
 
 

@@ -1,29 +1,17 @@
 """The areal-fn command: plan (tables, pictures, suggestions) and its errors."""
 
-import struct
-import zlib
-
 import pytest
+from PIL import Image
 
 from areal_fn.cli import main
 
 
 def read_png(path):
-    data = path.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, chunks = 8, {}
-    while pos < len(data):
-        (n,) = struct.unpack(">I", data[pos : pos + 4])
-        kind = data[pos + 4 : pos + 8]
-        body = data[pos + 8 : pos + 8 + n]
-        (crc,) = struct.unpack(">I", data[pos + 8 + n : pos + 12 + n])
-        assert crc == zlib.crc32(kind + body) & 0xFFFFFFFF
-        chunks[kind] = body
-        pos += 12 + n
-    w, h = struct.unpack(">II", chunks[b"IHDR"][:8])
-    raw = zlib.decompress(chunks[b"IDAT"])
-    assert len(raw) == h * (1 + 3 * w)
-    return w, h
+    """A PNG's (width, height), read by PIL after it verifies the file."""
+    with Image.open(path) as im:
+        im.verify()
+        assert im.format == "PNG"
+        return im.size
 
 
 def test_plan_prints_memory_pipeline_and_pictures(tmp_path, capsys):
@@ -45,7 +33,7 @@ def test_plan_prints_memory_pipeline_and_pictures(tmp_path, capsys):
     assert "MemoryReport megatron, 8 ranks" in out and "pipeline: Et*14|t*14L" in out
     assert "tp_kv:S(0)" in out or "tp_kv" in out
     w, h = read_png(tmp_path / "megatron-d2p2t2.ranks.png")
-    assert (w, h) == (4 * 48 + 1, 2 * 48 + 1)  # pp rows x (dp*cp*tp) columns
+    assert 600 <= w <= 1700 and 250 <= h <= 1200  # a figure, not 1 pixel per rank
     read_png(tmp_path / "megatron-d2p2t2.stages.png")
     read_png(tmp_path / "sglang-d2t4.ranks.png")
 

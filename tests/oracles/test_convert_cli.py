@@ -24,6 +24,7 @@ from safetensors import SafetensorError, safe_open
 
 from areal_fn.cli import main
 from areal_fn.errors import ConversionError
+from areal_fn.layouts.megatron import megatron_layout
 from areal_fn.model.spec import model_from_hf_config
 from areal_fn.runtime.hf.convert import (
     ConvertSummary,
@@ -33,6 +34,7 @@ from areal_fn.runtime.hf.convert import (
     read_local,
 )
 from areal_fn.runtime.hf.io import HfCheckpoint, write_hf_checkpoint
+from areal_fn.strategy.allocation import ParallelDims
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "qwen2": dict(
@@ -247,12 +249,15 @@ def test_convert_back_refuses_other_allocations_and_missing_ranks(
     src, _ = saved["qwen2"]
     local, back = tmp_path / "local", tmp_path / "back"
     convert_to_local(src, "megatron:t2p2", local)
-    with pytest.raises(
-        ConversionError, match=r"says allocation='megatron:d1p2t2', expected 'megatron:d2p2'"
-    ):
+    with pytest.raises(ConversionError) as short:
         convert_back(local, "megatron:d2p2", back)
+    assert str(short.value) == (
+        f"the rank files in {local} were written for megatron:d1p2t2, not megatron:d2p2; pass "
+        "megatron:d1p2t2, or leave the allocation out (it is read from the files)"
+    )
+    t2 = megatron_layout(model_from_hf_config(src), ParallelDims(tp=2))
     with pytest.raises(ConversionError, match=r"files for ranks \[2, 3\] outside"):
-        convert_back(local, "megatron:t2", back)
+        convert_back(local, t2, back)
     (local / rank_file(2)).unlink()
     with pytest.raises(ConversionError, match=r"no file for ranks \[2\]"):
         convert_back(local, None, back)

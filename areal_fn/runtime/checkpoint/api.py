@@ -5,9 +5,10 @@ gives it (each element once, replicas deduplicated), as DCP chunks keyed by cano
 name (``model.layers.0.self_attn.q_proj.weight``) and ``optim/<canonical>/<state>``
 for optimizer state; so any layout loads what any other layout saved. Next to DCP's
 files sits ``manifest.json`` (:class:`~areal_fn.plans.checkpoint.CheckpointManifest`:
-allocation, model config, tensors and chunks, optimizer, step, data position, sha256
-of every file). Saved with ``hf=``, the model's ``config.json``, tokenizer and
-generation config sit in ``hf/`` (:mod:`~areal_fn.runtime.hf.files`). A save::
+allocation, model config, tensors and chunks, optimizer, step, data position, BLAKE3
+of every file, taken while it is written). Saved with ``hf=``, the model's
+``config.json``, tokenizer and generation config sit in ``hf/``
+(:mod:`~areal_fn.runtime.hf.files`). A save::
 
     root/.tmp-step-00000012/   DCP writes here (every file fsync'ed), then the manifest
     root/step-00000012/        one rename once complete (and the directory fsync'ed)
@@ -123,7 +124,7 @@ def save_checkpoint(
     dedup: Dedup = "balanced",
     process_group: "dist.ProcessGroup | None" = None,
     blocking: bool = True,
-    thread_count: int = 1,
+    thread_count: int = 2,
     hf: HfFiles | None = None,
     hmac_key: bytes | None = None,
 ) -> "Path | PendingSave":
@@ -136,6 +137,10 @@ def save_checkpoint(
     call leaves them as it found them). With ``blocking=False`` the state is copied
     first and a :class:`PendingSave` returned: call its ``wait()`` before the next
     save (distributed, the background write uses a gloo group of its own, made once).
+
+    Each process writes ``thread_count`` data files at once, each by a thread of its
+    own, and takes every file's BLAKE3 as it writes it (on one more thread per file,
+    overlapped with the writing): no file is read back to be checksummed.
 
     ``hf`` (taken from the first process): the ``config.json`` the model was built from
     and the model directory's other non-weight files (tokenizer, generation config),
@@ -194,7 +199,7 @@ def load_checkpoint(
     """Load a checkpoint into ``states`` (local tensors of ``layout``), in place.
 
     ``path`` is a checkpoint directory or a root with ``latest``. The manifest, the DCP
-    metadata, every file's presence and size and (with ``verify``) sha256 are checked
+    metadata, every file's presence and size and (with ``verify``) checksum are checked
     first, the checksums shared among the processes of ``process_group``; any defect
     found there raises ``CheckpointError`` on every process, before any tensor is touched.
     Without ``verify`` a file whose bytes are damaged (its size intact) is found only while

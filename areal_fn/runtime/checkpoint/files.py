@@ -1,7 +1,7 @@
-"""Checkpoint directories on disk: names, the ``latest`` pointer, manifests, checksums."""
+"""Checkpoint directories on disk: names, the ``latest`` pointer, manifests, checksums
+(computed by :mod:`~areal_fn.runtime.checkpoint.hashing`)."""
 
 import functools
-import hashlib
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -13,6 +13,7 @@ from areal_fn.plans.checkpoint import (
     FileDigest,
 )
 from areal_fn.plans.checkpoint_keyed import check_keyed_digest
+from areal_fn.runtime.checkpoint.hashing import file_digest
 from areal_fn.runtime.checkpoint.metadata import METADATA, check_metadata_file
 from areal_fn.runtime.hf.files import HF_DIR
 
@@ -34,14 +35,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _digest(path: Path, rel: str, *, sync: bool) -> FileDigest:
-    with open(path, "rb") as f:
-        if sync:
-            os.fsync(f.fileno())
-        h = hashlib.file_digest(f, "sha256")
-    return FileDigest(path=rel, size=path.stat().st_size, sha256=h.hexdigest())
 
 
 def _data_files(folder: Path) -> list[str]:
@@ -156,11 +149,11 @@ def _check_file(folder: Path, want: FileDigest) -> str | None:
     if problem:
         return problem
     p = folder / want.path
-    got = _digest(p, want.path, sync=False).sha256
-    if got != want.sha256:
+    got = file_digest(p, want.path, want.algorithm, sync=False).digest
+    if got != want.digest:
         return (
-            f"{p} has sha256 {got[:16]}..., the manifest says {want.sha256[:16]}...; the file is "
-            "corrupted"
+            f"{p} has {want.algorithm} {got[:16]}..., the manifest says {want.digest[:16]}...; "
+            "the file is corrupted"
         )
     return None
 
@@ -169,7 +162,7 @@ def verify_checkpoint(
     path: "str | os.PathLike[str]", *, hmac_key: bytes | None = None
 ) -> CheckpointManifest:
     """Check the manifest (and its keyed digest with ``hmac_key``), every file's size and
-    sha256 (this process alone), and that ``.metadata`` is plain DCP metadata (its
+    checksum (this process alone; BLAKE3, or SHA-256 where the manifest says so), and that ``.metadata`` is plain DCP metadata (its
     opcodes read; nothing is unpickled)."""
     folder = resolve_checkpoint(path)
     manifest = read_manifest(folder)

@@ -77,7 +77,7 @@ class CheckpointReader:
 
     ``read(name, box)`` returns ``box`` of a parameter; ``read_state(name, state, box)``
     of an optimizer state. Only the chunks a box touches are read. The files' sizes are
-    checked first, their sha256 too with ``verify``, the keyed digest with ``hmac_key``.
+    checked first, their checksums too with ``verify``, the keyed digest with ``hmac_key``.
     Nothing is unpickled unless ``trust_pickle`` for a checkpoint saved before the
     manifest located its entries (see :func:`~areal_fn.runtime.checkpoint.api.load_checkpoint`).
     """
@@ -179,7 +179,7 @@ def export_hf(
     from areal_fn.model.spec import model_from_hf_config
     from areal_fn.runtime.hf.io import write_hf_checkpoint
 
-    # every file's sha256 checked, hf/ included
+    # every file's checksum checked, hf/ included
     reader = CheckpointReader(path, trust_pickle=trust_pickle, hmac_key=hmac_key)
     model = model_from_hf_config(reader.manifest.model)
     check_model(reader.manifest, model.tensors, source=str(reader.path))
@@ -196,6 +196,11 @@ def export_hf(
 
 
 # -- inspect -------------------------------------------------------------------------
+
+
+def _algorithms(m: CheckpointManifest) -> str:
+    """The checksum algorithms the manifest names, e.g. ``blake3``."""
+    return ", ".join(sorted({f.algorithm for f in m.files})) or "no files"
 
 
 def _human(n: float) -> str:
@@ -221,7 +226,7 @@ def _security_lines(
     )
     if hmac_key is not None:
         keyed = "  keyed digest: matches the key given" + (  # check_keyed_digest passed
-            " (every file's sha256 verified: it vouches for the files too)"
+            " (every file's checksum verified: it vouches for the files too)"
             if verify
             else " (it vouches for the manifest; pass verify to check the files against it)"
         )
@@ -267,7 +272,11 @@ def inspect_checkpoint(
         f"  extras {list(m.extras)}",
         f"  {describe_checkpoint_hf_files(m)}",
         f"  files {len(m.files)}, {_human(m.nbytes)}"
-        + (" (every sha256 verified)" if verify else " (checksums not verified; pass verify)"),
+        + (
+            f" (every checksum verified: {_algorithms(m)})"
+            if verify
+            else " (checksums not verified; pass verify)"
+        ),
         *security,
     ]
     per_rank: dict[int, int] = {}

@@ -65,7 +65,7 @@ from areal_fn.sharding.box import Box
 #: said when a load fails after it began writing into the caller's tensors
 _PARTLY = (
     "the local tensors may be partly overwritten: load them again before using them "
-    "(verify=True checks every file's sha256 before any tensor is touched)"
+    "(verify=True checks every file's checksum before any tensor is touched)"
 )
 
 

@@ -4,7 +4,8 @@ Every step that can fail on one process ends in ``_Group.agree``, so all process
 raise together: check the request (``_plan``), check that every layout rank is passed
 once (``_check_every_rank``), stage the pieces (``_stage``), build the manifest and
 prepare the directory on the first process (``_prepare``), then write the DCP files,
-checksum them and commit (``_write``), in this thread or in the background.
+each checksummed as it is written (:mod:`~areal_fn.runtime.checkpoint.writer`), and
+commit (``_write``), in this thread or in the background.
 """
 
 import functools
@@ -14,7 +15,6 @@ import os
 import shutil
 import threading
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,6 @@ import attrs
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
@@ -54,13 +53,13 @@ from areal_fn.runtime.checkpoint.files import (
     LATEST,
     MANIFEST,
     _data_files,
-    _digest,
     _fsync_dir,
     _latest_name,
     _write_text_atomic,
     list_checkpoints,
     step_dir_name,
 )
+from areal_fn.runtime.checkpoint.hashing import SAVE_CHECKSUM, file_digest
 from areal_fn.runtime.checkpoint.metadata import stored_items
 from areal_fn.runtime.checkpoint.state import (
     _LR_KEY,
@@ -71,6 +70,7 @@ from areal_fn.runtime.checkpoint.state import (
     _error,
     _Group,
 )
+from areal_fn.runtime.checkpoint.writer import DigestingWriter
 from areal_fn.runtime.hf.files import HfFiles, write_checkpoint_hf_files
 from areal_fn.sharding.box import Box
 
@@ -180,6 +180,11 @@ def _plan(req: _Request, running: PendingSave | None) -> WritePlan:
         raise CheckpointError(f"keep={req.keep} must be >= 1 (the checkpoint being saved is kept)")
     if req.step < 0:
         raise CheckpointError(f"step={req.step} must be >= 0")
+    if req.thread_count < 1:
+        raise CheckpointError(
+            f"thread_count={req.thread_count} must be >= 1 (the data files each process "
+            "writes at once)"
+        )
     plan = plan_save(req.layout, dedup=req.dedup)
     _check_states(req.layout, req.states, req.opt)
     if req.hf is not None:
@@ -305,16 +310,11 @@ def _prepare(
 
 
 def _write(job: _Write) -> Path:
-    """Write the files, checksum them, commit on the first process; every process agrees."""
+    """Write the files (each checksummed as it is written), commit on the first process;
+    every process agrees."""
     gw = _Group(job.pg) if job.distributed else job.group
     final = job.req.final
-    err, written = _write_files(job)
-    digests: list[FileDigest] = []
-    try:
-        if err is None:
-            digests = _digest_mine(job.req.tmp, gw)
-    except OSError as e:
-        err = f"cannot save checkpoint {final}: {e}"
+    err, written, digests = _write_files(job)
     everyone = gw.all_gather((err, digests))
     err = next((e for e, _ in everyone if e), None)
     if gw.rank == 0:
@@ -323,20 +323,17 @@ def _write(job: _Write) -> Path:
     return final
 
 
-def _write_files(job: _Write) -> tuple[str | None, Any]:
+def _write_files(job: _Write) -> tuple[str | None, Any, list[FileDigest]]:
     """DCP writes this process's items into the temporary directory; the error, if any,
-    and DCP's ``Metadata`` of what every process wrote (where each entry lies)."""
+    DCP's ``Metadata`` of what every process wrote (where each entry lies) and the
+    checksum of each data file this process wrote."""
     req = job.req
+    writer = DigestingWriter(req.tmp, thread_count=req.thread_count)
     try:
         with _single_process_dcp(job.distributed):
             written = dcp.save(
                 {},
-                storage_writer=FileSystemWriter(
-                    req.tmp,
-                    single_file_per_rank=True,
-                    sync_files=True,
-                    thread_count=req.thread_count,
-                ),
+                storage_writer=writer,
                 planner=_SavePlanner(job.staged.items, job.staged.data),
                 process_group=job.pg,
                 no_dist=not job.distributed,
@@ -345,16 +342,21 @@ def _write_files(job: _Write) -> tuple[str | None, Any]:
         return (
             f"cannot save checkpoint {req.final}: writing its files failed ({dcp_error(e)})",
             None,
+            [],
         )
-    return None, written
+    digests = [
+        FileDigest(path=name, size=size, algorithm=SAVE_CHECKSUM, digest=digest)
+        for name, (size, digest) in sorted(writer.digests.items())
+    ]
+    return None, written, digests
 
 
-def _digest_mine(tmp: Path, gw: _Group) -> list[FileDigest]:
-    """The sha256 of this process's share of the data files (each fsync'ed)."""
-    files = _data_files(tmp)
-    mine = files[gw.rank :: gw.size]
-    with ThreadPoolExecutor(max_workers=max(1, min(4, len(mine)))) as pool:
-        return list(pool.map(lambda f: _digest(tmp / f, f, sync=True), mine))
+def _digest_rest(tmp: Path, known: list[FileDigest]) -> list[FileDigest]:
+    """Every file of ``tmp`` with its checksum: ``known`` (hashed as written), the others
+    (DCP's ``.metadata``, ``hf/``: small) read, fsync'ed and hashed."""
+    seen = {d.path for d in known}
+    rest = [f for f in _data_files(tmp) if f not in seen]
+    return known + [file_digest(tmp / f, f, SAVE_CHECKSUM, sync=True) for f in rest]
 
 
 def _finish(job: _Write, err: str | None, digests: list[FileDigest], written: Any) -> str | None:
@@ -370,7 +372,7 @@ def _finish(job: _Write, err: str | None, digests: list[FileDigest], written: An
         )
     assert job.manifest is not None
     try:
-        listed = tuple(sorted(digests, key=lambda d: d.path))
+        listed = tuple(sorted(_digest_rest(req.tmp, digests), key=lambda d: d.path))
         manifest = attrs.evolve(job.manifest, files=listed, storage=stored_items(written))
         if req.hmac_key is not None:
             manifest = with_keyed_digest(manifest, req.hmac_key)

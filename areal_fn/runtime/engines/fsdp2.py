@@ -10,16 +10,29 @@ layout::
 
 What it does, in order: the layout comes from :func:`~areal_fn.layouts.fsdp2.fsdp2_layout`
 (pure; bad input fails before any process group is touched); the model is built from
-``model_spec.hf_config()`` with eager attention in float32 (the master weights;
+``model_spec.hf_config()`` in float32 (the master weights;
 ``run_options.param_dtype`` sets the compute dtype); :func:`~areal_fn.runtime.engines.fsdp2_apply.apply_fsdp2`
 applies TP, activation checkpointing and FSDP2 exactly as the layout says and checks
 every parameter against it; torch AdamW steps the sharded parameters.
 
-A training step: forward on this rank's rows, token losses summed and scaled by
-``dp / global token count`` (FSDP2 averages gradients over the ``dp`` data-parallel
-ranks, so the gradient is that of the global token mean), backward (FSDP2
-reduce-scatters / all-reduces the gradients), the layout-weighted global gradient
-norm, clipping, the optimizer step.
+Ulysses sequence parallelism (``c``, :mod:`~areal_fn.runtime.engines.ulysses`): the
+``cp`` ranks of one data-parallel share (:func:`~areal_fn.layouts.fsdp2.fsdp2_data_mesh`)
+pass the same rows; each computes targets on the full row, then runs the model on its
+``T/cp`` consecutive tokens (their global ``position_ids``), attention all-to-all over
+the share. ``dp_size`` counts data parallelism only. The model always runs our
+attention function (eager math; with ``cp = 1`` it only builds the mask), so packed
+sequences never attend across a boundary.
+
+A training step: forward on this rank's tokens, token losses summed and scaled by
+``F / global token count``, where ``F = dp * cp`` is the FSDP group's size (FSDP2
+averages gradients over it, so the gradient is that of the global token mean),
+backward (FSDP2 reduce-scatters / all-reduces the gradients), the layout-weighted
+global gradient norm, clipping, the optimizer step. :meth:`Fsdp2Engine.train_step_packed`
+takes variable-length sequences instead (:mod:`~areal_fn.runtime.engines.packed`): each
+packed row is a micro-batch of at most ``max_tokens_per_micro_batch`` tokens, run
+forward and backward in turn (gradients accumulate), then one optimizer step. Ranks
+that have fewer rows than another rank run empty rows (no target counts) so that
+every rank takes part in the same number of FSDP2 collectives.
 """
 
 from collections.abc import Mapping
@@ -31,11 +44,12 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from areal_fn.errors import LayoutError
-from areal_fn.layouts.fsdp2 import Fsdp2Options, fsdp2_layout
+from areal_fn.layouts.fsdp2 import Fsdp2Options, fsdp2_data_mesh, fsdp2_layout
 from areal_fn.layouts.layout import Layout
 from areal_fn.model.spec import ModelSpec
 from areal_fn.plans.convert import Reader, iter_to_megatron
 from areal_fn.runtime.engines import fsdp2_apply as fsdp2
+from areal_fn.runtime.engines import ulysses
 from areal_fn.runtime.engines.common import (
     AdamWConfig,
     OptimizerSteps,
@@ -46,6 +60,8 @@ from areal_fn.runtime.engines.common import (
     norm_weights,
 )
 from areal_fn.runtime.engines.fsdp2_apply import DP_REPLICATE, DP_SHARD, TP, Fsdp2RunOptions
+from areal_fn.runtime.engines.packed import PackedRow, TokenSequence, full_row_targets, pack_rows
+from areal_fn.sharding.mesh import Axis
 from areal_fn.strategy.allocation import Component, ParallelDims
 from areal_fn.typecheck import beartype
 
@@ -103,6 +119,8 @@ class Fsdp2Engine(OptimizerSteps):
         self.spec = model_spec
         self.layout: Layout = fsdp2_layout(model_spec, pdims, options=options)  # pure
         self.mesh = self.layout.meshes[0]
+        self.sp = pdims.cp
+        self.data_mesh = fsdp2_data_mesh(self.mesh, pdims.cp)  # pure
         self.grad_clip = grad_clip
         self.optimizer_config = optimizer
         self.steps_done = 0  # optimizer steps taken (the LR schedule's position)
@@ -118,7 +136,9 @@ class Fsdp2Engine(OptimizerSteps):
             if device_type == "cuda"
             else torch.device(device_type)
         )
+        self.sp_group = fsdp2.init_groups(self.data_mesh.groups(Axis.CP), self.rank)
         model = build_hf_model(model_spec, seed=seed).to(self.device)
+        ulysses.install(model, self.sp_group)
         self.model = fsdp2.apply_fsdp2(model, self.layout, self.device_mesh, options=run_options)
         self._params: dict[str, nn.Parameter] = dict(self.model.named_parameters())
         # the layout's tensors: the parameters, and buffers such as a router's expert bias
@@ -129,15 +149,26 @@ class Fsdp2Engine(OptimizerSteps):
     # -- geometry read from the layout -----------------------------------------------
     @property
     def dp_size(self) -> int:
-        """Data-parallel ranks (HSDP replicas x shards): how many shares a global batch has."""
-        return self.mesh.size // self._tp
+        """Data-parallel shares of a global batch (HSDP replicas x data shards; not ``cp``)."""
+        return self.mesh.size // (self._tp * self.sp)
 
     @property
     def dp_rank(self) -> int:
         """This rank's share of a global batch (replica-major, like the mesh)."""
-        coords = dict(zip(self.mesh.names, self.mesh.coords(self.rank), strict=True))
-        shard = self.mesh.axis_size(DP_SHARD)
+        coords = self._coords
+        shard = self.data_mesh.axis_size(DP_SHARD)
         return coords.get(DP_REPLICATE, 0) * shard + coords[DP_SHARD]
+
+    @property
+    def sp_rank(self) -> int:
+        """This rank's place in its sequence-parallel group: it computes tokens
+        ``[sp_rank * T/cp, (sp_rank + 1) * T/cp)`` of every row."""
+        return self._coords[Axis.CP]
+
+    @property
+    def _coords(self) -> dict[str, int]:
+        m = self.data_mesh
+        return dict(zip(m.names, m.coords(self.rank), strict=True))
 
     @property
     def _tp(self) -> int:
@@ -152,48 +183,132 @@ class Fsdp2Engine(OptimizerSteps):
     ) -> dict[str, float]:
         """One optimizer step on this rank's rows; returns global loss, grad norm, lr.
 
-        Every rank of a TP group passes the same rows; data-parallel ranks pass their
-        own share. Returns ``loss`` (global token mean before the step), ``grad_norm``
-        (before clipping), ``clip_coef``, ``lr``, ``tokens`` (global target count).
+        Every rank of a TP or sequence-parallel group passes the same rows;
+        data-parallel shares pass their own. The row length must be a multiple of ``cp``.
+        Returns ``loss`` (global token mean before the step), ``grad_norm`` (before
+        clipping), ``clip_coef``, ``lr``, ``tokens`` (global target count).
         """
-        targets, mask = next_token_targets(input_ids, loss_mask)
-        self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        logits = self.model(input_ids=input_ids.to(self.device)).logits[:, :-1]
-        token_loss = F.cross_entropy(
-            logits.float().reshape(-1, logits.shape[-1]),
-            targets.to(self.device).reshape(-1),
-            reduction="none",
-        ).reshape(targets.shape)
-        local_sum = (token_loss * mask.to(self.device)).sum()
-        stats = torch.stack(
-            [local_sum.detach().double(), mask.sum().to(self.device, torch.float64)]
+        next_token_targets(input_ids, loss_mask)  # checks shapes
+        self._check_length(input_ids.shape[1])
+        return self._train_rows([full_row_targets(input_ids, loss_mask)])
+
+    @beartype
+    def train_step_packed(
+        self, sequences: list[TokenSequence], *, max_tokens_per_micro_batch: int
+    ) -> dict[str, float]:
+        """One optimizer step on this share's variable-length sequences, packed.
+
+        The loss is the global mean over counted targets of ``weights * cross entropy``
+        (every sequence's own next tokens); equal to running the sequences one by one.
+        Rows hold at most ``max_tokens_per_micro_batch`` tokens (a multiple of ``cp``)
+        and are padded to a multiple of ``cp``; a longer sequence is refused.
+        """
+        rows = pack_rows(sequences, max_tokens=max_tokens_per_micro_batch, multiple_of=self.sp)
+        return self._train_rows(list(rows))
+
+    def _check_length(self, seq: int) -> None:
+        if seq % self.sp:
+            raise LayoutError(
+                f"rows of {seq} tokens do not split over cp={self.sp} sequence-parallel ranks; "
+                f"pad rows to a multiple of {self.sp} (loss_mask False) or use train_step_packed"
+            )
+
+    def _even_rows(self, rows: list[PackedRow]) -> list[PackedRow]:
+        """``rows`` plus empty rows up to the most rows any rank holds."""
+        n = torch.tensor(len(rows), dtype=torch.int64, device=self.device)
+        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+        empty = full_row_targets(torch.zeros(1, self.sp, dtype=torch.long), None)
+        empty = PackedRow(
+            input_ids=empty.input_ids,
+            position_ids=empty.position_ids,
+            targets=empty.targets,
+            counted=torch.zeros_like(empty.counted),
+            weights=torch.zeros_like(empty.weights),
+            sequences=(),
+            offsets=(),
         )
-        dist.all_reduce(stats)  # every TP rank of a data-parallel share adds the same
-        total, count = (float(x) / self._tp for x in stats)
+        return rows + [empty] * (int(n) - len(rows))
+
+    def _slice(self, row: PackedRow, field: Tensor) -> Tensor:
+        width = row.input_ids.shape[1] // self.sp
+        return field[:, self.sp_rank * width : (self.sp_rank + 1) * width].to(self.device)
+
+    def _logits(self, row: PackedRow) -> Tensor:
+        logits: Tensor = self.model(
+            input_ids=self._slice(row, row.input_ids),
+            position_ids=self._slice(row, row.position_ids),
+            use_cache=False,
+        ).logits
+        return logits.float()
+
+    def _train_rows(self, rows: list[PackedRow]) -> dict[str, float]:
+        rows = self._even_rows(rows)
+        held = float(sum(int(r.counted.sum()) for r in rows))
+        count_t = torch.tensor(held, dtype=torch.float64, device=self.device)
+        dist.all_reduce(count_t)  # every TP and SP rank of a share adds the same
+        count = float(count_t) / (self._tp * self.sp)
         if count == 0:
             raise LayoutError("the global batch has no target token (loss_mask is all False)")
-        (local_sum * (self.dp_size / count)).backward()
+        scale = (self.dp_size * self.sp) / count  # FSDP2 averages over dp * cp ranks
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        local = torch.zeros((), dtype=torch.float64, device=self.device)
+        for row in rows:
+            logits = self._logits(row)
+            token_loss = F.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]),
+                self._slice(row, row.targets).reshape(-1),
+                reduction="none",
+            ).reshape(logits.shape[:2])
+            row_sum = (token_loss * self._slice(row, row.weights)).sum()
+            (row_sum * scale).backward()
+            local += row_sum.detach().double()
+        dist.all_reduce(local)  # every TP rank of a data-parallel share adds the same
+        total = float(local) / self._tp
         return self._clip_and_step(self.local_grads(), loss_sum=total, tokens=count)
+
+    def _row_logprobs(self, row: PackedRow) -> Tensor:
+        """``log p(target)`` at every token of ``row`` ``[b, L]`` (gathered over ``cp``)."""
+        logp = torch.log_softmax(self._logits(row), dim=-1)
+        mine = logp.gather(-1, self._slice(row, row.targets).unsqueeze(-1)).squeeze(-1)
+        if self.sp_group is None:
+            return mine
+        parts = [torch.empty_like(mine) for _ in range(self.sp)]
+        dist.all_gather(parts, mine.contiguous(), group=self.sp_group)
+        return torch.cat(parts, dim=1)
+
+    def _eval(self, rows: list[PackedRow]) -> list[Tensor]:
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                return [self._row_logprobs(r) for r in self._even_rows(rows)][: len(rows)]
+        finally:
+            self.model.train(was_training)
 
     @beartype
     def forward_logprobs(self, input_ids: TokenIds) -> TokenLogprobs:
         """``log p(ids[:, t] | ids[:, :t])`` for ``t >= 1`` (eval mode, no grad, float32).
 
-        Normalised over the whole vocabulary (TP logits are gathered). Collective: every
-        rank calls it (each with its own rows).
+        Normalised over the whole vocabulary (TP logits are gathered), gathered over
+        the sequence-parallel ranks. Collective: every rank calls it (each data-parallel
+        share with its own rows).
         """
-        targets, _ = next_token_targets(input_ids)
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with torch.no_grad():
-                logits = self.model(input_ids=input_ids.to(self.device)).logits[:, :-1]
-                logp = torch.log_softmax(logits.float(), dim=-1)
-                out = logp.gather(-1, targets.to(self.device).unsqueeze(-1)).squeeze(-1)
-        finally:
-            self.model.train(was_training)
-        return out
+        next_token_targets(input_ids)
+        self._check_length(input_ids.shape[1])
+        return self._eval([full_row_targets(input_ids, None)])[0][:, :-1]
+
+    @beartype
+    def forward_logprobs_packed(
+        self, sequences: list[TokenSequence], *, max_tokens_per_micro_batch: int
+    ) -> list[Tensor]:
+        """Per sequence ``[n - 1]``: ``log p(ids[t] | ids[:t])``, ``t >= 1``, computed packed."""
+        rows = pack_rows(sequences, max_tokens=max_tokens_per_micro_batch, multiple_of=self.sp)
+        out: dict[int, Tensor] = {}
+        for row, logp in zip(rows, self._eval(list(rows)), strict=True):
+            for i, start in zip(row.sequences, row.offsets, strict=True):
+                out[i] = logp[0, start : start + len(sequences[i]) - 1]
+        return [out[i] for i in range(len(sequences))]
 
     # -- state -------------------------------------------------------------------------
     def local_state(self) -> dict[str, Tensor]:

@@ -71,6 +71,7 @@ from areal_fn.runtime.engines.fsdp2_mesh import DP_SHARD as DP_SHARD
 from areal_fn.runtime.engines.fsdp2_mesh import TP as TP
 from areal_fn.runtime.engines.fsdp2_mesh import FSDP2MismatchError as FSDP2MismatchError
 from areal_fn.runtime.engines.fsdp2_mesh import check_device_mesh, layout_mesh
+from areal_fn.runtime.engines.fsdp2_mesh import init_groups as init_groups
 from areal_fn.runtime.engines.fsdp2_mesh import init_mesh as init_mesh
 from areal_fn.runtime.engines.fsdp2_mesh import torch_placement as torch_placement
 from areal_fn.runtime.engines.fsdp2_mesh import torch_placements as torch_placements
@@ -92,6 +93,7 @@ __all__ = [
     "apply_fsdp2",
     "check_applied",
     "export_canonical",
+    "init_groups",
     "init_mesh",
     "load_canonical",
     "materialize_local",

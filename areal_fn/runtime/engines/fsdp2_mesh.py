@@ -29,6 +29,7 @@ __all__ = [
     "TP",
     "FSDP2MismatchError",
     "check_device_mesh",
+    "init_groups",
     "init_mesh",
     "layout_mesh",
     "torch_placement",
@@ -76,6 +77,21 @@ def init_mesh(mesh: Mesh, *, device_type: str = "cpu") -> DeviceMesh:
             f"{mesh.size} processes or plan for {world} ranks"
         )
     return init_device_mesh(device_type, mesh.sizes, mesh_dim_names=mesh.names)
+
+
+def init_groups(groups: Sequence[Sequence[int]], rank: int) -> dist.ProcessGroup | None:
+    """A process group for every rank group (collective: every rank calls it with the same
+    groups); returns the one holding ``rank``, ``None`` when the groups are single ranks."""
+    if all(len(g) == 1 for g in groups):
+        return None
+    mine = None
+    for g in groups:
+        pg = dist.new_group(list(g))
+        if rank in g:
+            mine = pg
+    if mine is None:
+        raise LayoutError(f"rank {rank} is in none of the groups {[tuple(g) for g in groups]}")
+    return mine
 
 
 def layout_mesh(layout: Layout) -> Mesh:

@@ -29,6 +29,14 @@ What runs, in order:
   layout-weighted gradient norm (:func:`~areal_fn.runtime.engines.common.grad_norm`),
   clipping, and ``torch.optim.AdamW`` over the local parameters.
 
+The steps live in :class:`~areal_fn.runtime.engines.megatron_steps.MegatronSteps`:
+padded rows (``train_step``, ``forward_logprobs``) and packed variable-length
+sequences (``train_step_packed``, ``forward_logprobs_packed``). Under context
+parallelism (``cp > 1``) each CP rank runs chunks ``r`` and ``2 cp - 1 - r`` of every
+row, through the core attention of :mod:`~areal_fn.runtime.megatron.context` (on a GPU
+with Transformer Engine, TE's own), and the gradients and token counts are reduced
+over ``dp x cp`` by Megatron.
+
 The loss is computed over the real vocabulary only: the logits of the padding rows
 of the output layer (read from the layout's padding pieces) are set to ``-inf``
 before Megatron's vocab-parallel cross entropy, so the engine optimises the same
@@ -41,7 +49,7 @@ Megatron's own optimizer (``get_megatron_optimizer``) is not used: on CPU it fai
 """
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from types import TracebackType
 from typing import Any
 
@@ -55,16 +63,9 @@ from areal_fn.layouts.layout import Layout
 from areal_fn.layouts.megatron import MegatronMeshes, megatron_layout, stages_for
 from areal_fn.model.spec import ModelSpec
 from areal_fn.pipeline.partition import StagePlan, megatron_layout_string
-from areal_fn.plans.convert import Reader, iter_to_megatron, to_hf
-from areal_fn.runtime.engines.common import (
-    AdamWConfig,
-    OptimizerSteps,
-    TokenIds,
-    TokenLogprobs,
-    TokenMask,
-    next_token_targets,
-    norm_weights,
-)
+from areal_fn.plans.convert import Reader, to_hf, to_megatron_into
+from areal_fn.runtime.engines.common import AdamWConfig, norm_weights
+from areal_fn.runtime.engines.megatron_steps import MegatronSteps
 from areal_fn.runtime.megatron import build as mb
 from areal_fn.sharding.mesh import Axis
 from areal_fn.strategy.allocation import Component, ParallelDims
@@ -75,12 +76,7 @@ __all__ = ["MegatronEngine"]
 _ADAMW = AdamWConfig()
 
 
-def _causal_mask(seq: int) -> Tensor:
-    # Megatron's convention: True = masked out; [1, 1, sq, sk].
-    return torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
-
-
-class MegatronEngine(OptimizerSteps):
+class MegatronEngine(MegatronSteps):
     """Megatron-Core ``GPTModel`` chunks trained as ``megatron_layout`` lays them out.
 
     ``dims``: an allocation ``Component`` or ``ParallelDims`` (dp is what the world
@@ -194,6 +190,7 @@ class MegatronEngine(OptimizerSteps):
         )
         config.finalize_model_grads_func = finalize_model_grads
         self.config = config
+        self._te_cp = mb.uses_transformer_engine_cp(config)
         self._params = self._named_params()
         # the layout's tensors: the parameters, and the routers' expert-bias buffers
         self._tensors: dict[str, Tensor] = {**self._params, **self._named_buffers()}
@@ -290,132 +287,6 @@ class MegatronEngine(OptimizerSteps):
         """This rank's share of a global batch."""
         return self.mesh.coords(self.rank)[self.mesh.axis_index(Axis.DP)]
 
-    # -- the schedule --------------------------------------------------------------------
-    def _nll(self, logits: Tensor, targets: Tensor) -> Tensor:
-        from megatron.core import tensor_parallel
-
-        assert self._pad_cols is not None  # only called on the last stage
-        masked = logits.float().masked_fill(self._pad_cols, float("-inf"))
-        return tensor_parallel.vocab_parallel_cross_entropy(masked.contiguous(), targets)
-
-    def _schedule(
-        self, input_ids: Tensor, mask: Tensor, *, forward_only: bool
-    ) -> list[dict[str, Tensor]]:
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        batch, seq = input_ids.shape
-        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
-        mbs = self.micro_batch_size
-        if batch % mbs:
-            raise LayoutError(
-                f"{batch} rows do not split into micro-batches of micro_batch_size={mbs}; "
-                "pass a multiple of it"
-            )
-        targets = input_ids[:, 1:]
-        micro = [
-            (input_ids[i : i + mbs], targets[i : i + mbs], mask[i : i + mbs])
-            for i in range(0, batch, mbs)
-        ]
-        position_ids = torch.arange(seq, device=self.device).unsqueeze(0).expand(mbs, seq)
-        attention = _causal_mask(seq).to(self.device)
-
-        def step(data_iterator: Iterator[tuple[Tensor, Tensor, Tensor]], model: Any) -> Any:
-            ids, tgt, m = next(data_iterator)
-            output = model(ids, position_ids, attention)
-
-            def loss_func(logits: Tensor) -> Any:
-                nll = self._nll(logits[:, :-1], tgt)
-                if forward_only:
-                    return nll.sum() * 0.0, {"logprobs": (-nll).detach()}
-                total = (nll * m).sum()
-                count = m.sum().to(torch.int)
-                return total, count, {"sum": total.detach().clone(), "count": count.clone()}
-
-            return output, loss_func
-
-        data: Any = [iter(micro) for _ in self.chunks] if len(self.chunks) > 1 else iter(micro)
-        return list(
-            get_forward_backward_func()(
-                forward_step_func=step,
-                data_iterator=data,
-                model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
-                num_microbatches=len(micro),
-                seq_length=seq,
-                micro_batch_size=mbs,
-                forward_only=forward_only,
-            )
-        )
-
-    def _is_loss_reporter(self) -> bool:
-        from megatron.core import parallel_state as ps
-
-        return (
-            ps.is_pipeline_last_stage(ignore_virtual=True)
-            and ps.get_tensor_model_parallel_rank() == 0
-            and ps.get_context_parallel_rank() == 0
-        )
-
-    # -- training ----------------------------------------------------------------------
-    @beartype
-    def train_step(
-        self,
-        input_ids: TokenIds,
-        loss_mask: TokenMask | None = None,
-    ) -> dict[str, float]:
-        """One optimizer step on this data-parallel rank's rows; same result keys as FSDP2's.
-
-        Every TP and PP rank of one data-parallel share passes the same rows.
-        """
-        _, mask = next_token_targets(input_ids, loss_mask)
-        for chunk in self.chunks:
-            chunk.train()
-            chunk.zero_grad_buffer()
-        self.optimizer.zero_grad(set_to_none=True)
-        outputs = self._schedule(input_ids, mask, forward_only=False)
-        stats = torch.zeros(2, dtype=torch.float64, device=self.device)
-        if self._is_loss_reporter():
-            for out in outputs:
-                stats[0] += out["sum"].double()
-                stats[1] += out["count"].double()
-        dist.all_reduce(stats)
-        total, count = float(stats[0]), float(stats[1])
-        if count == 0:
-            raise LayoutError("the global batch has no target token (loss_mask is all False)")
-        for p in self._params.values():  # the optimizer steps on Megatron's grad buffers
-            p.grad = p.main_grad  # type: ignore[attr-defined]
-        return self._clip_and_step(self.local_grads(), loss_sum=total, tokens=count)
-
-    @beartype
-    def forward_logprobs(self, input_ids: TokenIds) -> TokenLogprobs:
-        """``log p(ids[:, t] | ids[:, :t])`` for ``t >= 1`` over the real vocabulary (eval, no grad).
-
-        Computed on the last pipeline stage through the forward-only schedule and
-        broadcast to every stage, so every rank returns it.
-        """
-        from megatron.core import parallel_state as ps
-
-        targets, mask = next_token_targets(input_ids)
-        modes = [c.training for c in self.chunks]
-        for c in self.chunks:
-            c.eval()
-        try:
-            with torch.no_grad():
-                outputs = self._schedule(input_ids, mask, forward_only=True)
-        finally:
-            for c, mode in zip(self.chunks, modes, strict=True):
-                c.train(mode)
-        if ps.is_pipeline_last_stage(ignore_virtual=True):
-            logp = torch.cat([o["logprobs"] for o in outputs], dim=0).float()
-        else:
-            logp = torch.empty(targets.shape, dtype=torch.float32, device=self.device)
-        if self.dims.pp > 1:
-            dist.broadcast(
-                logp,
-                src=ps.get_pipeline_model_parallel_last_rank(),
-                group=ps.get_pipeline_model_parallel_group(),
-            )
-        return logp
-
     # -- state -------------------------------------------------------------------------
     def local_state(self) -> dict[str, Tensor]:
         """Layout tensor name -> this rank's live local parameter (shares storage)."""
@@ -431,10 +302,13 @@ class MegatronEngine(OptimizerSteps):
 
     @beartype
     def load_canonical(self, canonical: "Mapping[str, Tensor] | Reader") -> None:
-        """Write this rank's local tensors from canonical tensors (``to_megatron``; no communication)."""
-        with torch.no_grad():
-            for name, t in iter_to_megatron(canonical, self.layout, self.rank):
-                self._tensors[name].copy_(t)
+        """Write this rank's local tensors from canonical tensors (no communication).
+
+        Each piece is copied straight into its parameter's storage, cast to the
+        parameter's dtype (``to_megatron_into``); ``hf_views(path)`` reads an HF
+        checkpoint so, without any intermediate tensor.
+        """
+        to_megatron_into(canonical, self.layout, self.rank, out=self._tensors, cast=True)
 
     def export_canonical(self) -> dict[str, Tensor]:
         """Every canonical tensor on every rank: local states all-gathered, then ``to_hf``.

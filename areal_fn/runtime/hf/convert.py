@@ -33,6 +33,7 @@ from areal_fn.errors import ConversionError
 from areal_fn.layouts.layout import Layout
 from areal_fn.model.spec import ModelSpec, load_hf_config, model_from_hf_config
 from areal_fn.plans.convert import iter_to_hf, iter_to_megatron
+from areal_fn.runtime.hf import rank_files
 from areal_fn.runtime.hf.files import HfFiles, read_hf_files
 from areal_fn.runtime.hf.io import (
     HfCheckpoint,
@@ -75,6 +76,9 @@ class ConvertSummary:
     carried: tuple[str, ...] = ()
     #: ``"name (reason)"`` for what the source holds that was not carried.
     not_carried: tuple[str, ...] = ()
+    #: rank files read back whose checksum was verified, and those recording none
+    verified: tuple[str, ...] = ()
+    unverified: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         text = (
@@ -85,7 +89,7 @@ class ConvertSummary:
             text += f"; carried {', '.join(self.carried)}"
         if self.not_carried:
             text += f"; not carried: {', '.join(self.not_carried)}"
-        return text
+        return text + rank_files.describe_checks(self.verified, self.unverified)
 
 
 def _carried(hf: HfFiles) -> dict[str, tuple[str, ...]]:
@@ -206,6 +210,7 @@ def convert_to_local(
                 tensors += len(state)
                 nbytes += sum(t.numel() * t.element_size() for t in state.values())
                 metadata = _rank_metadata(layout, alloc, model, r)
+                metadata[rank_files.CHECKSUM] = rank_files.tensors_digest(state)
                 tmp = out / f".{rank_file(r)}.tmp"
                 writing = dst / rank_file(r)
                 save_file(state, str(tmp), metadata=metadata)
@@ -440,6 +445,7 @@ def convert_back(
     max_shard_bytes: int = 5 << 30,
     check_replicas: bool = True,
     overwrite: bool = False,
+    progress: Callable[[str], None] | None = None,
 ) -> ConvertSummary:
     """Per-rank safetensors files (every rank of ``target``) -> a sharded HF checkpoint.
 
@@ -450,7 +456,9 @@ def convert_back(
     (tokenizer, generation config). Refused, before anything is written, with every mismatch listed: missing
     or extra rank files, files written for another allocation, world size or model
     type, a tensor held in several dtypes, local tensors with other names or shapes.
-    With ``check_replicas`` every replicated copy must agree bitwise.
+    With ``check_replicas`` every replicated copy must agree bitwise. Every file's
+    recorded checksum (:mod:`~areal_fn.runtime.hf.rank_files`) is verified before
+    anything is written. ``progress`` is called with each canonical tensor name written.
     """
     src, dst = Path(src_dir), Path(dst_hf_dir)
     start = time.perf_counter()
@@ -468,25 +476,25 @@ def convert_back(
             raise ConversionError(
                 f"{src / CONFIG} describes another model than model=; drop model= or the file"
             )
+    metadata = {h.path.name: dict(h.metadata) for h in headers.values()}
     if target is None:
-        recorded = {dict(h.metadata).get("allocation") or "" for h in headers.values()}
-        if len(recorded) != 1 or "" in recorded:
-            raise ConversionError(
-                f"the rank files of {src} record allocations {sorted(recorded)}; pass the "
-                "allocation or layout they were written for"
-            )
-        target = recorded.pop()
+        target = rank_files.recorded_allocation(metadata, str(src))
+    elif not isinstance(target, Layout):
+        rank_files.check_recorded(metadata, target, str(src))
     layout, alloc = layout_of(model, target)
     _check_files(headers, layout, alloc, model)
     _check_dest(dst, overwrite)
     hf = read_hf_files(src, weights=[p.name for p in files.values()], config=model.hf_config())
     states = {r: read_local(files[r]) for r in range(layout.world_size)}
+    unverified = rank_files.check_digests(metadata, {files[r].name: s for r, s in states.items()})
     counted = [0, 0]
 
     def count(items: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         for name, t in items:
             counted[0] += 1
             counted[1] += t.numel() * t.element_size()
+            if progress is not None:
+                progress(name)
             yield name, t
 
     write_hf_checkpoint(
@@ -505,4 +513,6 @@ def convert_back(
         bytes=counted[1],
         seconds=round(time.perf_counter() - start, 4),
         **_carried(hf),
+        verified=tuple(sorted(set(metadata) - set(unverified))),
+        unverified=unverified,
     )

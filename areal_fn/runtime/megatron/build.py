@@ -17,7 +17,8 @@ Typical use in a worker::
 The model uses Megatron-Core's *local* layer spec (``get_gpt_layer_local_spec``):
 plain ``ColumnParallelLinear`` / ``RowParallelLinear``, ``torch.nn.RMSNorm``, unfused
 dot-product attention, ``SequentialMLP`` experts. The TransformerEngine spec cannot be
-built without TransformerEngine.
+built without TransformerEngine. Under context parallelism the core attention is
+replaced (:func:`layer_spec`): by ours on CPU, by Transformer Engine's on a GPU that has it.
 
 This module builds the models; the rest lives in modules of its own and is re-exported
 here: sizes and parallel state (:mod:`~areal_fn.runtime.megatron.parallel`), the
@@ -60,6 +61,7 @@ __all__ = [
     "pipeline_forward_logits",
     "rope_kwargs",
     "transformer_config",
+    "uses_transformer_engine_cp",
 ]
 
 
@@ -90,10 +92,46 @@ def layer_spec(arch: Mapping[str, Any], config: Any, *, vp_stage: int | None = N
             multi_latent_attention=mla,
         )
         layers = [spec]
-    if mla:
+    core = _core_attention(config, mla=mla)
+    if core is not None:
         for layer in layers:
-            layer.submodules.self_attention.submodules.core_attention = _mla_core_attention()
+            layer.submodules.self_attention.submodules.core_attention = core
     return spec
+
+
+def _core_attention(config: Any, *, mla: bool) -> Any:
+    """The core attention replacing the local spec's, or ``None`` to keep it.
+
+    Context parallelism (``cp > 1``): Transformer Engine's ``TEDotProductAttention``
+    (Megatron's own CP) when TE is installed and the model is not built on the CPU,
+    else :func:`~areal_fn.runtime.megatron.context.context_parallel_attention` (which
+    also takes multi-latent attention's ``k_channels`` / ``v_channels``). ``cp = 1``:
+    multi-latent attention's adapter (:func:`_mla_core_attention`), else ``None``.
+    """
+    if config.context_parallel_size > 1:
+        if uses_transformer_engine_cp(config):
+            from megatron.core.extensions.transformer_engine import TEDotProductAttention
+
+            return TEDotProductAttention
+        from areal_fn.runtime.megatron.context import context_parallel_attention
+
+        return context_parallel_attention()
+    return _mla_core_attention() if mla else None
+
+
+def uses_transformer_engine_cp(config: Any) -> bool:
+    """Whether ``cp > 1`` runs through Transformer Engine's attention: TE installed and the
+    CPU redirections off (a GPU run). Then packed rows are refused (TE's causal kernel
+    does not read a block-diagonal mask)."""
+    import importlib.util
+
+    from areal_fn.runtime.megatron import cpu as megatron_cpu
+
+    return (
+        config.context_parallel_size > 1
+        and importlib.util.find_spec("transformer_engine") is not None
+        and not megatron_cpu.is_enabled()
+    )
 
 
 def _mla_core_attention() -> Any:

@@ -67,6 +67,14 @@ The redirections (``REDIRECTIONS`` lists them by name, in the order applied):
     ``MLASelfAttention`` fails (``isinstance() arg 2 must be a type``). Redirected (only
     when ``transformer_engine`` is not installed): ``HAVE_TE = False``.
 
+``get_pos_emb_on_this_cp_rank``
+    (in ``megatron.core.models.common.embeddings.rope_utils`` and the copies imported by
+    ``rotary_pos_embedding`` and ``yarn_rotary_pos_embedding``). Under context
+    parallelism the rotary embedding of all ``T`` positions is cut to this rank's
+    chunks ``r`` and ``2 cp - 1 - r`` with an index tensor built with
+    ``pin_memory=True`` and moved by ``.cuda(non_blocking=True)``. Redirected: the same
+    selection with the index on the embedding's own device.
+
 ``megatron.core.pipeline_parallel.schedules.torch``
     The forward-backward schedules create their token counter with
     ``torch.zeros([], dtype=torch.int, device="cuda")``. Redirected: the module's
@@ -107,6 +115,9 @@ REDIRECTIONS: tuple[str, ...] = (
     "megatron.core.models.common.language_module.language_module.LanguageModule"
     ".setup_embeddings_and_output_layer",
     "megatron.core.transformer.multi_latent_attention.HAVE_TE",
+    "megatron.core.models.common.embeddings.rope_utils.get_pos_emb_on_this_cp_rank",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding.get_pos_emb_on_this_cp_rank",
+    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding.get_pos_emb_on_this_cp_rank",
     "megatron.core.pipeline_parallel.schedules.torch",
 )
 
@@ -131,6 +142,11 @@ def enable() -> None:
     if _saved:
         return
     from megatron.core.fusions import fused_softmax
+    from megatron.core.models.common.embeddings import (
+        rope_utils,
+        rotary_pos_embedding,
+        yarn_rotary_pos_embedding,
+    )
     from megatron.core.models.common.language_module import language_module
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as mcore_random
@@ -162,6 +178,8 @@ def enable() -> None:
         from megatron.core.transformer import multi_latent_attention
 
         patches.append((multi_latent_attention, "HAVE_TE", False))
+    for module in (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding):
+        patches.append((module, "get_pos_emb_on_this_cp_rank", _cpu_pos_emb_on_this_cp_rank))
     patches.append((schedules, "torch", _CpuZerosTorch()))
     for owner, name, value in patches:
         _saved.append((owner, name, vars(owner).get(name, _MISSING)))
@@ -258,6 +276,18 @@ def _cpu_sliding_window_causal_mask(sq: int, skv: int, window_size: Any) -> torc
     keep = torch.triu(keep, diagonal=skv - sq - window_size[0])
     keep = torch.tril(keep, diagonal=skv - sq + window_size[1])
     return ~keep
+
+
+def _cpu_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group: Any) -> Any:
+    # Megatron's selection (chunks r and 2cp-1-r of 2cp), the index on pos_emb's device.
+    if cp_group is None:
+        raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+    cp, rank = cp_group.size(), cp_group.rank()
+    index = torch.tensor([rank, 2 * cp - rank - 1], device=pos_emb.device)
+    shape = pos_emb.shape
+    pos_emb = pos_emb.view(*shape[:seq_dim], 2 * cp, -1, *shape[seq_dim + 1 :])
+    pos_emb = pos_emb.index_select(seq_dim, index)
+    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2 :])
 
 
 def _tensor_cuda_is_identity_during(method: Callable[..., Any]) -> Callable[..., Any]:

@@ -1,6 +1,10 @@
 """Forward passes through Megatron-Core ``GPTModel`` s in eval mode: single-stage logits,
 the tensor-parallel gather, and a forward-only pass through the pipeline schedule.
 
+Under context parallelism each CP rank runs its chunks of the rows
+(:func:`~areal_fn.runtime.megatron.context.split_for_cp`) and the logits are all-gathered
+over CP in sequence order, so every CP rank returns the logits of the whole rows.
+
 Re-exported by :mod:`areal_fn.runtime.megatron.build`.
 """
 
@@ -11,6 +15,7 @@ from typing import Any
 import torch
 
 from areal_fn.errors import LayoutError
+from areal_fn.runtime.megatron.context import gather_from_cp, split_for_cp
 from areal_fn.typecheck import beartype
 
 __all__ = ["forward_logits", "gather_tp_logits", "pipeline_forward_logits"]
@@ -40,9 +45,9 @@ def _causal_mask(seq: int) -> torch.Tensor:
 def forward_logits(model: Any, input_ids: torch.Tensor) -> torch.Tensor:
     """Logits ``[batch, seq, vocab(/tp)]`` of a single-stage model, in eval mode."""
     batch, seq = input_ids.shape
-    position_ids = torch.arange(seq).unsqueeze(0).expand(batch, seq)
+    position_ids = split_for_cp(torch.arange(seq).unsqueeze(0).expand(batch, seq))
     with _inference([model]):
-        return model(input_ids, position_ids, _causal_mask(seq))
+        return gather_from_cp(model(split_for_cp(input_ids), position_ids, _causal_mask(seq)))
 
 
 @beartype
@@ -77,8 +82,8 @@ def pipeline_forward_logits(
         raise LayoutError(
             f"batch={batch} is not divisible by micro_batch_size={mbs}; pick a divisor"
         )
-    micro = list(input_ids.split(mbs))
-    position_ids = torch.arange(seq).unsqueeze(0).expand(mbs, seq)
+    micro = list(split_for_cp(input_ids).split(mbs))
+    position_ids = split_for_cp(torch.arange(seq).unsqueeze(0).expand(mbs, seq))
     mask = _causal_mask(seq)
 
     def step(data_iterator: Iterator[torch.Tensor], model: Any) -> tuple[Any, Any]:
@@ -103,4 +108,4 @@ def pipeline_forward_logits(
         )
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         return None
-    return torch.cat([o["logits"] for o in outputs], dim=0)
+    return gather_from_cp(torch.cat([o["logits"] for o in outputs], dim=0))

@@ -1,8 +1,10 @@
 """Weight sync: execute a :class:`~areal_fn.plans.transfer.BucketPlan` over a process group.
 
 The plan is pure data computed identically on every rank
-(:func:`~areal_fn.plans.transfer.plan_transfers` then :func:`~areal_fn.plans.transfer.bucket`);
-this module only moves bytes::
+(:func:`~areal_fn.plans.transfer.plan_transfers` then :func:`~areal_fn.plans.transfer.bucket`),
+or each rank's own rows of it
+(:func:`~areal_fn.plans.transfer.plan_rank_transfers`, bucketed the same way: a row's
+bucket depends on that row alone); this module only moves bytes::
 
     plan = bucket(plan_transfers(train, infer, src_ranks=[0, 1], dst_ranks=[2, 3]),
                   64 << 20, version=step)
@@ -130,7 +132,8 @@ def send_and_receive(
     last = steps[-1][0] if steps else 0  # check and unpack the last bucket's arrivals
     _exchange(group, seq, version, last, [], [], src_tensors, shadows, device, arrived)
     del arrived
-    progress.advance(len(plan.buckets) + 1, version)
+    # past every bucket index of this rank's plan (a rank's own plan skips buckets)
+    progress.advance(plan.buckets[-1].index + 2 if plan.buckets else 1, version)
     progress.vote(version)
     with torch.no_grad():
         for name, shadow in shadows.items():

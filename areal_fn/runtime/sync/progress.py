@@ -28,8 +28,8 @@ _POLL_S = (0.0005, 0.02)  # first and longest pause while waiting for the vote
 class _Progress:
     """This rank's progress through one sync, published on the store, and its peers'.
 
-    Each member keeps a counter ``at/<rank>`` (1 + the bucket it has started; the
-    number of buckets + 1 once it votes) and adds the same steps to a shared
+    Each member keeps a counter ``at/<rank>`` (1 + the bucket it has started; 2 + its
+    last bucket once it votes) and adds the same steps to a shared
     ``progress`` counter. A rank posts a bucket's operations only once the peers it
     exchanges with have started that bucket, so a backend timeout measures one
     bucket's exchange, not a peer's earlier work; and waits on the store (polled) time

@@ -1,0 +1,160 @@
+"""``areal-fn convert``: an HF checkpoint <-> per-rank files, with progress and ``--json``.
+
+``convert SRC ALLOCATION DST`` writes the files of one component: an allocation of
+several components (``sglang:t2+megatron:t2p2``) is refused unless ``--component``
+names the one to write. ``convert SRC DST --to-hf`` reads the allocation the files
+record (an ALLOCATION given must be the recorded one) and verifies every file's
+checksum. The progress bar goes to stderr and stays there as a summary line.
+"""
+
+import argparse
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from areal_fn.errors import ConversionError
+from areal_fn.runtime.commands.output import emit_json
+from areal_fn.runtime.console import text_console
+from areal_fn.runtime.hf.convert import ConvertSummary
+from areal_fn.strategy.parse import parse_allocation
+
+__all__ = ["choose_component", "cmd_convert"]
+
+
+def choose_component(allocation: str, chosen: str | None) -> str:
+    """The one component of ``allocation`` to write: its only one, or the one
+    ``--component`` names (by label ``megatron[actor]``, name ``actor`` or backend)."""
+    alloc = parse_allocation(allocation)
+    comps = alloc.components
+    listed = ", ".join(str(c) for c in comps)
+    if chosen is None:
+        if len(comps) == 1:
+            return str(alloc)
+        raise ConversionError(
+            f"{alloc} has {len(comps)} components ({listed}) and convert writes the files of "
+            f"one; pass --component {comps[-1].label} (or another), or give that component "
+            f"alone ({comps[-1]})"
+        )
+    found = [c for c in comps if chosen in (c.label, c.name, c.backend.value)]
+    if len(found) != 1:
+        why = "none" if not found else f"{len(found)}"
+        raise ConversionError(
+            f"--component {chosen} matches {why} of the components of {alloc} ({listed}); pass "
+            f"one of {', '.join(c.label for c in comps)} (name the components when two share "
+            "a backend)"
+        )
+    return str(found[0])
+
+
+def _json(summary: ConvertSummary, direction: str, src: str, allocation: str | None) -> None:
+    emit_json(
+        {
+            "schema": "areal-fn.convert/1",
+            "direction": direction,
+            "src": src,
+            "dst": summary.path,
+            "allocation": allocation,
+            "ranks": list(summary.ranks),
+            "tensors": summary.tensors,
+            "bytes": summary.bytes,
+            "seconds": summary.seconds,
+            "carried": list(summary.carried),
+            "not_carried": list(summary.not_carried),
+            "verified": list(summary.verified),
+            "unverified": list(summary.unverified),
+        }
+    )
+
+
+def _total_local(src: str, allocation: str, ranks: list[int] | None) -> int:
+    """Local tensors the conversion writes (the progress bar's total)."""
+    from areal_fn.model.spec import model_from_hf_config
+    from areal_fn.runtime.hf.convert import layout_of
+
+    layout, _ = layout_of(model_from_hf_config(src), allocation)
+    chosen = range(layout.world_size) if ranks is None else ranks
+    return sum(len(layout.local_tensors(r)) for r in chosen if 0 <= r < layout.world_size)
+
+
+@contextlib.contextmanager
+def _bar(description: str, total: int | None) -> Iterator[Callable[[str], None]]:
+    """A progress bar on stderr, left as a summary line; removed when the work fails."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("tensors"),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=text_console(stderr=True), transient=False) as progress:
+        task = progress.add_task(description, total=total)
+        try:
+            yield lambda _name: progress.advance(task)
+        except BaseException:
+            progress.remove_task(task)
+            raise
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from areal_fn.runtime.hf.convert import convert_back, convert_to_local
+
+    src, dst = args.src, args.dst
+    if args.to_hf:
+        alloc = (
+            None if args.allocation is None else choose_component(args.allocation, args.component)
+        )
+        model = None if args.model is None else _model(args.model)
+        with _bar("to HF", _total_hf(src, args.model)) as tick:
+            summary = convert_back(
+                src, alloc, dst, model=model, overwrite=args.overwrite, progress=tick
+            )
+        recorded = _recorded(src, alloc)
+    else:
+        if args.allocation is None:
+            raise ConversionError(
+                "convert needs SRC ALLOCATION DST (e.g. areal-fn convert hf/ megatron:t2p2 "
+                "out/); only --to-hf reads the allocation from the files"
+            )
+        recorded = choose_component(args.allocation, args.component)
+        ranks = None if args.rank is None else [args.rank]
+        with _bar("to per-rank files", _total_local(src, recorded, ranks)) as tick:
+            summary = convert_to_local(
+                src, recorded, dst, ranks=ranks, overwrite=args.overwrite, progress=tick
+            )
+    if args.json:
+        _json(summary, "to-hf" if args.to_hf else "to-local", src, recorded)
+    else:
+        text_console().print(f"converted {summary}")  # the summary says how long it took
+    return 0
+
+
+def _total_hf(src: str, model: str | None) -> int | None:
+    """Canonical tensors of the model (the progress bar's total), None when unknown."""
+    from areal_fn.errors import SpecError
+    from areal_fn.model.spec import model_from_hf_config
+
+    try:
+        return len(model_from_hf_config(model or src).tensors)
+    except (SpecError, OSError):
+        return None  # convert_back says what is wrong
+
+
+def _recorded(src: str, given: str | None) -> str | None:
+    """``given``, or the allocation the rank files in ``src`` record (they agree: checked)."""
+    from pathlib import Path
+
+    from areal_fn.runtime.hf.convert import rank_file
+    from areal_fn.runtime.hf.io import read_safetensors_header
+
+    if given is not None:
+        return given
+    header, _, _ = read_safetensors_header(Path(src) / rank_file(0))
+    return str((header.get("__metadata__") or {}).get("allocation")) or None
+
+
+def _model(arg: str) -> Any:
+    from areal_fn.model.spec import model_from_hf_config
+
+    return model_from_hf_config(arg)

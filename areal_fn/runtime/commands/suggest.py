@@ -1,0 +1,152 @@
+"""``areal-fn plan CONFIG --suggest N --device-memory SIZE``: ranked training strategies.
+
+The assumptions of the estimate are printed first, each with the flag that sets it:
+sequence length, micro-batch, global batch, recompute, GPUs per node, optimizer
+offload, and the margin of device memory kept free for what the estimate leaves out
+(CUDA context, NCCL communication buffers, allocator fragmentation).
+"""
+
+import argparse
+from typing import Any
+
+from areal_fn.errors import SpecError
+from areal_fn.model.spec import ModelSpec
+from areal_fn.plans.advisor import Hardware, Suggestion, suggest_strategy
+from areal_fn.plans.memory import ActivationModel, PrecisionPolicy
+from areal_fn.runtime.commands.output import emit_json, human, parse_size
+
+__all__ = ["LEFT_OUT", "cmd_suggest", "model_json"]
+
+#: What the memory estimate does not count, kept free by the margin.
+LEFT_OUT = (
+    "CUDA context and kernels",
+    "NCCL communication buffers",
+    "allocator fragmentation",
+    "temporary tensors outside the activation model",
+)
+
+
+def model_json(model: ModelSpec, config: str) -> dict[str, Any]:
+    """The ``model`` object of the JSON documents."""
+    return {
+        "config": config,
+        "model_type": model.model_type,
+        "num_layers": model.num_layers,
+        "num_params": model.num_params,
+        "dtype": model.dtype,
+    }
+
+
+def _assumptions(args: argparse.Namespace, device_bytes: int) -> dict[str, Any]:
+    margin = float(args.memory_margin)
+    if not 0 <= margin < 1:
+        raise SpecError(
+            f"--memory-margin {args.memory_margin} must be in [0, 1): the fraction of device "
+            "memory kept free (e.g. 0.1)"
+        )
+    for flag, value in (
+        ("--seq-len", args.seq_len),
+        ("--micro-batch", args.micro_batch),
+        ("--global-batch", args.global_batch),
+        ("--gpus-per-node", args.gpus_per_node),
+    ):
+        if value < 1:
+            raise SpecError(f"{flag} {value} must be >= 1")
+    margin_bytes = device_bytes - int(device_bytes * (1 - margin))
+    return {
+        "seq_len": args.seq_len,
+        "micro_batch": args.micro_batch,
+        "global_batch": args.global_batch,
+        "recompute": args.recompute,
+        "gpus_per_node": args.gpus_per_node,
+        "optimizer_offload": args.optimizer_offload,
+        "policy": str(PrecisionPolicy.bf16_mixed()),
+        "memory_margin": margin,
+        "margin_bytes": margin_bytes,
+        "usable_bytes": device_bytes - margin_bytes,
+        "left_out": list(LEFT_OUT),
+    }
+
+
+def _assumption_lines(a: dict[str, Any], device_bytes: int) -> list[str]:
+    on = {True: "on", False: "off"}
+    offload = "in host memory" if a["optimizer_offload"] else "on the device"
+    return [
+        "assumptions (each set by the flag shown):",
+        f"  sequence length {a['seq_len']} tokens (--seq-len), micro-batch {a['micro_batch']} "
+        f"sequences (--micro-batch), global batch {a['global_batch']} sequences per step "
+        f"(--global-batch)",
+        f"  recompute {on[a['recompute']]} (--recompute / --no-recompute), "
+        f"{a['gpus_per_node']} GPUs per node (--gpus-per-node), optimizer state {offload} "
+        f"(--optimizer-offload)",
+        f"  precision: {a['policy']}",
+        f"  margin: {a['memory_margin']:.0%} of {device_bytes:,} bytes ({human(a['margin_bytes'])})"
+        f" kept free for what the estimate leaves out ({', '.join(a['left_out'])}); a "
+        f"strategy fits when its estimate is at most {a['usable_bytes']:,} bytes "
+        f"({human(a['usable_bytes'])}) (--memory-margin)",
+    ]
+
+
+def _suggestion_json(i: int, s: Suggestion) -> dict[str, Any]:
+    p = s.memory.max_rank
+    return {
+        "rank": i,
+        "allocation": s.allocation,
+        "peak_bytes": p.total,
+        "peak_rank": p.rank,
+        "params": p.params,
+        "grads": p.grads,
+        "optimizer": p.optimizer,
+        "activations": p.activations,
+        "buffers": p.buffers,
+        "step_seconds": s.score,
+        "why": s.why,
+    }
+
+
+def cmd_suggest(console: Any, model: ModelSpec, args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    if args.device_memory is None:
+        raise SpecError("--suggest needs --device-memory (e.g. 80GB or 80GiB)")
+    device_bytes = parse_size(args.device_memory)
+    a = _assumptions(args, device_bytes)
+    found = suggest_strategy(
+        model,
+        args.suggest,
+        device_bytes,
+        activation=ActivationModel(
+            micro_batch_size=a["micro_batch"], seq_len=a["seq_len"], recompute=a["recompute"]
+        ),
+        top=args.top,
+        global_batch_size=a["global_batch"],
+        memory_margin=a["memory_margin"],
+        hardware=Hardware(devices_per_node=a["gpus_per_node"]),
+        optimizer_offload=a["optimizer_offload"],
+    )
+    if args.json:
+        emit_json(
+            {
+                "schema": "areal-fn.suggest/1",
+                "model": model_json(model, args.config),
+                "devices": args.suggest,
+                "device_memory_bytes": device_bytes,
+                "assumptions": a,
+                "suggestions": [_suggestion_json(i, s) for i, s in enumerate(found, 1)],
+            }
+        )
+        return 0
+    for line in _assumption_lines(a, device_bytes):
+        console.print(line)
+    table = Table(
+        title=f"strategies for {model.model_type} ({model.num_params:,} parameters) on "
+        f"{args.suggest} devices of {args.device_memory}"
+    )
+    for col in ("#", "allocation", "peak memory", "score (s/step)"):
+        table.add_column(col, no_wrap=True)
+    for i, sgn in enumerate(found, 1):
+        table.add_row(str(i), sgn.allocation, human(sgn.memory.max_rank.total), f"{sgn.score:.3g}")
+    console.print(table)
+    for i, sgn in enumerate(found, 1):
+        console.print(f"{i}. {sgn.why}")
+    return 0

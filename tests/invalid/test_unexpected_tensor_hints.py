@@ -1,0 +1,61 @@
+"""Unexpected checkpoint tensors that usually mean something: quantised weights (FP8 /
+MXFP4 scales) and multi-token-prediction layers past ``num_hidden_layers``."""
+
+import pytest
+import torch
+
+from areal_fn.errors import ConversionError
+from areal_fn.model.spec import model_from_hf_config
+from areal_fn.plans.convert import check_canonical
+
+_DS = {
+    "model_type": "deepseek_v3",
+    "hidden_size": 8,
+    "intermediate_size": 8,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "vocab_size": 16,
+    "q_lora_rank": 4,
+    "kv_lora_rank": 4,
+    "qk_nope_head_dim": 2,
+    "qk_rope_head_dim": 2,
+    "v_head_dim": 2,
+    "moe_intermediate_size": 4,
+    "n_routed_experts": 2,
+    "num_experts_per_tok": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+}
+
+
+def _canonical(extra: list[str]) -> dict[str, torch.Tensor]:
+    spec = model_from_hf_config(_DS)
+    out = {t.name: torch.empty(t.shape) for t in spec.tensors}
+    out.update({n: torch.empty(1) for n in extra})
+    return out
+
+
+CASES = [
+    (
+        "FP8 scales",
+        ["model.layers.0.self_attn.q_a_proj.weight_scale_inv"],
+        r"unexpected 1: \['model\.layers\.0\.self_attn\.q_a_proj\.weight_scale_inv'\].*the "
+        r"checkpoint holds quantised weights \(FP8 'weight_scale_inv', MXFP4 "
+        r"'_blocks'/'_scales'\): dequantise it to the dtype of its config\.json first$",
+    ),
+    (
+        "an MTP layer",
+        ["model.layers.2.enorm.weight", "model.layers.2.eh_proj.weight"],
+        r"unexpected 2: .*; layers \['2'\] are beyond num_hidden_layers "
+        r"\(multi-token-prediction layers, num_nextn_predict_layers, are not part of the model "
+        r"transformers builds\): keep them out of the checkpoint this model is read from$",
+    ),
+]
+
+
+@pytest.mark.parametrize(("what", "extra", "message"), CASES, ids=[c[0] for c in CASES])
+def test_unexpected_tensors_get_their_reason(what: str, extra: list[str], message: str) -> None:
+    spec = model_from_hf_config(_DS)
+    with pytest.raises(ConversionError, match=message):
+        check_canonical(_canonical(extra), spec.tensors)
