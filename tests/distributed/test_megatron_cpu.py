@@ -529,10 +529,16 @@ def test_run_torchrun_reports_each_rank_and_kills_on_timeout(tmp_path: Path) -> 
 
     script = tmp_path / "ranks.py"
     script.write_text(
-        "import os, sys, time\n"
+        "import os, pathlib, sys, time\n"
         "rank = os.environ['RANK']\n"
-        "print('out', rank); print('err', rank, file=sys.stderr)\n"
+        "print('out', rank, flush=True); print('err', rank, file=sys.stderr, flush=True)\n"
+        f"done = pathlib.Path({str(tmp_path / 'rank0-printed')!r})\n"
+        "if rank == '0': done.touch()\n"
         "if sys.argv[1] == 'sleep': time.sleep(120)\n"
+        "# rank 1 fails only once rank 0 has printed (torchrun then stops rank 0)\n"
+        "deadline = time.monotonic() + 50\n"
+        "while rank == '1' and not done.exists() and time.monotonic() < deadline:\n"
+        "    time.sleep(0.05)\n"
         "if rank == '1': sys.exit(3)\n"
     )
     with pytest.raises(LaunchError) as caught:
