@@ -22,6 +22,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -194,8 +195,6 @@ def _world_group(members: list[int]) -> object:
 
 
 def sync_local(ctx: Ctx, *, group: object | None = None) -> CheckResult:
-    from areal_fn.runtime.sync.executor import send_and_receive
-
     spec = io_spec(ctx)
     train, infer = fsdp2_layout(spec, ParallelDims()), inference_layout(spec, ParallelDims())
     canonical = random_canonical(spec, dtype=BF16)
@@ -205,21 +204,7 @@ def sync_local(ctx: Ctx, *, group: object | None = None) -> CheckResult:
         for lt in infer.local_tensors(0)
     }
     group = group if group is not None else _world_group([0])
-    version = iter(range(1, 1000))
-    reports = []
-    plan = plan_transfers(train, infer)
-
-    def sync() -> None:
-        reports.append(
-            send_and_receive(
-                bucket(plan, BUCKET, version=next(version)),
-                src_tensors=src,
-                dst_tensors=live,
-                group=group,
-            )
-        )  # type: ignore[arg-type]
-
-    s_sync = _best(ctx, sync)
+    s_sync, reports = _timed_sync(ctx, plan_transfers(train, infer), src, live, group)
     flat = torch.empty(reports[-1].bytes_copied, dtype=torch.uint8, device=ctx.device)
     s_copy = _best(ctx, lambda: flat.clone())
     same = bitwise_equal(to_hf({0: {n: t.cpu() for n, t in live.items()}}, infer), canonical)
@@ -241,9 +226,28 @@ def sync_local(ctx: Ctx, *, group: object | None = None) -> CheckResult:
     )
 
 
-def sync_two_process(ctx: Ctx) -> CheckResult:
+def _timed_sync(
+    ctx: Ctx, plan: Any, src: dict[str, Any], live: dict[str, Any], group: Any
+) -> tuple[float, list[Any]]:
+    """Best time of executing ``plan`` (bucketed, a new version each run) and its reports."""
     from areal_fn.runtime.sync.executor import send_and_receive
 
+    version, reports = iter(range(1, 1000)), []
+
+    def sync() -> None:
+        reports.append(
+            send_and_receive(
+                bucket(plan, BUCKET, version=next(version)),
+                src_tensors=src,
+                dst_tensors=live,
+                group=group,
+            )
+        )  # type: ignore[arg-type]
+
+    return _best(ctx, sync), reports
+
+
+def sync_two_process(ctx: Ctx) -> CheckResult:
     spec, rank = io_spec(ctx), dist.get_rank()
     train, infer = fsdp2_layout(spec, ParallelDims()), inference_layout(spec, ParallelDims())
     canonical = random_canonical(spec, dtype=BF16)
@@ -262,19 +266,7 @@ def sync_two_process(ctx: Ctx) -> CheckResult:
     )
     group = _world_group([0, 1])
     plan = plan_transfers(train, infer, src_ranks=[0], dst_ranks=[1])
-    version, reports = iter(range(1, 1000)), []
-
-    def sync() -> None:
-        reports.append(
-            send_and_receive(
-                bucket(plan, BUCKET, version=next(version)),
-                src_tensors=src,
-                dst_tensors=live,
-                group=group,
-            )
-        )  # type: ignore[arg-type]
-
-    seconds = _best(ctx, sync)
+    seconds, reports = _timed_sync(ctx, plan, src, live, group)
     same = rank != 1 or bitwise_equal(
         to_hf({0: {n: t.cpu() for n, t in live.items()}}, infer), canonical
     )
