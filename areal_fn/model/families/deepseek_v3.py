@@ -27,16 +27,10 @@ from areal_fn.model.families import CORE_KEYS, STACKED_SWIGLU_EXPERTS, Family
 from areal_fn.model.families.glm4_moe import (
     DEEPSEEK_MOE_FOREIGN_KEYS,
     DEEPSEEK_MOE_KEYS,
-    ROUTER_AND_SHARED,
-    ROUTER_AND_SHARED_HF,
-    float32_router,
+    DEEPSEEK_MOE_LAYER,
+    DEEPSEEK_MOE_LAYER_HF,
 )
 from areal_fn.model.families.mapping import (
-    LAYER_NORMS_HF,
-    ROUTED_EXPERTS,
-    ROUTED_EXPERTS_HF,
-    SWIGLU_MLP,
-    SWIGLU_MLP_HF,
     Dim,
     HfTensor,
     MegatronTensor,
@@ -110,14 +104,8 @@ MLA_ATTENTION: tuple[MegatronTensor, ...] = (
 FAMILY = Family(
     model_type="deepseek_v3",
     architecture="DeepseekV3ForCausalLM",
-    canonical=(
-        *MLA_ATTENTION_HF,
-        *SWIGLU_MLP_HF,
-        *float32_router(ROUTED_EXPERTS_HF),
-        *ROUTER_AND_SHARED_HF,
-        *LAYER_NORMS_HF,
-    ),
-    megatron=(*MLA_ATTENTION, *SWIGLU_MLP, *ROUTED_EXPERTS, *ROUTER_AND_SHARED),
+    canonical=(*MLA_ATTENTION_HF, *DEEPSEEK_MOE_LAYER_HF),
+    megatron=(*MLA_ATTENTION, *DEEPSEEK_MOE_LAYER),
     required=(
         *CORE_KEYS,
         "moe_intermediate_size",

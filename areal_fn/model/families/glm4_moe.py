@@ -114,17 +114,25 @@ DEEPSEEK_MOE_KEYS: tuple[tuple[str, str], ...] = (
     ("routed_scaling_factor", "routed_scaling_factor"),
 )
 
+#: A DeepSeek-style decoder layer after its attention: dense SwiGLU or routed experts
+#: behind a float32 sigmoid router with its score correction, shared experts, the norms.
+DEEPSEEK_MOE_LAYER_HF: tuple[HfTensor, ...] = (
+    *SWIGLU_MLP_HF,
+    *float32_router(ROUTED_EXPERTS_HF),
+    *ROUTER_AND_SHARED_HF,
+    *LAYER_NORMS_HF,
+)
+DEEPSEEK_MOE_LAYER: tuple[MegatronTensor, ...] = (
+    *SWIGLU_MLP,
+    *ROUTED_EXPERTS,
+    *ROUTER_AND_SHARED,
+)
+
 FAMILY = Family(
     model_type="glm4_moe",
     architecture="Glm4MoeForCausalLM",
-    canonical=(
-        *GQA_ATTENTION_HF,
-        *SWIGLU_MLP_HF,
-        *float32_router(ROUTED_EXPERTS_HF),
-        *ROUTER_AND_SHARED_HF,
-        *LAYER_NORMS_HF,
-    ),
-    megatron=(*GQA_ATTENTION, *SWIGLU_MLP, *ROUTED_EXPERTS, *ROUTER_AND_SHARED),
+    canonical=(*GQA_ATTENTION_HF, *DEEPSEEK_MOE_LAYER_HF),
+    megatron=(*GQA_ATTENTION, *DEEPSEEK_MOE_LAYER),
     required=(
         "hidden_size",
         "intermediate_size",
