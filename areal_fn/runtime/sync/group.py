@@ -233,16 +233,26 @@ class SyncGroup:
         prefix = f"{name}/{generation}"
         key = group_secret(secret, store, prefix)
         session = _rendezvous(store, prefix, ranks, rank, key, connect)
-        pg = _backend(
-            backend,
-            dist.PrefixStore(f"{prefix}/pg", store),
-            ranks.index(rank),
-            len(ranks),
-            # the backend's own timeout also bounds its connection set-up (gloo's full
-            # mesh), which a loaded machine can take seconds for; every wait of a sync
-            # is bounded by ``timeout_s`` explicitly (work.wait, store polls)
-            max(timeout_s, connect),
-        )
+        try:
+            pg = _backend(
+                backend,
+                dist.PrefixStore(f"{prefix}/pg", store),
+                ranks.index(rank),
+                len(ranks),
+                # the backend's own timeout also bounds its connection set-up (gloo's full
+                # mesh), which a loaded machine can take seconds for; every wait of a sync
+                # is bounded by ``timeout_s`` explicitly (work.wait, store polls)
+                max(timeout_s, connect),
+            )
+        except RuntimeError as e:
+            raise SyncError(
+                f"sync group {prefix!r}: rank {rank} could not connect to the other members "
+                f"({e}); a member left while the group formed: renew the group",
+                version=-1,
+            ) from e
+        # a member that returns and aborts at once must not cut a peer's connection set-up
+        # short (gloo's full mesh finishes per pair): return when every member is connected
+        _wait_members(store, f"{prefix}/connected", ranks, rank, connect)
         return cls(
             pg=pg,
             members=ranks,
@@ -330,18 +340,18 @@ def _members(members: Sequence[int]) -> tuple[int, ...]:
     return ranks
 
 
-def _rendezvous(
+def _wait_members(
     store: dist.Store,
-    prefix: str,
+    at: str,
     ranks: tuple[int, ...],
     rank: int,
-    secret: bytes,
     connect_s: float,
-) -> bytes:
-    """Post this member's proof, wait for all members, check theirs; the session key."""
-    keys = [f"{prefix}/arrived/{m}" for m in ranks]
-    _, proof = arrival(secret, prefix, rank)
-    store.set(keys[ranks.index(rank)], proof)
+    value: bytes | str = b"1",
+) -> list[str]:
+    """Post ``value`` under ``at/<rank>``, wait for every member's key; the keys."""
+    prefix = at.rsplit("/", 1)[0]
+    keys = [f"{at}/{m}" for m in ranks]
+    store.set(keys[ranks.index(rank)], value)
     try:
         store.wait(keys, _td(connect_s))
     except Exception as e:
@@ -351,6 +361,20 @@ def _rendezvous(
             f"{connect_s}s ({e}); start them, or renew the group without them",
             version=-1,
         ) from e
+    return keys
+
+
+def _rendezvous(
+    store: dist.Store,
+    prefix: str,
+    ranks: tuple[int, ...],
+    rank: int,
+    secret: bytes,
+    connect_s: float,
+) -> bytes:
+    """Post this member's proof, wait for all members, check theirs; the session key."""
+    _, proof = arrival(secret, prefix, rank)
+    keys = _wait_members(store, f"{prefix}/arrived", ranks, rank, connect_s, proof)
     posted = dict(zip(ranks, store.multi_get(keys), strict=True))
     nonces, bad = check_arrivals(secret, prefix, posted)
     if bad:
