@@ -346,7 +346,7 @@ def _wait_members(
     ranks: tuple[int, ...],
     rank: int,
     connect_s: float,
-    value: bytes | str = b"1",
+    value: str = "1",
 ) -> list[str]:
     """Post ``value`` under ``at/<rank>``, wait for every member's key; the keys."""
     prefix = at.rsplit("/", 1)[0]
