@@ -241,7 +241,13 @@ def _add_suggest_arguments(plan: argparse.ArgumentParser) -> None:
         help="memory per device, with its unit: 80GB (80*10^9 bytes) or 80GiB (80*2^30)",
     )
     sg.add_argument("--top", type=int, default=5, help="how many suggestions to show")
-    sg.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (4096)")
+    sg.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="tokens per sequence (4096); with an allocation: rows of this many tokens are "
+        "checked against its c and its training memory counts activations",
+    )
     sg.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch (1)")
     sg.add_argument(
         "--global-batch", type=int, default=256, help="sequences per optimizer step (256)"

@@ -6,24 +6,23 @@ rule (:func:`~areal_fn.strategy.rules.dims_problems`, what
 :func:`~areal_fn.strategy.check.check_strategy` use, and ones it rejects are skipped
 and counted):
 
-- ``fsdp:d{dp}t{tp}``: ``dp*tp = n``; ``tp`` at most ``devices_per_node`` (and
+- ``fsdp:d{dp}t{tp}c{cp}``: ``dp*tp*cp = n``; ``tp`` at most ``devices_per_node`` (and
   dividing the heads, KV heads, intermediate size and, past two FSDP shards, the
-  vocabulary). ``c`` is not enumerated for fsdp: the FSDP2 engine runs it as data
-  parallelism today (``dp_shard = dp*cp``), so ``fsdp:d{dp}c{cp}`` is the job
-  ``fsdp:d{dp*cp}``; Ulysses sequence parallelism, which fsdp's ``c`` is reserved
-  for, is not built yet.
+  vocabulary). ``c`` is the FSDP2 engine's Ulysses sequence parallelism (parameters
+  sharded over ``dp*cp``, each rank running ``seq_len/cp`` tokens of every row, the
+  attention all-to-all splitting the heads of a TP rank ``cp`` ways).
 - ``megatron:d{dp}p{pp}t{tp}c{cp}e{ep}v{vpp}``: ``tp`` at most ``devices_per_node``;
   ``pp`` at most 16 and at most the layers; ``vpp`` 1 or 2 (needs ``pp >= 2`` and
   ``2*pp`` layers); ``ep`` (MoE only) divides the experts and ``dp*tp*cp`` (expert
   tensor parallelism left at 1); the rule decides the rest. ``c`` is Megatron-Core's
   context parallelism (parameters replicated over ``cp``, each rank holding
-  ``seq_len/cp`` tokens; ring attention needs the TransformerEngine layer spec, which
-  is what AReaL builds; this project's CPU ``MegatronEngine`` builds the local spec and
-  runs ``cp = 1`` only). Stages: Megatron's even split when ``pp*vpp`` divides the
-  layers, else :func:`~areal_fn.layouts.megatron.stages_for`'s split (embedding and loss
-  counted as one layer each, so the first and the last chunk hold fewer layers).
-- Context parallelism ``cp`` (Megatron) keeps at least 4,096 tokens of a sequence per
-  rank, at most 8 ways, and ``2*cp`` divides ``seq_len``.
+  ``seq_len/cp`` tokens in Megatron's ``2*cp`` load-balanced chunks). Stages:
+  Megatron's even split when ``pp*vpp`` divides the layers, else
+  :func:`~areal_fn.layouts.megatron.stages_for`'s split (embedding and loss counted as
+  one layer each, so the first and the last chunk hold fewer layers).
+- ``cp`` (both backends) keeps at least 4,096 tokens of a sequence per rank, at most 8
+  ways, and splits ``seq_len`` as the engine does (:func:`~areal_fn.strategy.rows.check_rows`:
+  ``2*cp`` chunks for Megatron, ``cp`` parts for Ulysses).
 
 **Fit**: the largest per-rank total of :func:`~areal_fn.plans.memory.estimate_memory` (model
 state exact, activations estimated) must be at most ``(1 - memory_margin)`` of
@@ -60,7 +59,10 @@ all-gather, all-to-all) or twice that (all-reduce).
   sequence parallelism, one more forward with recompute).
 - CP (exposed): Megatron ring attention ``m * L_r * (3 + rc) * (cp-1) * (T/cp) *
   2*kv/tp * cb`` (K and V passed around the ring forward, again plus their gradients
-  backward).
+  backward). Ulysses (fsdp): ``m * L_r * (2 + rc) * (cp-1)/cp * (T/cp) * (2q + 2kv')/tp
+  * cb``, ``kv' = max(kv/tp, cp*head_dim) * tp`` (q, k, v and the attention output
+  all-to-all'ed forward, their gradients backward, the forward again with recompute;
+  KV heads repeated up to ``cp`` per TP rank).
 - EP (exposed): ``m * M_r * (4 + 2*rc) * (ep-1)/ep * T/(cp*tp) * k * h * cb`` (token
   dispatch and combine all-to-alls, forward and backward; balanced routing).
 - PP (exposed): ``m * 2 * vpp * T/(cp*tp) * h * cb`` (activations forward, their
@@ -158,21 +160,23 @@ class _Candidate:
 # -- enumeration ----------------------------------------------------------------------
 
 
-def _cp_choices(n: int, seq_len: int) -> list[int]:
+def _cp_choices(n: int, seq_len: int, chunks: int) -> list[int]:
+    """``cp`` values dividing ``n`` that split ``seq_len`` into ``chunks * cp`` equal
+    parts (2 for Megatron's load-balanced chunks, 1 for Ulysses)."""
     cap = min(MAX_CP, max(1, seq_len // MIN_TOKENS_PER_CP_RANK))
-    return [c for c in divisors(n) if c <= cap and (c == 1 or seq_len % (2 * c) == 0)]
+    return [c for c in divisors(n) if c <= cap and (c == 1 or seq_len % (chunks * c) == 0)]
 
 
 def _fsdp_dims(w: _Workload, skipped: list[str]) -> Iterator[ParallelDims]:
     for tp in divisors(w.n):
         if tp > w.hw.devices_per_node:
             continue
-        # cp stays 1: the FSDP2 engine runs fsdp's c as data parallelism (fsdp:dXcY is fsdp:d(XY))
-        dims = ParallelDims(dp=w.n // tp, tp=tp)
-        if dims_problems(w.model, "fsdp2", dims):  # the rule check_dims raises on
-            skipped.append(f"fsdp:{dims}")
-            continue
-        yield dims
+        for cp in _cp_choices(w.n // tp, w.act.seq_len, 1):
+            dims = ParallelDims(dp=w.n // (tp * cp), tp=tp, cp=cp)
+            if dims_problems(w.model, "fsdp2", dims):  # the rule check_dims raises on
+                skipped.append(f"fsdp:{dims}")
+                continue
+            yield dims
 
 
 def _megatron_dims(w: _Workload, skipped: list[str]) -> Iterator[ParallelDims]:
@@ -183,7 +187,7 @@ def _megatron_dims(w: _Workload, skipped: list[str]) -> Iterator[ParallelDims]:
         for pp in divisors(w.n // tp):
             if pp > min(MAX_PP, m.num_layers):
                 continue
-            for cp in _cp_choices(w.n // (tp * pp), w.act.seq_len):
+            for cp in _cp_choices(w.n // (tp * pp), w.act.seq_len, 2):
                 dp = w.n // (tp * pp * cp)
                 eps = [e for e in divisors(m.num_experts) if (dp * tp * cp) % e == 0]
                 for vpp in (1, 2) if pp > 1 and 2 * pp <= m.num_layers else (1,):

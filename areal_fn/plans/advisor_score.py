@@ -189,9 +189,14 @@ def _stage_terms(
     if tp > 1:
         vol = m * lr * (8 + 4 * rc) * (tp - 1) / tp * tokens / cp * h * cb
         terms.append(_term(hw, "TP", tp, tp, vol))
-    if cp > 1:  # Megatron ring attention (fsdp's c is not enumerated: see the docstring)
+    if cp > 1 and backend is Backend.MEGATRON:  # ring attention: K and V around the ring
         vol = m * lr * (3 + rc) * (cp - 1) * tokens / cp * 2 * kv / tp * cb
         terms.append(_term(hw, "CP", cp, tp * cp, vol))
+    elif cp > 1:  # Ulysses: q, k, v and the output all-to-all'ed over the cp ranks
+        q, hd = model.num_attention_heads * model.head_dim, model.head_dim
+        kv_rank = max(kv // tp, cp * hd)  # KV heads repeated up to cp per TP rank
+        vol = m * lr * (2 + rc) * (cp - 1) / cp * tokens / cp * (2 * q / tp + 2 * kv_rank) * cb
+        terms.append(_term(hw, "SP", cp, tp * cp, vol))
     if ep > 1:
         k = model.num_experts_per_tok
         vol = m * moe_r * (4 + 2 * rc) * (ep - 1) / ep * tokens / (cp * tp) * k * h * cb

@@ -10,28 +10,10 @@ Pure: no tensors, no process groups.
 """
 
 from areal_fn.errors import PlanError
+from areal_fn.strategy.rows import check_context_split
 from areal_fn.typecheck import beartype
 
 __all__ = ["check_context_split", "context_chunks", "context_gather_order"]
-
-
-@beartype
-def check_context_split(seq_len: int, cp: int) -> None:
-    """Raise ``PlanError`` unless ``seq_len`` tokens cut into ``2 * cp`` equal chunks
-    (``cp = 1``: any length >= 1)."""
-    if cp < 1:
-        raise PlanError(f"cp={cp} must be >= 1")
-    if seq_len < 1:
-        raise PlanError(f"sequence length {seq_len} must be >= 1")
-    if cp > 1 and seq_len % (2 * cp):
-        multiple = 2 * cp
-        up = -(-seq_len // multiple) * multiple
-        raise PlanError(
-            f"sequence length {seq_len} does not split into 2*cp={multiple} equal chunks "
-            f"(context parallelism gives rank r chunks r and {multiple - 1}-r); pass rows of a "
-            f"multiple of {multiple} tokens (e.g. {up}, the extra tokens masked), or pack "
-            "sequences (packed rows are padded to that multiple)"
-        )
 
 
 @beartype

@@ -4,6 +4,7 @@ from areal_fn.errors import LayoutError
 from areal_fn.model.spec import ModelSpec
 from areal_fn.strategy.allocation import Backend, Component
 from areal_fn.strategy.coerce import Strategy, as_allocation
+from areal_fn.strategy.rows import check_rows
 from areal_fn.strategy.rules import Kind, check_dims
 from areal_fn.typecheck import beartype
 
@@ -30,7 +31,13 @@ def check_component(model: ModelSpec, component: Component) -> None:
 
 
 @beartype
-def check_strategy(model: ModelSpec, allocation: Strategy, *, n_devices: int | None = None) -> None:
+def check_strategy(
+    model: ModelSpec,
+    allocation: Strategy,
+    *,
+    n_devices: int | None = None,
+    seq_len: int | None = None,
+) -> None:
     """Raise ``LayoutError`` when ``allocation`` cannot run ``model``.
 
     Checks every component by the rule its layout uses
@@ -39,7 +46,10 @@ def check_strategy(model: ModelSpec, allocation: Strategy, *, n_devices: int | N
     padded vocabulary against TP; fsdp's ``c`` against the heads a TP rank keeps;
     experts against EP; layers against PP x VPP), what the inference engines' own model
     code cannot hold, and, when ``n_devices`` is given, that the allocation's world size
-    equals it. Each refusal lists the values of the refused degree that pass.
+    equals it; when ``seq_len`` is given, that rows of that many tokens split as the
+    training engines split them under ``c`` (:func:`check_rows`: ``2 * cp`` chunks for
+    Megatron context parallelism, ``cp`` parts for FSDP2's Ulysses). Each degree refusal
+    lists the values of the refused degree that pass.
     ``allocation`` may be a string or one component; a bare ``ParallelDims`` (no
     backend) is refused with the spelling to use.
     """
@@ -51,3 +61,5 @@ def check_strategy(model: ModelSpec, allocation: Strategy, *, n_devices: int | N
         )
     for component in allocation.components:
         check_component(model, component)
+        if seq_len is not None:
+            check_rows(component, seq_len)

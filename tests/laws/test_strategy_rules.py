@@ -24,7 +24,7 @@ from areal_fn.plans.advisor import suggest_strategy
 from areal_fn.plans.census import fsdp2_census, megatron_census
 from areal_fn.plans.memory import GIB, ActivationModel
 from areal_fn.strategy.allocation import Backend, Component, ParallelDims
-from areal_fn.strategy.check import check_component
+from areal_fn.strategy.check import check_component, check_strategy
 
 SPECS = Path(__file__).resolve().parents[2] / "specs" / "models"
 ALL = sorted(p.stem for p in SPECS.glob("*.json"))
@@ -179,5 +179,8 @@ def test_the_advisor_suggests_only_what_check_strategy_accepts(name, n, seq_len)
     out = suggest_strategy(model, n, 80 * GIB, top=20, activation=act)
     for s in out:
         assert outcome(model, s.backend, s.dims) is None, s.allocation
-        # fsdp's c runs as data parallelism today: fsdp:dXcY is fsdp:d(XY), never suggested apart
-        assert s.backend is not Backend.FSDP or s.dims.cp == 1, s.allocation
+        # rows of seq_len tokens split as the engine splits them under c (both backends)
+        check_strategy(model, s.allocation, seq_len=seq_len)
+        assert s.dims.cp == 1 or seq_len // s.dims.cp >= 4096, s.allocation
+    if seq_len >= 32768:  # long rows: both backends' c among the suggestions
+        assert {s.backend for s in out if s.dims.cp > 1} == {Backend.FSDP, Backend.MEGATRON}

@@ -10,10 +10,12 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
+from areal_fn.errors import SpecError
 from areal_fn.layouts.layout import Layout
 from areal_fn.layouts.layout_for import layout_for
 from areal_fn.model.spec import ModelSpec
 from areal_fn.model.tensor_spec import DTYPE_BYTES
+from areal_fn.plans.activations import ActivationModel
 from areal_fn.plans.kv_cache import KVCache, kv_cache
 from areal_fn.plans.memory import MemoryReport, PrecisionPolicy, estimate_memory
 from areal_fn.runtime.commands.output import emit_json, human
@@ -41,6 +43,20 @@ def _weights(model: ModelSpec, layout: Layout, rank: int) -> tuple[int, int]:
     lts = layout.local_tensors(rank)
     numel = sum(t.numel for t in lts)
     return len(lts), numel
+
+
+def _training_memory(
+    model: ModelSpec, comp: Component, layout: Layout, args: argparse.Namespace
+) -> MemoryReport:
+    """Parameters, gradients and optimizer state; with ``--seq-len`` activations too
+    (``--micro-batch`` sequences of that many tokens, ``--recompute``)."""
+    policy = PrecisionPolicy.bf16_mixed()
+    if args.seq_len is None:
+        return estimate_memory(layout, policy)
+    act = ActivationModel(
+        micro_batch_size=args.micro_batch, seq_len=args.seq_len, recompute=args.recompute
+    )
+    return estimate_memory(layout, policy, activation=act, model=model, dims=comp.dims)
 
 
 def _memory_json(report: MemoryReport, first: int) -> dict[str, Any]:
@@ -118,9 +134,7 @@ def _component_json(
         "kv_cache": None,
     }
     if comp.is_training:
-        out["memory"] = _memory_json(
-            estimate_memory(layout, PrecisionPolicy.bf16_mixed()), rr.start
-        )
+        out["memory"] = _memory_json(_training_memory(model, comp, layout, args), rr.start)
     else:
         kv = kv_cache(model, comp, context_len=args.context_len, batch=args.batch)
         out["weights"], out["kv_cache"] = _inference_json(model, layout, kv, rr.start)
@@ -192,7 +206,7 @@ def _print_component(
         )
     )
     if comp.is_training:
-        console.print(str(estimate_memory(layout, PrecisionPolicy.bf16_mixed())))
+        console.print(str(_training_memory(model, comp, layout, args)))
     else:
         _print_inference(console, model, comp, layout, rr.start, args)
     if layout.stages is not None:
@@ -220,7 +234,9 @@ def cmd_plan(
     from rich.text import Text
 
     alloc = parse_allocation(args.allocation)
-    check_strategy(model, alloc)
+    if args.seq_len is not None and args.seq_len < 1:
+        raise SpecError(f"--seq-len {args.seq_len} must be >= 1")
+    check_strategy(model, alloc, seq_len=args.seq_len)
     if args.json:
         emit_json(
             {

@@ -37,6 +37,15 @@ def model_json(model: ModelSpec, config: str) -> dict[str, Any]:
     }
 
 
+#: ``--seq-len`` when not given.
+DEFAULT_SEQ_LEN = 4096
+
+
+def seq_len_of(args: argparse.Namespace) -> int:
+    """``--seq-len``, or :data:`DEFAULT_SEQ_LEN` when it was not given."""
+    return DEFAULT_SEQ_LEN if args.seq_len is None else int(args.seq_len)
+
+
 def _assumptions(args: argparse.Namespace, device_bytes: int) -> dict[str, Any]:
     margin = float(args.memory_margin)
     if not 0 <= margin < 1:
@@ -45,7 +54,7 @@ def _assumptions(args: argparse.Namespace, device_bytes: int) -> dict[str, Any]:
             "memory kept free (e.g. 0.1)"
         )
     for flag, value in (
-        ("--seq-len", args.seq_len),
+        ("--seq-len", seq_len_of(args)),
         ("--micro-batch", args.micro_batch),
         ("--global-batch", args.global_batch),
         ("--gpus-per-node", args.gpus_per_node),
@@ -54,7 +63,7 @@ def _assumptions(args: argparse.Namespace, device_bytes: int) -> dict[str, Any]:
             raise SpecError(f"{flag} {value} must be >= 1")
     margin_bytes = device_bytes - int(device_bytes * (1 - margin))
     return {
-        "seq_len": args.seq_len,
+        "seq_len": seq_len_of(args),
         "micro_batch": args.micro_batch,
         "global_batch": args.global_batch,
         "recompute": args.recompute,
