@@ -14,6 +14,7 @@ from torch import Tensor
 from areal_fn.layouts.layout import Layout
 from areal_fn.plans.convert import Reader
 from areal_fn.runtime.engines.common import TokenIds, TokenLogprobs, TokenMask
+from areal_fn.runtime.engines.packed import TokenSequence
 
 __all__ = ["Engine"]
 
@@ -47,8 +48,21 @@ class Engine(Protocol):
         """One optimizer step: ``{"loss", "grad_norm", "clip_coef", "lr", "tokens"}``."""
         ...
 
+    def train_step_packed(
+        self, sequences: list[TokenSequence], *, max_tokens_per_micro_batch: int
+    ) -> dict[str, float]:
+        """One optimizer step on variable-length sequences packed into rows of at most
+        ``max_tokens_per_micro_batch`` tokens; equal to running them one by one."""
+        ...
+
     def forward_logprobs(self, input_ids: TokenIds) -> TokenLogprobs:
         """Next-token log-probabilities over the full vocabulary (collective)."""
+        ...
+
+    def forward_logprobs_packed(
+        self, sequences: list[TokenSequence], *, max_tokens_per_micro_batch: int
+    ) -> list[Tensor]:
+        """Per sequence ``[n - 1]``: ``log p(ids[t] | ids[:t])`` for ``t >= 1``, computed packed."""
         ...
 
     def local_state(self) -> dict[str, Tensor]:
