@@ -47,7 +47,7 @@ from areal_fn.errors import LayoutError
 from areal_fn.layouts.fsdp2 import Fsdp2Options, fsdp2_data_mesh, fsdp2_layout
 from areal_fn.layouts.layout import Layout
 from areal_fn.model.spec import ModelSpec
-from areal_fn.plans.convert import Reader, iter_to_megatron
+from areal_fn.plans.convert import Reader, to_megatron_into
 from areal_fn.runtime.engines import fsdp2_apply as fsdp2
 from areal_fn.runtime.engines import ulysses
 from areal_fn.runtime.engines.common import (
@@ -345,14 +345,15 @@ class Fsdp2Engine(OptimizerSteps):
         """Write this rank's pieces of the canonical tensors into its shards (no communication).
 
         ``canonical`` is full canonical tensors by name, or a reader
-        ``read(name, box)`` that loads only the slices this rank needs.
+        ``read(name, box)`` that loads only the slices this rank needs (``hf_views(path)``
+        of an HF checkpoint). Each piece is copied straight into its shard's storage,
+        cast to the parameter's dtype (``to_megatron_into``), without a tensor of its own.
         """
         if isinstance(canonical, Mapping):
             fsdp2.load_canonical(self.model, self.layout, self.rank, canonical)
             return
-        with torch.no_grad():
-            for name, t in iter_to_megatron(canonical, self.layout, self.rank):
-                _local(self._tensors[name]).copy_(t)
+        out = {name: _local(t) for name, t in self._tensors.items()}
+        to_megatron_into(canonical, self.layout, self.rank, out=out, cast=True)
 
     def export_canonical(self) -> dict[str, Tensor]:
         """Every canonical tensor on every rank (collective; bitwise the shards' values)."""
