@@ -276,9 +276,14 @@ def _add_suggest_arguments(plan: argparse.ArgumentParser) -> None:
 def _add_convert_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     """``areal-fn convert SRC ALLOCATION DST`` and ``convert SRC [ALLOCATION] DST --to-hf``."""
     conv = sub.add_parser(
-        "convert", help="HF checkpoint -> per-rank state of a layout (safetensors per rank)"
+        "convert",
+        help="HF checkpoint -> per-rank state of a layout (safetensors per rank), or a "
+        "Megatron-Core torch_dist checkpoint (--format torch_dist)",
     )
-    conv.add_argument("src", help="HF checkpoint directory (with --to-hf: the per-rank files)")
+    conv.add_argument(
+        "src",
+        help="HF checkpoint directory (with --to-hf: the per-rank files or a torch_dist checkpoint)",
+    )
     conv.add_argument(
         "allocation",
         nargs="?",
@@ -304,6 +309,34 @@ def _add_convert_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser
         help="with --to-hf: the model's config (file, directory or embedded name) when SRC "
         "holds no config.json",
     )
+    conv.add_argument(
+        "--format",
+        metavar="FORMAT",
+        help="rank-files (default: one safetensors file per rank) or torch_dist (Megatron-Core's "
+        "dist checkpoint, loaded by dist_checkpointing.load under any strategy); with --to-hf "
+        "read from SRC",
+    )
+    conv.add_argument(
+        "--layer-spec",
+        choices=("te", "local"),
+        default=None,
+        help="--format torch_dist: key names of the Megatron layer spec that will load it "
+        "(te: Transformer Engine, the default; local: Megatron-Core's local spec); they differ "
+        "for MoE and multi-latent-attention layers only",
+    )
+    conv.add_argument(
+        "--trust-pickle",
+        action="store_true",
+        help="--to-hf of a torch_dist checkpoint: unpickle its .metadata (it locates the "
+        "tensors only there); unpickling runs any code a file holds: only for checkpoints you "
+        "saved or got from a source you trust",
+    )
+    conv.add_argument(
+        "--drop-optimizer",
+        action="store_true",
+        help="--to-hf of a torch_dist checkpoint holding optimizer state: convert the "
+        "parameters alone (optimizer state is not carried)",
+    )
     conv.add_argument("--json", action="store_true", help="print one JSON document (docs/cli.md)")
     conv.set_defaults(func=cmd_convert)
 
@@ -317,6 +350,8 @@ CLI_WORDS = (
     ("pass model= (a ModelSpec)", "pass --model CONFIG"),
     ("another model than model=; drop model= or", "another model than --model; drop --model or"),
     ("pass verify", "pass --verify"),
+    ("pass trust_pickle=True only", "pass --trust-pickle only"),
+    ("pass drop_optimizer=True", "pass --drop-optimizer"),
     (
         "a lighter policy (PrecisionPolicy.bf16_pure()), recompute=True, a smaller micro-batch "
         "or optimizer_offload=True",

@@ -1,10 +1,13 @@
-"""Interop with Megatron-Core's own ``dist_checkpointing`` (``torch_dist``) checkpoints."""
+"""Interop with Megatron-Core's own ``dist_checkpointing`` (``torch_dist``) checkpoints.
+
+Where each tensor lies is :mod:`~areal_fn.runtime.checkpoint.megatron_keys`; this module
+reads and writes the files.
+"""
 
 import functools
 import io
 import json
 import os
-import re
 import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -13,17 +16,11 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.metadata import (
-    MetadataIndex,
-    TensorStorageMetadata,
-)
-from torch.distributed.checkpoint.planner import (
-    WriteItem,
-    WriteItemType,
-)
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from areal_fn.errors import CheckpointError
-from areal_fn.layouts.layout import Layout
+from areal_fn.layouts.layout import Layout, LocalTensor
 from areal_fn.model.spec import ModelSpec
 from areal_fn.runtime.checkpoint.dcp import (
     _ChunkReader,
@@ -35,10 +32,25 @@ from areal_fn.runtime.checkpoint.dcp import (
 )
 from areal_fn.runtime.checkpoint.files import _fsync_dir, _write_text_atomic
 from areal_fn.runtime.checkpoint.inspect import _read_box
+from areal_fn.runtime.checkpoint.megatron_keys import (
+    LayerKeys,
+    LayerSpec,
+    McoreKey,
+    default_layer_keys,
+    mcore_keys,
+    mcore_layout,
+    pick_keys,
+)
 from areal_fn.runtime.checkpoint.metadata import METADATA, trust_pickle_rule, unpickle_metadata
 from areal_fn.sharding.box import Box
 
-# -- Megatron-Core dist_checkpointing interop -------------------------------------------
+__all__ = [
+    "MCORE_METADATA",
+    "export_megatron_checkpoint",
+    "import_megatron_checkpoint",
+    "is_megatron_checkpoint",
+    "read_megatron_state",
+]
 
 #: ``metadata.json`` of a Megatron-Core ``torch_dist`` checkpoint.
 MCORE_METADATA = {
@@ -47,126 +59,200 @@ MCORE_METADATA = {
     "common_backend": "torch",
     "common_backend_version": 1,
 }
-_MCORE_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-_MCORE_EXTRA_STATE = (
-    "self_attention.linear_qkv",
-    "self_attention.linear_proj",
-    "mlp.linear_fc1",
-    "mlp.linear_fc2",
-)
+#: the local tensors whose stored rows beyond ``vocab_size`` are padding
+_VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
-def _mcore_layout(model: ModelSpec) -> Layout:
-    """Megatron-Core's checkpoint view of ``model``: TP- and PP-unsharded, TE key names,
-    vocabulary unpadded (the stored rows beyond it are padding)."""
-    from areal_fn.layouts.megatron import megatron_layout
-    from areal_fn.strategy.allocation import ParallelDims
-
-    if model.is_moe:
-        raise CheckpointError(
-            f"{model.model_type}: Megatron-Core checkpoints of MoE models (experts stored per "
-            "expert) are not supported; only dense models are"
-        )
-    return megatron_layout(model, ParallelDims(), naming="te", vocab_divisible_by=1)
+def is_megatron_checkpoint(path: "str | os.PathLike[str]") -> bool:
+    """Whether ``path`` holds a Megatron-Core dist checkpoint (its ``metadata.json``)."""
+    return (Path(path) / "metadata.json").is_file() and (Path(path) / METADATA).is_file()
 
 
-def _mcore_key(name: str) -> tuple[str, int | None]:
-    m = _MCORE_LAYER.match(name)
-    return (f"decoder.layers.{m.group(2)}", int(m.group(1))) if m else (name, None)
-
-
-def import_megatron_checkpoint(
-    path: "str | os.PathLike[str]", model: ModelSpec, *, trust_pickle: bool = False
-) -> dict[str, torch.Tensor]:
-    """Canonical parameters of a Megatron-Core ``dist_checkpointing`` (``torch_dist``)
-    checkpoint of ``model`` (a ``GPTModel`` under any TP/PP), bitwise.
-
-    Layers are stacked along a leading dim (global layer index); rows of the embedding
-    and output layer beyond ``vocab_size`` are padding and are not imported.
-
-    Such a checkpoint locates its tensors only in ``.metadata``, a Python pickle, and
-    unpickling runs any code a file holds: without ``trust_pickle=True`` it is refused.
-    With it, ``.metadata`` is unpickled and the tensors read with
-    ``torch.load(weights_only=True)``; pass it only for a checkpoint you saved or trust.
-    """
-    folder = Path(path)
+def _backend(folder: Path) -> None:
     try:
         backend = json.loads((folder / "metadata.json").read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(
             f"{folder} is not a Megatron-Core dist checkpoint: metadata.json cannot be read ({e})"
         ) from None
-    if backend.get("sharded_backend") != "torch_dist":
+    if not isinstance(backend, dict) or backend.get("sharded_backend") != "torch_dist":
+        got = backend.get("sharded_backend") if isinstance(backend, dict) else backend
         raise CheckpointError(
-            f"{folder}: sharded_backend {backend.get('sharded_backend')!r} is not supported; save "
-            "with Megatron-Core's torch_dist backend"
+            f"{folder}: sharded_backend {got!r} is not supported; save with Megatron-Core's "
+            "torch_dist backend"
         )
+
+
+def _optimizer_entries(folder: Path, stored: Mapping[str, Any], drop: bool) -> None:
+    found = sorted(k for k in stored if k.startswith("optimizer."))
+    if found and not drop:
+        raise CheckpointError(
+            f"{folder}: the Megatron checkpoint holds optimizer state ({len(found)} "
+            f"{'entry' if len(found) == 1 else 'entries'}, "
+            f"e.g. {found[0]!r}), which the import does not carry: Megatron's optimizers "
+            "store it per data-parallel bucket or per Megatron parameter, not per canonical "
+            "tensor; pass drop_optimizer=True to import the parameters alone"
+        )
+
+
+def _stored_box(lt: LocalTensor, where: McoreKey) -> Box:
+    return Box(
+        ranges=(*((i, i + 1) for i in where.prefix), *((0, d) for d in lt.shape)),
+    )
+
+
+def _read_state(
+    folder: Path, model: ModelSpec, drop_optimizer: bool
+) -> tuple[dict[str, torch.Tensor], Layout]:
+    """The local tensors of :func:`mcore_layout` (of the spec the checkpoint was saved
+    with) read from ``folder``, and that layout."""
+    metadata = unpickle_metadata(folder)
+    stored = metadata.state_dict_metadata
+    _optimizer_entries(folder, stored, drop_optimizer)
+    tensors = {k for k, v in stored.items() if isinstance(v, TensorStorageMetadata)}
+    spec, _, keys = pick_keys(model, tensors, str(folder))
+    layout = mcore_layout(model, spec)
+    storage = _ChunkReader(folder, metadata=metadata, raw=False)
+    storage.set_up_storage_reader(metadata, True)
+    state: dict[str, torch.Tensor] = {}
+    for lt in layout.local_tensors(0):
+        where = keys[lt.name]
+        md = stored[where.key]
+        assert isinstance(md, TensorStorageMetadata)
+        size = tuple(md.size)
+        want = (*where.prefix_sizes, *lt.shape)
+        vocab = lt.name in _VOCAB
+        ok = size == want or (
+            vocab and len(size) == len(want) and size[0] >= want[0] and size[1:] == want[1:]
+        )
+        if not ok:
+            raise CheckpointError(
+                f"{folder}: {where.key} has shape {size}, {model.model_type} with hidden_size="
+                f"{model.hidden_size}, {model.num_layers} layers needs {want}"
+                + (" (rows >= vocab_size)" if vocab else "")
+            )
+        chunks = tuple(
+            Box(ranges=tuple((o, o + n) for o, n in zip(c.offsets, c.sizes, strict=True)))
+            for c in md.chunks
+        )
+        box = _stored_box(lt, where)
+        t = _read_box(storage, where.key, chunks, box, md.properties.dtype, str(folder))
+        state[lt.name] = t.reshape(lt.shape)
+    return state, layout
+
+
+def import_megatron_checkpoint(
+    path: "str | os.PathLike[str]",
+    model: ModelSpec,
+    *,
+    trust_pickle: bool = False,
+    drop_optimizer: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Canonical parameters of a Megatron-Core ``dist_checkpointing`` (``torch_dist``)
+    checkpoint of ``model`` (a ``GPTModel`` under any TP/PP/EP/ETP), bitwise.
+
+    Dense and MoE models; experts stored per expert (any EP at save time), layers
+    stacked or per layer, the Transformer-Engine or the local layer spec's key names:
+    all read from the stored keys (:mod:`~areal_fn.runtime.checkpoint.megatron_keys`).
+    Rows of the embedding and output layer beyond ``vocab_size`` are padding and are
+    not imported. Optimizer state in the checkpoint is refused unless
+    ``drop_optimizer=True`` (then only the parameters are read).
+
+    Such a checkpoint locates its tensors only in ``.metadata``, a Python pickle, and
+    unpickling runs any code a file holds: without ``trust_pickle=True`` it is refused.
+    With it, ``.metadata`` is unpickled and the tensors read with
+    ``torch.load(weights_only=True)``; pass it only for a checkpoint you saved or trust.
+    """
     from areal_fn.plans.convert import to_hf
 
+    state, layout = read_megatron_state(
+        path, model, trust_pickle=trust_pickle, drop_optimizer=drop_optimizer
+    )
+    return to_hf({0: state}, layout)
+
+
+def read_megatron_state(
+    path: "str | os.PathLike[str]",
+    model: ModelSpec,
+    *,
+    trust_pickle: bool = False,
+    drop_optimizer: bool = False,
+) -> tuple[dict[str, torch.Tensor], Layout]:
+    """What :func:`import_megatron_checkpoint` reads before ``to_hf``: the one rank's
+    local tensors of the unsharded layout it returns too (for ``iter_to_hf``)."""
+    folder = Path(path)
+    _backend(folder)
     if not trust_pickle:
         raise CheckpointError(
             f"{folder / METADATA}: a Megatron-Core torch_dist checkpoint says where its tensors "
             f"lie only in this Python pickle; {trust_pickle_rule('trust_pickle=True')}. Or "
             "have its owner export it as HF safetensors, which need no trust"
         )
-    layout = _mcore_layout(model)
-    metadata = unpickle_metadata(folder)
-    storage = _ChunkReader(folder, metadata=metadata, raw=False)
-    storage.set_up_storage_reader(metadata, True)
-    stored = metadata.state_dict_metadata
-    state: dict[str, torch.Tensor] = {}
+    return _read_state(folder, model, drop_optimizer)
+
+
+def _items(
+    layout: Layout,
+    keys: Mapping[str, McoreKey],
+    read: Callable[[str, Box], torch.Tensor],
+    rows: int,
+    dtypes: Mapping[str, torch.dtype],
+    progress: Callable[[str], None] | None,
+) -> tuple[list[WriteItem], dict[MetadataIndex, Callable[[], Any]]]:
+    """One write item per local tensor (its chunk of the stored tensor, materialised
+    when DCP writes it), a zero chunk for the vocabulary padding rows, and the linear
+    modules' ``_extra_state`` objects."""
+    items: list[WriteItem] = []
+    data: dict[MetadataIndex, Callable[[], Any]] = {}
+    extras: list[str] = []
     for lt in layout.local_tensors(0):
-        key, layer = _mcore_key(lt.name)
-        md = stored.get(key)
-        if not isinstance(md, TensorStorageMetadata):
-            raise CheckpointError(
-                f"{folder}: the Megatron checkpoint has no tensor {key!r} (for {lt.name}); it was "
-                f"not saved from a GPTModel of this {model.model_type} model"
-            )
-        size = tuple(md.size)
-        if layer is not None:
-            want = (model.num_layers, *lt.shape)
-            ok = size == want
-            box = Box(ranges=((layer, layer + 1), *((0, d) for d in lt.shape)))
-        else:
-            want = lt.shape
-            ok = size[1:] == lt.shape[1:] and len(size) == len(lt.shape) and size[0] >= lt.shape[0]
-            box = Box.full(lt.shape)
-        if not ok:
-            raise CheckpointError(
-                f"{folder}: {key} has shape {size}, {model.model_type} with hidden_size="
-                f"{model.hidden_size}, {model.num_layers} layers needs {want}"
-                + (" (rows >= vocab_size)" if layer is None else "")
-            )
-        chunks = tuple(
-            Box(ranges=tuple((o, o + n) for o, n in zip(c.offsets, c.sizes, strict=True)))
-            for c in md.chunks
+        where = keys[lt.name]
+        shape = (*where.prefix_sizes, *lt.shape)
+        dtype = _dtype(lt, dtypes)
+        if lt.name in _VOCAB and rows > lt.shape[0]:
+            shape = (rows, *lt.shape[1:])
+            pad = Box(ranges=((lt.shape[0], rows), *((0, d) for d in lt.shape[1:])))
+            item = _write_item(where.key, pad, shape, dtype)
+            items.append(item)
+            data[item.index] = functools.partial(torch.zeros, pad.shape, dtype=dtype)
+        item = _write_item(where.key, _stored_box(lt, where), shape, dtype)
+        items.append(item)
+        data[item.index] = functools.partial(_chunk, lt, read, where, dtype, progress)
+        if where.extra_state is not None and where.extra_state not in extras:
+            extras.append(where.extra_state)
+    for key in extras:
+        item = WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO)
+        items.append(item)
+        data[item.index] = functools.partial(io.BytesIO, _to_bytes([None]))
+    return items, data
+
+
+def _dtype(lt: LocalTensor, dtypes: Mapping[str, torch.dtype]) -> torch.dtype:
+    """The dtype ``lt`` is written in: its source's (the first canonical piece)."""
+    from areal_fn.model.tensor_spec import torch_dtype
+
+    first = next((p.canonical for p in lt.pieces if p.canonical is not None), "")
+    return dtypes[first] if first in dtypes else torch_dtype(lt.dtype)
+
+
+def _chunk(
+    lt: LocalTensor,
+    read: Callable[[str, Box], torch.Tensor],
+    where: McoreKey,
+    dtype: torch.dtype,
+    progress: Callable[[str], None] | None,
+) -> torch.Tensor:
+    from areal_fn.plans.convert import materialize
+
+    t = materialize(lt, read).reshape((1,) * len(where.prefix) + lt.shape)
+    if t.dtype != dtype:
+        raise CheckpointError(
+            f"{lt.name}: the source holds {t.dtype}, the checkpoint's metadata says {dtype} "
+            "(nothing is cast); pass dtypes= with the source's dtypes"
         )
-        t = _read_box(storage, key, chunks, box, md.properties.dtype, str(folder))
-        state[lt.name] = t.reshape(lt.shape)
-    return to_hf({0: state}, layout)
-
-
-def _mcore_tensors(local: Mapping[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:
-    """Megatron-Core's stored tensors from the unsharded local ones: layers stacked along
-    a leading dim (global layer index), embedding and output layer padded with zero rows
-    to ``rows``."""
-    stacked: dict[str, list[torch.Tensor]] = {}
-    tensors: dict[str, torch.Tensor] = {}
-    for name, t in local.items():
-        key, layer = _mcore_key(name)
-        if layer is None:
-            if rows > t.shape[0] and name in (
-                "embedding.word_embeddings.weight",
-                "output_layer.weight",
-            ):
-                t = torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))])
-            tensors[key] = t
-        else:
-            stacked.setdefault(key, []).append(t)
-    for key, layers in stacked.items():
-        tensors[key] = torch.stack(layers)
-    return tensors
+    if progress is not None:
+        progress(lt.name)
+    return _owned(t)
 
 
 def export_megatron_checkpoint(
@@ -175,15 +261,29 @@ def export_megatron_checkpoint(
     dest: "str | os.PathLike[str]",
     *,
     vocab_size_padded: int | None = None,
+    layer_spec: LayerSpec = "te",
+    layer_keys: LayerKeys | None = None,
+    dtypes: Mapping[str, torch.dtype] | None = None,
     overwrite: bool = False,
+    progress: Callable[[str], None] | None = None,
 ) -> Path:
-    """Write canonical parameters (a mapping, a ``CheckpointReader``, any reader) as a
-    Megatron-Core ``torch_dist`` checkpoint that ``dist_checkpointing.load`` reads into a
-    ``GPTModel`` of ``model`` under any TP/PP; written atomically (temporary directory,
-    fsync, rename). ``vocab_size_padded`` is the embedding rows of the target
+    """Write canonical parameters (a mapping, a ``CheckpointReader``, an
+    ``HfCheckpoint.read``, any reader) as a Megatron-Core ``torch_dist`` checkpoint that
+    ``dist_checkpointing.load`` reads into a ``GPTModel`` of ``model`` under any
+    TP/PP/EP/ETP; written atomically (temporary directory, fsync, rename), one tensor
+    in memory at a time. ``vocab_size_padded`` is the embedding rows of the target
     ``GPTModel`` (its padded vocabulary; default ``vocab_size``), padding rows zero.
+    ``layer_spec`` is the layer spec of the model that will load it (``te``: the
+    Transformer-Engine spec, Megatron-LM's on GPUs; ``local``: Megatron-Core's local
+    spec): they name a MoE layer's ``pre_mlp_layernorm`` differently. ``layer_keys``
+    (default: ``stacked`` when every layer is alike, else ``per-layer``) must be what
+    that model stores: ``per-layer`` when its ``moe_layer_freq`` is a list.
+    Tensors are written in their source's dtype, nothing cast: a mapping's own, else
+    ``dtypes`` (canonical name -> dtype; default the model's). ``progress`` hears each
+    local tensor's name as it is written. Parameters only: no optimizer state is
+    written.
     """
-    from areal_fn.plans.convert import to_megatron
+    from areal_fn.plans.convert import check_canonical, mapping_reader
 
     out = Path(dest)
     if out.exists() and not overwrite:
@@ -195,23 +295,20 @@ def export_megatron_checkpoint(
         raise CheckpointError(
             f"vocab_size_padded={rows} is smaller than vocab_size={model.vocab_size}"
         )
-    layout = _mcore_layout(model)
-    tensors = _mcore_tensors(to_megatron(source, layout, 0), rows)
-    extras = {
-        f"decoder.layers.{module}._extra_state/shard_{layer}_{model.num_layers}": _to_bytes([None])
-        for module in _MCORE_EXTRA_STATE
-        for layer in range(model.num_layers)
-    }
-    items: list[WriteItem] = []
-    data: dict[MetadataIndex, Callable[[], Any]] = {}
-    for key, t in tensors.items():
-        item = _write_item(key, Box.full(tuple(t.shape)), tuple(t.shape), t.dtype)
-        items.append(item)
-        data[item.index] = functools.partial(_owned, t)
-    for key, blob in extras.items():
-        item = WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO)
-        items.append(item)
-        data[item.index] = functools.partial(io.BytesIO, blob)
+    layout = mcore_layout(model, layer_spec)
+    keys = mcore_keys(model, layer_spec, layer_keys or default_layer_keys(model))
+    if isinstance(source, Mapping):
+        check_canonical(source, layout.canonical)
+        read = mapping_reader(source)
+        dtypes = {n: t.dtype for n, t in source.items()}
+    else:
+        read = source
+    items, data = _items(layout, keys, read, rows, dtypes or {}, progress)
+    _write(out, items, data)
+    return out
+
+
+def _write(out: Path, items: list[WriteItem], data: dict[MetadataIndex, Callable[[], Any]]) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".tmp-{out.name}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -237,4 +334,3 @@ def export_megatron_checkpoint(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out

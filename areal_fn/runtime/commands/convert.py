@@ -5,6 +5,10 @@ several components (``sglang:t2+megatron:t2p2``) is refused unless ``--component
 names the one to write. ``convert SRC DST --to-hf`` reads the allocation the files
 record (an ALLOCATION given must be the recorded one) and verifies every file's
 checksum. The progress bar goes to stderr and stays there as a summary line.
+
+``--format torch_dist`` writes Megatron-Core's own dist checkpoint instead of the
+per-rank files (:mod:`~areal_fn.runtime.checkpoint.megatron_convert`); ``--to-hf``
+reads either, telling them apart by what SRC holds.
 """
 
 import argparse
@@ -18,7 +22,10 @@ from areal_fn.runtime.console import text_console
 from areal_fn.runtime.hf.convert import ConvertSummary
 from areal_fn.strategy.parse import parse_allocation
 
-__all__ = ["choose_component", "cmd_convert"]
+__all__ = ["FORMATS", "choose_component", "cmd_convert"]
+
+#: ``--format`` values: this library's per-rank files, Megatron-Core's dist checkpoint
+FORMATS = ("rank-files", "torch_dist")
 
 
 def choose_component(allocation: str, chosen: str | None) -> str:
@@ -46,11 +53,20 @@ def choose_component(allocation: str, chosen: str | None) -> str:
     return str(found[0])
 
 
-def _json(summary: ConvertSummary, direction: str, src: str, allocation: str | None) -> None:
+def _json(
+    summary: ConvertSummary,
+    direction: str,
+    src: str,
+    allocation: str | None,
+    fmt: str = "rank-files",
+    torch_dist: dict[str, object] | None = None,
+) -> None:
     emit_json(
         {
             "schema": "areal-fn.convert/1",
             "direction": direction,
+            "format": fmt,
+            "torch_dist": torch_dist,
             "src": src,
             "dst": summary.path,
             "allocation": allocation,
@@ -97,9 +113,103 @@ def _bar(description: str, total: int | None) -> Iterator[Callable[[str], None]]
             raise
 
 
+def _format(args: argparse.Namespace) -> str:
+    """The format: ``--format``, else for ``--to-hf`` what SRC holds, else rank-files."""
+    from areal_fn.runtime.checkpoint.megatron import is_megatron_checkpoint
+
+    given = args.format
+    if given is not None and given not in FORMATS:
+        raise ConversionError(
+            f"--format {given!r} is not a checkpoint format; use {FORMATS[0]} (this library's "
+            f"per-rank files, the default) or {FORMATS[1]} (Megatron-Core's dist checkpoint)"
+        )
+    found = "torch_dist" if args.to_hf and is_megatron_checkpoint(args.src) else None
+    if given == "rank-files" and found:
+        raise ConversionError(
+            f"{args.src} holds a Megatron-Core torch_dist checkpoint, not rank files; pass "
+            "--format torch_dist or leave --format out"
+        )
+    fmt = given or found or "rank-files"
+    if fmt == "torch_dist" and args.rank is not None:
+        raise ConversionError(
+            f"--rank {args.rank} with --format torch_dist: a torch_dist checkpoint is one "
+            "checkpoint for every rank (Megatron-Core reads each rank's part); drop --rank"
+        )
+    if fmt != "torch_dist" and args.layer_spec is not None:
+        raise ConversionError(
+            "--layer-spec names the Megatron layer spec of a torch_dist checkpoint; it needs "
+            "--format torch_dist"
+        )
+    if args.to_hf and fmt != "torch_dist" and (args.trust_pickle or args.drop_optimizer):
+        raise ConversionError(
+            "--trust-pickle and --drop-optimizer apply to a torch_dist SRC; rank files need "
+            "neither: drop them"
+        )
+    return fmt
+
+
+def _torch_dist(args: argparse.Namespace, fmt: str) -> int:
+    """``convert`` in either direction with a Megatron-Core torch_dist checkpoint."""
+    from areal_fn.runtime.checkpoint.megatron_convert import (
+        convert_to_torch_dist,
+        convert_torch_dist_to_hf,
+    )
+    from areal_fn.runtime.checkpoint.megatron_keys import mcore_layout
+
+    src, dst = args.src, args.dst
+    options: dict[str, object] | None = None
+    if args.to_hf:
+        if args.allocation is not None:
+            raise ConversionError(
+                f"a torch_dist checkpoint is not tied to an allocation (Megatron-Core loads it "
+                f"under any strategy); drop {args.allocation}"
+            )
+        model = None if args.model is None else _model(args.model)
+        with _bar("to HF", _total_hf(src, args.model)) as tick:
+            summary = convert_torch_dist_to_hf(
+                src,
+                dst,
+                model=model,
+                trust_pickle=args.trust_pickle,
+                drop_optimizer=args.drop_optimizer,
+                overwrite=args.overwrite,
+                progress=tick,
+            )
+        recorded = None
+    else:
+        recorded = _allocation(args)
+        total = len(mcore_layout(_model(src)).local_tensors(0))
+        with _bar("to torch_dist", total) as tick:
+            summary, options = convert_to_torch_dist(
+                src,
+                recorded,
+                dst,
+                layer_spec=args.layer_spec or "te",
+                overwrite=args.overwrite,
+                progress=tick,
+            )
+    if args.json:
+        _json(summary, "to-hf" if args.to_hf else "to-local", src, recorded, fmt, options)
+    else:
+        text_console().print(f"converted {summary}")
+    return 0
+
+
+def _allocation(args: argparse.Namespace) -> str:
+    if args.allocation is None:
+        raise ConversionError(
+            "convert needs SRC ALLOCATION DST (e.g. areal-fn convert hf/ megatron:t2p2 "
+            "out/); only --to-hf reads the allocation from the files"
+        )
+    return choose_component(args.allocation, args.component)
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     from areal_fn.runtime.hf.convert import convert_back, convert_to_local
 
+    fmt = _format(args)
+    if fmt == "torch_dist":
+        return _torch_dist(args, fmt)
     src, dst = args.src, args.dst
     if args.to_hf:
         alloc = (
@@ -112,12 +222,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             )
         recorded = _recorded(src, alloc)
     else:
-        if args.allocation is None:
-            raise ConversionError(
-                "convert needs SRC ALLOCATION DST (e.g. areal-fn convert hf/ megatron:t2p2 "
-                "out/); only --to-hf reads the allocation from the files"
-            )
-        recorded = choose_component(args.allocation, args.component)
+        recorded = _allocation(args)
         ranks = None if args.rank is None else [args.rank]
         with _bar("to per-rank files", _total_local(src, recorded, ranks)) as tick:
             summary = convert_to_local(

@@ -1,0 +1,219 @@
+"""An HF checkpoint <-> a Megatron-Core ``torch_dist`` checkpoint, on disk.
+
+:func:`convert_to_torch_dist` is ``areal-fn convert SRC megatron:... DST --format
+torch_dist``: the HF checkpoint is read lazily, one local tensor at a time, and written
+as the dist checkpoint that Megatron-Core's ``dist_checkpointing.load`` reads into a
+``GPTModel`` under the allocation's strategy or any other (TP/PP/EP/ETP), the
+vocabulary padded as Megatron pads it for the allocation's TP. ``config.json`` and the
+other non-weight files of SRC are copied next to it. :func:`convert_torch_dist_to_hf`
+is ``convert SRC DST --to-hf`` of such a directory (ours or Megatron's own).
+"""
+
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+from areal_fn.errors import ConversionError
+from areal_fn.layouts.layout import LayoutKind
+from areal_fn.layouts.vocab import padded_vocab_size
+from areal_fn.model.spec import ModelSpec, load_hf_config, model_from_hf_config
+from areal_fn.runtime.checkpoint.megatron import export_megatron_checkpoint, read_megatron_state
+from areal_fn.runtime.checkpoint.megatron_keys import LayerKeys, LayerSpec, default_layer_keys
+from areal_fn.runtime.checkpoint.metadata import METADATA
+from areal_fn.runtime.hf.convert import ConvertSummary, layout_of
+from areal_fn.runtime.hf.files import read_hf_files
+from areal_fn.runtime.hf.io import HfCheckpoint, write_hf_checkpoint
+from areal_fn.sharding.box import Box
+from areal_fn.strategy.parse import parse_allocation
+from areal_fn.typecheck import beartype
+
+__all__ = ["MCORE_FILES", "convert_to_torch_dist", "convert_torch_dist_to_hf", "torch_dist_options"]
+
+_PathLike = str | os.PathLike[str]
+#: the files of a torch_dist checkpoint (besides its ``*.distcp`` data files)
+MCORE_FILES = (METADATA, "common.pt", "metadata.json")
+
+
+def _mcore_files(folder: Path) -> list[str]:
+    return [*MCORE_FILES, *sorted(p.name for p in folder.glob("*.distcp"))]
+
+
+@beartype
+def torch_dist_options(model: ModelSpec, allocation: str) -> tuple[int, int]:
+    """``(vocab_size_padded, tp)`` of a torch_dist checkpoint for ``allocation``: the
+    vocabulary padded as Megatron pads it (a multiple of 128 * tp). ``ConversionError``
+    unless the allocation is one megatron component."""
+    comps = parse_allocation(allocation).components
+    if len(comps) != 1 or comps[0].backend.value != "megatron":
+        raise ConversionError(
+            f"--format torch_dist writes Megatron-Core's own checkpoint, so it needs a megatron "
+            f"allocation, not {allocation}; give the megatron component (e.g. megatron:t2p2) "
+            "or use --format rank-files"
+        )
+    tp = comps[0].dims.tp
+    return padded_vocab_size(model.vocab_size, tp=tp), tp
+
+
+def _dtypes(ckpt: HfCheckpoint) -> dict[str, torch.dtype]:
+    """Each tensor's dtype in the checkpoint (one element read, memory-mapped)."""
+    out: dict[str, torch.dtype] = {}
+    for name in ckpt.names:
+        shape = ckpt.shape(name)
+        box = Box(ranges=tuple((0, min(d, 1)) for d in shape))
+        out[name] = ckpt.read(name, box).dtype
+    return out
+
+
+@beartype
+def convert_to_torch_dist(
+    src_hf_dir: _PathLike,
+    allocation: str,
+    dst_dir: _PathLike,
+    *,
+    layer_spec: LayerSpec = "te",
+    layer_keys: LayerKeys | None = None,
+    overwrite: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[ConvertSummary, dict[str, object]]:
+    """Write the HF checkpoint in ``src_hf_dir`` as a Megatron-Core ``torch_dist``
+    checkpoint for ``allocation`` (one megatron component) at ``dst_dir``, atomically.
+
+    The model must fit the allocation (checked first); the vocabulary is padded to
+    Megatron's size for its TP. ``layer_spec`` / ``layer_keys``: see
+    :func:`~areal_fn.runtime.checkpoint.megatron.export_megatron_checkpoint`. Returns
+    the summary and the options written (``vocab_size_padded``, ``layer_spec``,
+    ``layer_keys``).
+    """
+    src, dst = Path(src_hf_dir), Path(dst_dir)
+    start = time.perf_counter()
+    model = model_from_hf_config(src)
+    rows, _ = torch_dist_options(model, allocation)
+    layout, _ = layout_of(model, allocation)  # the model fits the strategy (else an error)
+    assert layout.kind is LayoutKind.MEGATRON
+    if dst.exists() and not overwrite:
+        raise ConversionError(f"{dst} already exists; pass overwrite=True or choose another path")
+    keys = layer_keys or default_layer_keys(model)
+    counted = [0, 0]
+    sizes = {t.name: t.shape for t in model.tensors}
+
+    def tick(name: str) -> None:
+        counted[0] += 1
+        if progress is not None:
+            progress(name)
+
+    with HfCheckpoint(src) as ckpt:
+        ckpt.check(model)
+        hf = read_hf_files(src, weights=ckpt.files)
+        dtypes = _dtypes(ckpt)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
+        try:
+            out = export_megatron_checkpoint(
+                ckpt.read,
+                model,
+                work / "ckpt",
+                vocab_size_padded=rows,
+                layer_spec=layer_spec,
+                layer_keys=keys,
+                dtypes=dtypes,
+                progress=tick,
+            )
+            for name, data in (("config.json", hf.config), *hf.files):
+                (out / name).write_bytes(data)
+            if dst.exists():
+                shutil.rmtree(dst)
+            os.replace(out, dst)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    for name, shape in sizes.items():
+        n = 1
+        for d in shape:
+            n *= d
+        counted[1] += n * dtypes[name].itemsize
+    summary = ConvertSummary(
+        path=str(dst),
+        ranks=(),
+        tensors=counted[0],
+        bytes=counted[1],
+        seconds=round(time.perf_counter() - start, 4),
+        carried=hf.names,
+        not_carried=tuple(f"{n} ({why})" for n, why in hf.skipped),
+    )
+    return summary, {"vocab_size_padded": rows, "layer_spec": layer_spec, "layer_keys": keys}
+
+
+def _model_of(src: Path, model: ModelSpec | None) -> ModelSpec:
+    config = src / "config.json"
+    if model is None:
+        if not config.is_file():
+            raise ConversionError(f"{src} has no config.json; pass model= (a ModelSpec)")
+        return model_from_hf_config(load_hf_config(config))
+    if config.is_file() and model_from_hf_config(load_hf_config(config)).tensors != model.tensors:
+        raise ConversionError(
+            f"{config} describes another model than model=; drop model= or the file"
+        )
+    return model
+
+
+@beartype
+def convert_torch_dist_to_hf(
+    src_dir: _PathLike,
+    dst_hf_dir: _PathLike,
+    *,
+    model: ModelSpec | None = None,
+    trust_pickle: bool = False,
+    drop_optimizer: bool = False,
+    max_shard_bytes: int = 5 << 30,
+    overwrite: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> ConvertSummary:
+    """A Megatron-Core ``torch_dist`` checkpoint (saved under any strategy) -> an HF
+    checkpoint, bitwise. ``model`` defaults to ``src_dir/config.json`` (which our
+    export carries; Megatron's own checkpoints need ``model``). ``trust_pickle`` and
+    ``drop_optimizer``: see
+    :func:`~areal_fn.runtime.checkpoint.megatron.import_megatron_checkpoint`. The
+    parameters are held in memory once while the HF shards are written."""
+    from areal_fn.plans.convert import iter_to_hf
+
+    src, dst = Path(src_dir), Path(dst_hf_dir)
+    start = time.perf_counter()
+    model = _model_of(src, model)
+    if dst.exists() and not overwrite:
+        raise ConversionError(f"{dst} already exists; pass overwrite=True or choose another path")
+    state, layout = read_megatron_state(
+        src, model, trust_pickle=trust_pickle, drop_optimizer=drop_optimizer
+    )
+    hf = read_hf_files(src, weights=_mcore_files(src), config=model.hf_config())
+    counted = [0, 0]
+
+    def count(items: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in items:
+            counted[0] += 1
+            counted[1] += t.numel() * t.element_size()
+            if progress is not None:
+                progress(name)
+            yield name, t
+
+    write_hf_checkpoint(
+        dst,
+        count(iter_to_hf({0: state}, layout)),
+        config=hf.config,
+        model=model,
+        files=hf.files,
+        max_shard_bytes=max_shard_bytes,
+        overwrite=overwrite,
+    )
+    return ConvertSummary(
+        path=str(dst),
+        ranks=(),
+        tensors=counted[0],
+        bytes=counted[1],
+        seconds=round(time.perf_counter() - start, 4),
+        carried=hf.names,
+        not_carried=tuple(f"{n} ({why})" for n, why in hf.skipped),
+    )
