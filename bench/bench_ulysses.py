@@ -50,7 +50,7 @@ CONFIG: dict[str, Any] = {
 }
 
 
-def _saved_bytes(engine: Any, ids: Any) -> int:
+def saved_bytes(engine: Any, ids: Any) -> int:
     """Bytes of the distinct storages autograd saves during one ``train_step`` of ``ids``
     (all in its forward: nothing is recomputed)."""
     import torch
@@ -68,6 +68,47 @@ def _saved_bytes(engine: Any, ids: Any) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         engine.train_step(ids)
     return total[0]
+
+
+def measure(engine: Any, ids: Any) -> dict[str, float]:
+    """Saved activation bytes of one ``train_step`` and its best time of ``REPEATS``
+    (every rank starts each timed step together)."""
+    import torch.distributed as dist
+
+    mem = saved_bytes(engine, ids)
+    times = []
+    for _ in range(REPEATS):
+        dist.barrier()
+        start = time.perf_counter()
+        engine.train_step(ids)
+        times.append(time.perf_counter() - start)
+    return {"bytes": mem, "seconds": min(times)}
+
+
+def rows_for(t: int, vocab: int) -> Any:
+    """The ``WORLD`` rows of ``t`` tokens both engines of a length train on."""
+    import torch
+
+    gen = torch.Generator().manual_seed(t)
+    return torch.randint(0, vocab, (WORLD, t), generator=gen)
+
+
+def print_table(recs: list[dict[str, Any]], lengths: tuple[int, ...] = LENGTHS) -> None:
+    """c1 vs c2 per length: the larger rank's activations, the slower rank's step."""
+    mib = 1 << 20
+    print(
+        f"{'T':>6}{'c1 act MiB':>12}{'c2 act MiB':>12}{'mem c2/c1':>11}"
+        f"{'c1 step s':>11}{'c2 step s':>11}{'time c2/c1':>12}"
+    )
+    for t in lengths:
+        m1 = max(r[f"c1/{t}"]["bytes"] for r in recs)
+        m2 = max(r[f"c2/{t}"]["bytes"] for r in recs)
+        s1 = max(r[f"c1/{t}"]["seconds"] for r in recs)
+        s2 = max(r[f"c2/{t}"]["seconds"] for r in recs)
+        print(
+            f"{t:>6}{m1 / mib:>12.1f}{m2 / mib:>12.1f}{m2 / m1:>11.3f}"
+            f"{s1:>11.2f}{s2:>11.2f}{s2 / s1:>12.3f}"
+        )
 
 
 def _worker(out: Path) -> None:
@@ -88,18 +129,9 @@ def _worker(out: Path) -> None:
         for c, text in (("c1", "fsdp:d2"), ("c2", "fsdp:c2"))
     }
     for t in LENGTHS:
-        gen = torch.Generator().manual_seed(t)
-        rows = torch.randint(0, spec.vocab_size, (WORLD, t), generator=gen)
+        rows = rows_for(t, spec.vocab_size)
         for c, engine in engines.items():
-            ids = rows[engine.dp_rank : engine.dp_rank + 1]
-            mem = _saved_bytes(engine, ids)
-            times = []
-            for _ in range(REPEATS):
-                dist.barrier()
-                start = time.perf_counter()
-                engine.train_step(ids)
-                times.append(time.perf_counter() - start)
-            record[f"{c}/{t}"] = {"bytes": mem, "seconds": min(times)}
+            record[f"{c}/{t}"] = measure(engine, rows[engine.dp_rank : engine.dp_rank + 1])
     (out / f"rank{rank}.json").write_text(json.dumps(record))
     dist.barrier()
     dist.destroy_process_group()
@@ -119,24 +151,11 @@ def run() -> None:
             env={"OMP_NUM_THREADS": "1"},
         )
         recs = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(WORLD)]
-    mib = 1 << 20
     print(
         "qwen2-shaped, hidden 64, 4 heads, 2 layers, fp32; 2 CPU processes (gloo); "
         "c1 = fsdp:d2 (each rank a whole row), c2 = fsdp:c2 (each rank half a row)"
     )
-    print(
-        f"{'T':>6}{'c1 act MiB':>12}{'c2 act MiB':>12}{'mem c2/c1':>11}"
-        f"{'c1 step s':>11}{'c2 step s':>11}{'time c2/c1':>12}"
-    )
-    for t in LENGTHS:
-        m1 = max(r[f"c1/{t}"]["bytes"] for r in recs)
-        m2 = max(r[f"c2/{t}"]["bytes"] for r in recs)
-        s1 = max(r[f"c1/{t}"]["seconds"] for r in recs)
-        s2 = max(r[f"c2/{t}"]["seconds"] for r in recs)
-        print(
-            f"{t:>6}{m1 / mib:>12.1f}{m2 / mib:>12.1f}{m2 / m1:>11.3f}"
-            f"{s1:>11.2f}{s2:>11.2f}{s2 / s1:>12.3f}"
-        )
+    print_table(recs)
 
 
 if __name__ == "__main__":

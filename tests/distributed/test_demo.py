@@ -1,5 +1,6 @@
 """The main job (README's first command) runs and verifies everything it claims."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -19,14 +20,32 @@ def test_demo_runs_green_and_names_its_artefacts(capsys, tmp_path):
     for check in (
         "plan",
         "train fsdp:d2t2",
+        "packed Ulysses SP step = one process, one by one",
+        "Ulysses SP tokens per rank (cp=2)",
+        "train fsdp:d2c2 packed (Ulysses SP)",
         "checkpoint",
         "export HF checkpoint",
         "weight sync",
         "resume megatron:t2p2",
         "megatron logprobs vs trainer",
         "train megatron:t2p2",
+        "packed CP step = one process, one by one",
+        "CP tokens per rank (cp=2)",
+        "train megatron:d2c2 packed (CP)",
     ):
         assert f"[ok] {check}" in out, out
+    # the packed phases: mixed lengths packed into rows, each rank half of every row
+    assert re.search(
+        r"\[ok\] train fsdp:d2c2 packed \(Ulysses SP\): 12 sequences of \d+-\d+ tokens", out
+    )
+    for what in ("Ulysses SP", "CP"):
+        rows = re.search(
+            rf"\[ok\] {what} tokens per rank \(cp=2\): step 1, each rank half of every row: "
+            r"ranks 0\+1: (\d+) rows, (\d+) tokens each of (\d+) .*; ranks 2\+3: (\d+) rows",
+            out,
+        )
+        assert rows and int(rows[1]) > 1 and 2 * int(rows[2]) == int(rows[3]), out
+    assert re.search(r"train megatron:d2c2 packed \(CP\): .* \(= fsdp:d2c2's within ", out)
     assert "FAIL" not in out
     assert "areal_fn demo: verified on CPU/gloo, 4 ranks" in out, out
     checkpoint, hf = workdir / "checkpoints" / "step-00000030", workdir / "hf"

@@ -1,11 +1,13 @@
 """The main job (``make demo`` / ``areal-fn demo``): launch the demo worker under torchrun.
 
 The worker (:mod:`areal_fn.runtime.demo.worker`) plans, trains a tiny Qwen2-architecture
-model under ``fsdp:d2t2``, checkpoints it, exports it for transformers, resumes it
-under ``megatron:t2p2`` and checks the canonical weights bitwise, syncs the weights to
-a TP2 inference group and checks the logits, then prints a verification table. It
-always runs 4 processes (``fsdp:d2t2`` and ``megatron:t2p2`` each fill 4 ranks; the
-inference group is ranks 2-3). CPU with gloo (``AREAL_FN_BACKEND`` selects another
+model under ``fsdp:d2t2``, trains from its weights on packed mixed-length sequences
+under Ulysses SP (``fsdp:d2c2``) and checks that step against plain transformers,
+checkpoints it, exports it for transformers, resumes it under ``megatron:t2p2`` and
+checks the canonical weights bitwise, syncs the weights to a TP2 inference group and
+checks the logits, trains the packed phase again under context parallelism
+(``megatron:d2c2``), then prints a verification table. It always runs 4 processes
+(every strategy fills 4 ranks; the inference group is ranks 2-3). CPU with gloo (``AREAL_FN_BACKEND`` selects another
 process-group backend; the engines are verified on CPU only).
 
 The artefacts go to ``--workdir DIR`` (a new or empty directory): the checkpoint under

@@ -6,6 +6,10 @@ Stages (each recorded in the final verification table printed by rank 0):
    (pure; bad input would fail here, before any process group exists);
 2. train: a tiny Qwen2-architecture model (random weights from :data:`DEMO_CONFIG`)
    under FSDP2 + TP ``d2t2`` for N steps on a synthetic next-token task;
+2b. packed sequences under Ulysses SP: from the trainer's weights, a few steps under
+   ``fsdp:d2c2`` on mixed-length sequences packed into rows
+   (:mod:`~areal_fn.runtime.demo.packed_phase`; the first step against plain
+   transformers run on each sequence alone, tokens per rank counted);
 3. checkpoint: canonical tensors written as an HF safetensors checkpoint (rank 0,
    atomic);
 4. resume under ``megatron:t2p2``: a Megatron-Core GPTModel loaded from the checkpoint
@@ -13,7 +17,9 @@ Stages (each recorded in the final verification table printed by rank 0):
    bitwise, and its logits must equal the HF reference model's;
 5. weight sync to an inference group (TP2, ranks 2-3) by a planned shard-to-shard
    transfer; the inference shards must equal the trainer's weights and hold exactly
-   their shard's bytes.
+   their shard's bytes;
+6. packed sequences under context parallelism: the phase of 2b again under
+   ``megatron:d2c2``, from the same weights (the same checks, and the same losses).
 """
 
 import argparse
@@ -32,6 +38,7 @@ from areal_fn.model.demo import DEMO_CONFIG
 from areal_fn.model.spec import model_from_hf_config
 from areal_fn.plans.transfer import bucket, plan_transfers
 from areal_fn.plans.transfer_bound import transfer_lower_bound
+from areal_fn.runtime.demo.packed_phase import stage_packed_cp, stage_packed_sp
 from areal_fn.runtime.engines.common import AdamWConfig, LRSchedule
 from areal_fn.runtime.engines.protocol import Engine
 from areal_fn.sharding.shard import bitwise_equal
@@ -342,10 +349,12 @@ def main() -> None:
     complete = False
     try:
         trainer, canonical = stage_train(spec, args.steps)
+        packed = stage_packed_sp(spec, canonical, OPTIMIZER, record, log)
         root = stage_checkpoint(spec, trainer, args.steps, workdir)
         target = inference_engine(spec)
         stage_sync(spec, trainer, target, args.steps, "fsdp:d2t2")
         stage_megatron(spec, root, canonical, trainer, target, args.steps)
+        stage_packed_cp(spec, canonical, packed, OPTIMIZER, record, log)
         complete = True
     finally:
         if dist.get_rank() == 0:
