@@ -29,7 +29,7 @@ typecheck: $(STAMP)
 # every test, the torchrun launches included; the guard fails the run if a defined
 # test function was not run (a skipped folder, a missing import, a deselecting plugin)
 pytest: $(STAMP)
-	HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -q -n 2 --dist loadgroup --check-collection tests
+	HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -q -n 2 --dist loadgroup --check-collection --durations=30 tests
 
 test: lint typecheck pytest
 
