@@ -136,3 +136,22 @@ def test_checkpoints_that_do_not_fit_are_refused(tmp_path, checkpoint):
     ):
         load_into(other, layout, 0, out=out)
     assert all(torch.equal(as_bytes(out[k]), as_bytes(v)) for k, v in before.items())
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_any_number_of_reading_threads_writes_the_same(checkpoint, threads):
+    path, spec, canon = checkpoint
+    layout = megatron_layout(spec, ParallelDims(tp=2, pp=2))
+    for rank in range(layout.world_size):
+        want = to_megatron(canon, layout, rank)
+        out = poisoned_like(want)
+        load_into(path, layout, rank, out=out, threads=threads)
+        assert_bitwise(out, want)
+
+
+def test_no_reading_thread_is_refused(checkpoint):
+    path, spec, canon = checkpoint
+    layout = megatron_layout(spec, ParallelDims(tp=2))
+    out = poisoned_like(to_megatron(canon, layout, 0))
+    with pytest.raises(ConversionError, match=r"threads=0 must be >= 1 \(or None"):
+        load_into(path, layout, 0, out=out, threads=0)

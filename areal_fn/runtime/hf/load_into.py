@@ -19,6 +19,7 @@ the destinations' names, shapes, storage (not ``meta``, not a ``DTensor``: pass 
 import json
 import os
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +27,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from areal_fn.errors import ConversionError
-from areal_fn.layouts.layout import Layout
-from areal_fn.plans.convert import check_canonical, check_into, pieces_into
+from areal_fn.layouts.layout import Layout, Piece
+from areal_fn.plans.convert import canonical_region, check_canonical, check_into, pieces_into
 from areal_fn.plans.tensor_check import listing
 from areal_fn.runtime.hf.convert import read_local
 from areal_fn.runtime.hf.io import INDEX, SINGLE, HfCheckpoint, read_safetensors_header
@@ -187,6 +188,7 @@ def load_into(
     *,
     out: Mapping[str, torch.Tensor],
     cast: bool = False,
+    threads: int | None = None,
 ) -> int:
     """Write ``rank``'s local tensors of ``layout``, read from the HF checkpoint in
     ``src_hf_dir``, into the existing tensors ``out`` (layout name -> tensor); the
@@ -197,20 +199,36 @@ def load_into(
     contiguous), else one ``copy_`` from the memory-mapped file (:func:`hf_views`), cast
     as it is copied with ``cast=True``. No intermediate tensor. Without ``cast`` each
     destination must have the checkpoint's dtype. Everything is checked before the first
-    write (see the module docstring).
+    write (see the module docstring). The pieces are read on ``threads`` threads
+    (default ``torch.get_num_threads()``), largest first; they write disjoint regions.
     """
+    if threads is not None and threads < 1:
+        raise ConversionError(f"threads={threads} must be >= 1 (or None: torch's thread count)")
     _check_plain(out)
     views = hf_views(src_hf_dir)
     check_canonical(views, layout.canonical)
     check_into(layout, rank, out, dtypes={n: v.dtype for n, v in views.items()}, cast=cast)
     files = _Files(Path(src_hf_dir), views)
-    try:
+    jobs = sorted(pieces_into(layout, rank, out), key=lambda job: -job[1].numel())
+
+    def run(job: tuple[str, torch.Tensor, Piece]) -> None:
+        _, region, p = job
         with torch.no_grad():
-            for _, region, p in pieces_into(layout, rank, out):
-                if p.canonical is None or p.canonical_box is None:
-                    region.zero_()
-                else:
-                    _fill(files, views, region, p.canonical, p.canonical_box)
+            if p.canonical is None or p.canonical_region is None:
+                region.zero_()
+            elif p.view is not None:  # strided / transposed (gpt-oss experts): one copy_
+                region.copy_(canonical_region(views[p.canonical], p).reshape(region.shape))
+            else:
+                _fill(files, views, region, p.canonical, p.canonical_region)
+
+    workers = torch.get_num_threads() if threads is None else threads
+    try:
+        if workers <= 1:
+            for job in jobs:
+                run(job)
+        else:  # pieces are disjoint regions; preadv and copy_ release the GIL
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                list(pool.map(run, jobs))
     finally:
         files.close()
     return sum(
