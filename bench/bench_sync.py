@@ -8,7 +8,9 @@ inference ranks, each timed best of ``REPEATS`` (barrier to barrier, wall time):
 - **planned**: :func:`~areal_fn.plans.transfer.plan_transfers` from the FSDP2 layout to the
   inference layout, bucketed (``BUCKET_MB``), executed by
   :func:`~areal_fn.runtime.sync.executor.send_and_receive`: each inference rank receives
-  exactly its shard, from both trainer ranks at once, staged and committed atomically;
+  exactly its shard, from both trainer ranks at once, staged and committed atomically
+  (``keep_staging=True``: the group keeps its staging memory from sync to sync; the row
+  **planned_fresh** is the default, which frees it after each sync);
 - **gather + broadcast** (the scheme AReaL ships): for every parameter, the trainer
   ranks all-gather it (``DTensor.full_tensor()``), rank 0 broadcasts the full tensor to
   the inference ranks (one ``broadcast`` per tensor over a group of rank 0 and the
@@ -17,6 +19,12 @@ inference ranks, each timed best of ``REPEATS`` (barrier to barrier, wall time):
 A third row runs the planned sync with the transfers reordered so that every bucket
 feeds both inference ranks (:func:`interleaved`; ``plan_transfers`` orders by
 destination rank, so its buckets feed one receiver at a time).
+
+A fourth row, **bare**, is the limit of this process layout: the planned sync's own
+messages (same pairs, same buckets, same sizes, same posting order) as raw gloo sends
+and receives of preallocated, already touched buffers, with no packing, MAC, staging
+or store; the benchmark prints its bandwidth and the planned sync's ratio to it
+(goal ``GOAL_OF_BARE``).
 
 Bytes moved count what every process receives: the all-gather (each trainer rank gets
 the other half), the broadcasts (every inference rank gets every full tensor), the
@@ -66,6 +74,7 @@ WORLD = 4
 TRAINER, INFER = (0, 1), (2, 3)
 BUCKET_MB = 64
 REPEATS = 3
+GOAL_OF_BARE = 0.5  # the planned sync's bandwidth over the bare transport's
 
 
 def small_spec() -> ModelSpec:
@@ -113,14 +122,55 @@ def _planned(
     src: dict[str, "torch.Tensor"],
     live: dict[str, "torch.Tensor"],
     group: "SyncGroup",
+    keep_staging: bool = True,
 ) -> Callable[[], dict[str, int]]:
     from areal_fn.runtime.sync.executor import send_and_receive
 
     def planned() -> dict[str, int]:
-        report = send_and_receive(plan, src_tensors=src, dst_tensors=live, group=group)
+        report = send_and_receive(
+            plan, src_tensors=src, dst_tensors=live, group=group, keep_staging=keep_staging
+        )
         return {"received": report.bytes_received, "overhead": report.overhead_bytes}
 
     return planned
+
+
+def _bare(
+    plan: BucketPlan,
+    src: dict[str, "torch.Tensor"],
+    live: dict[str, "torch.Tensor"],
+    group: "SyncGroup",
+) -> Callable[[], dict[str, int]]:
+    """The transport's own speed on this plan: the executor's messages (same pairs, same
+    buckets, same sizes, same posting order) as raw sends and receives of preallocated,
+    already touched buffers, bucket after bucket; no packing, MAC, staging or store."""
+    import torch
+
+    from areal_fn.runtime.sync.executor import _prepare
+    from areal_fn.runtime.sync.messages import _order
+
+    me = group.rank
+    steps, _, _ = _prepare(plan, me, src, live, None)
+    posts = []
+    for b, _, outgoing, incoming in steps:
+        ms = sorted(outgoing + incoming, key=lambda m: _order(me, m))
+        posts.append((b, [(m, torch.zeros(m.size, dtype=torch.uint8)) for m in ms]))
+
+    def bare() -> dict[str, int]:
+        pg, received = group.pg, 0
+        for b, ops in posts:
+            works = [
+                pg.send([buf], group.group_rank(m.dst), b)
+                if m.src == me
+                else pg.recv([buf], group.group_rank(m.src), b)
+                for m, buf in ops
+            ]
+            for w in works:
+                w.wait()
+            received += sum(m.payload for m, _ in ops if m.dst == me)
+        return {"received": received, "overhead": 0}
+
+    return bare
 
 
 def _gather_broadcast(
@@ -194,7 +244,7 @@ def _run_schemes(
         torch.equal(
             snapshots[name][k].view(torch.int16), snapshots["gather_broadcast"][k].view(torch.int16)
         )
-        for name in ("planned", "planned_interleaved")
+        for name in ("planned", "planned_interleaved", "planned_fresh")
         for k in live
     )
     return results, equal
@@ -228,6 +278,8 @@ def _worker(out: Path) -> None:
         "gather_broadcast": _gather_broadcast(rank, train, infer, src, live, mesh, bcast, dtype),
         "planned": _planned(buckets, src, live, group),
         "planned_interleaved": _planned(mixed, src, live, group),
+        "planned_fresh": _planned(buckets, src, live, group, keep_staging=False),
+        "bare": _bare(buckets, src, live, group),
     }
     results, equal = _run_schemes(schemes, live)
     record = {
@@ -268,7 +320,7 @@ def _sync_part() -> None:
         f"({recs[0]['buckets']} buckets); planning took {recs[0]['plan_s']:.2f} s"
     )
     rows = {}
-    for name in ("gather_broadcast", "planned", "planned_interleaved"):
+    for name in ("gather_broadcast", "planned", "planned_interleaved", "planned_fresh", "bare"):
         moved = sum(rec["results"][name][0]["received"] for rec in recs)
         times = [max(rec["results"][name][i]["seconds"] for rec in recs) for i in range(REPEATS)]
         rows[name] = (moved, min(times), times)
@@ -283,6 +335,15 @@ def _sync_part() -> None:
         f"(interleaved: {gb[1] / mx[1]:.2f}x); "
         f"planned bytes = lower bound from the layouts: {pl[0] == recs[0]['lower_bound']}; "
         f"results bitwise equal: {all(rec['equal'] for rec in recs)}"
+    )
+    bare = rows["bare"]
+    print(
+        f"bare send/recv (the executor's messages as raw sends and receives of preallocated "
+        f"buffers, same pairs, buckets and order): {bare[0] / bare[1] / 1e9:.2f} GB/s; "
+        f"planned {pl[0] / pl[1] / 1e9:.2f} GB/s = {bare[1] / pl[1]:.2f}x of it "
+        f"(goal >= {GOAL_OF_BARE}x: {'met' if bare[1] / pl[1] >= GOAL_OF_BARE else 'NOT met'}); "
+        f"planned with its staging freed after each sync (the default, keep_staging=False): "
+        f"{bare[1] / rows['planned_fresh'][1]:.2f}x"
     )
 
 

@@ -17,7 +17,7 @@ import attrs
 
 from areal_fn.errors import PlanError
 from areal_fn.layouts.layout import Layout
-from areal_fn.plans.transfer_classes import Planner
+from areal_fn.plans.transfer_classes import Planner, no_gc
 from areal_fn.plans.transfer_records import Transfer as Transfer
 from areal_fn.plans.transfer_records import check_ranks as check_ranks
 from areal_fn.sharding.box import Box
@@ -99,10 +99,10 @@ def plan_transfers(
     Sources are chosen per destination piece (:mod:`areal_fn.plans.transfer_classes`),
     so :func:`plan_rank_transfers` gives any one rank's rows of this plan alone.
     """
-    planner = _planner(src, dst, src_ranks, dst_ranks)
-    return TransferPlan(
-        transfers=tuple(planner.world()), src_ranks=planner.src.ranks, dst_ranks=planner.dst.ranks
-    )
+    with no_gc():
+        planner = _planner(src, dst, src_ranks, dst_ranks)
+        rows = tuple(planner.world())
+    return TransferPlan(transfers=rows, src_ranks=planner.src.ranks, dst_ranks=planner.dst.ranks)
 
 
 @beartype
@@ -122,12 +122,10 @@ def plan_rank_transfers(
     metadata travelling. A rank in neither layout gets no rows. A canonical tensor that
     this rank does not touch is checked only for being held at all.
     """
-    planner = _planner(src, dst, src_ranks, dst_ranks)
-    return TransferPlan(
-        transfers=tuple(planner.rank(rank)),
-        src_ranks=planner.src.ranks,
-        dst_ranks=planner.dst.ranks,
-    )
+    with no_gc():  # the planner makes many small acyclic objects; see no_gc
+        planner = _planner(src, dst, src_ranks, dst_ranks)
+        rows = tuple(planner.rank(rank))
+    return TransferPlan(transfers=rows, src_ranks=planner.src.ranks, dst_ranks=planner.dst.ranks)
 
 
 # -- buckets ---------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from areal_fn.layouts.layout import Layout, LogicalTensor, _local_template
 from areal_fn.model.tensor_spec import DTYPE_BYTES
 from areal_fn.plans.transfer_records import Transfer, trusted_transfer
 from areal_fn.sharding.box import Box
+from areal_fn.sharding.placement import Shard, StridedShard
 
 Ranges = tuple[tuple[int, int], ...]
 #: (entry, position among the entry's present ranks, canonical box, local box)
@@ -93,83 +94,85 @@ def _present_ranks(t: LogicalTensor) -> tuple[int, ...]:
 
 
 class _Side:
-    """One layout's logical tensors, indexed by canonical tensor; classed on demand."""
+    """One layout's logical tensors, indexed once: by canonical tensor, geometry class
+    and presence (which ranks hold each tensor)."""
 
     def __init__(self, layout: Layout, ranks: tuple[int, ...], *, exact: bool) -> None:
         self.layout, self.ranks = layout, ranks
         self.exact = exact  # presence coordinates are part of the class (colocated ranks)
         #: canonical -> {tensor index: its fusion indices holding it}, in tensor order
         self.members: dict[str, dict[int, tuple[int, ...]]] = {}
-        get = self.members.get
-        for ti, t in enumerate(layout.tensors):
-            for fi, f in enumerate(t.fusion):
-                m = get(f.canonical)
-                if m is None:
-                    self.members[f.canonical] = {ti: (fi,)}
-                else:
-                    m[ti] = (*m.get(ti, ()), fi)
-        self._gid = [-1] * len(layout.tensors)
-        self._pid = [-1] * len(layout.tensors)
         self.present: list[tuple[int, ...]] = []  # by presence id: layout ranks, ascending
         self.where: list[dict[int, int]] = []  # by presence id: {layout rank: position}
         self.granks: list[tuple[int, ...]] = []  # by presence id: the global ranks
         self.copies: list[int] = []  # by presence id: ranks holding each element
-        self._reps: list[LogicalTensor] = []
-        self._classes: dict[tuple, int] = {}
-        self._presences: dict[tuple, int] = {}
-        self._by_id: dict[int, int] = {}  # equal shardings are often distinct objects
-        self._by_value: dict[object, int] = {}
+        self._reps: list[LogicalTensor] = []  # by class: its first tensor
         self._pieces: dict[tuple[int, tuple[int, ...]], tuple[tuple[int, Box, Box], ...]] = {}
+        #: by tensor index: its geometry class and its presence id
+        self.gids, self.pids = self._index(layout.tensors)
 
-    def _sharding(self, t: LogicalTensor) -> int:
-        sh = self._by_id.get(id(t.sharding))
-        if sh is None:
-            # the mesh by identity (cheap; equal meshes that are distinct objects only
-            # make finer classes), the placements by value
-            key = (id(t.sharding.mesh), t.sharding.placements)
-            sh = self._by_value.setdefault(key, len(self._by_value))
-            self._by_id[id(t.sharding)] = sh
-        return sh
+    def _index(self, tensors: tuple[LogicalTensor, ...]) -> tuple[list[int], list[int]]:
+        """Fill ``members`` and the presences; the class and presence of every tensor.
+
+        A class is (shape, sharding, fusion boxes, dtype, presence axes); a sharding is
+        its mesh by identity (equal meshes that are distinct objects only make finer
+        classes) and its placements by value (equal shardings are often distinct objects).
+        """
+        members, get = self.members, self.members.get
+        classes: dict[tuple, int] = {}
+        presences: dict[tuple, int] = {}
+        by_id: dict[int, int] = {}
+        by_value: dict[object, int] = {}
+        gids, pids = [], []
+        for ti, t in enumerate(tensors):
+            fusion = []
+            for fi, f in enumerate(t.fusion):
+                fusion.append((f.canonical_box.ranges, f.logical_box.ranges))
+                m = get(f.canonical)
+                if m is None:
+                    members[f.canonical] = {ti: (fi,)}
+                else:
+                    m[ti] = (*m.get(ti, ()), fi)
+            sharding, present = t.sharding, t.present
+            sh = by_id.get(id(sharding))
+            if sh is None:
+                key = (id(sharding.mesh), sharding.placements)
+                sh = by_id[id(sharding)] = by_value.setdefault(key, len(by_value))
+            axes = tuple([a for a, _ in present]) if present else ()
+            g = classes.setdefault((t.shape, sh, tuple(fusion), t.dtype, axes), len(classes))
+            if g == len(self._reps):
+                self._reps.append(t)
+            gids.append(g)
+            p = presences.setdefault((sh, present), len(presences))
+            if p == len(self.present):
+                self._add_presence(t)
+            pids.append(p)
+        return gids, pids
+
+    def _add_presence(self, t: LogicalTensor) -> None:
+        ranks = _present_ranks(t)
+        self.present.append(ranks)
+        self.where.append({r: i for i, r in enumerate(ranks)})
+        self.granks.append(tuple(self.ranks[r] for r in ranks))
+        fixed = math.prod(t.sharding.mesh.axis_size(a) for a, _ in t.present)
+        self.copies.append(t.sharding.num_replicas // fixed)
 
     def gid(self, ti: int) -> int:
         """The geometry class of tensor ``ti`` (shape, sharding, fusion, dtype, presence axes)."""
-        g = self._gid[ti]
-        if g < 0:
-            t = self.layout.tensors[ti]
-            fusion = tuple([(f.canonical_box.ranges, f.logical_box.ranges) for f in t.fusion])
-            axes = tuple([a for a, _ in t.present]) if t.present else ()
-            key = (t.shape, self._sharding(t), fusion, t.dtype, axes)
-            g = self._gid[ti] = self._classes.setdefault(key, len(self._classes))
-            if g == len(self._reps):
-                self._reps.append(t)
-        return g
+        return self.gids[ti]
 
     def pid(self, ti: int) -> int:
         """The presence id of tensor ``ti`` (which ranks hold it)."""
-        p = self._pid[ti]
-        if p < 0:
-            t = self.layout.tensors[ti]
-            key = (self._sharding(t), t.present)
-            p = self._presences.get(key, -1)
-            if p < 0:
-                p = self._presences[key] = len(self.present)
-                ranks = _present_ranks(t)
-                self.present.append(ranks)
-                self.where.append({r: i for i, r in enumerate(ranks)})
-                self.granks.append(tuple(self.ranks[r] for r in ranks))
-                fixed = math.prod(t.sharding.mesh.axis_size(a) for a, _ in t.present)
-                self.copies.append(t.sharding.num_replicas // fixed)
-            self._pid[ti] = p
-        return p
+        return self.pids[ti]
 
     def part(self, canonical: str) -> tuple:
         """The class key of ``canonical`` on this side."""
         ms = self.members.get(canonical, {})
         if len(ms) == 1 and not self.exact:
             for t, fs in ms.items():
-                return (self.gid(t), fs)
-        key = tuple([(self.gid(t), fs) for t, fs in ms.items()])
-        return key + tuple([self.pid(t) for t in ms])
+                return (self.gids[t], fs)
+        key = tuple([(self.gids[t], fs) for t, fs in ms.items()])
+        return key + tuple([self.pids[t] for t in ms])
 
     def held(self, canonical: str) -> int:
         """Elements of ``canonical`` this side's pieces hold, over all ranks (shards tile)."""
@@ -187,9 +190,18 @@ class _Side:
         if got is None:
             rep = self._reps[self.gid(t)]
             fusion = tuple((f.canonical_box, f.logical_box) for f in rep.fusion)
+            mesh, placements = rep.sharding.mesh, rep.sharding.placements
+            # a rank's pieces depend on its coordinates along the sharded axes alone
+            split = [a for a, p in enumerate(placements) if isinstance(p, Shard | StridedShard)]
+            seen: dict[tuple[int, ...], tuple] = {}
             out = []
             for k, r in enumerate(self.present[self.pid(t)]):
-                _, template = _local_template(rep.shape, rep.sharding, r, fusion)
+                coords = mesh.coords(r)
+                geometry = tuple([coords[a] for a in split])
+                template = seen.get(geometry)
+                if template is None:
+                    _, template = _local_template(rep.shape, rep.sharding, r, fusion)
+                    seen[geometry] = template
                 for i, cbox, lbox in template:
                     if i in fs and cbox is not None and not cbox.is_empty:
                         out.append((k, cbox, lbox))
@@ -220,6 +232,9 @@ class _Template:
         d_members = list(dst.members.get(canonical, {}))
         h_ranks = [src.ranks[src.present[src.pid(s_members[e])][k]] for e, k, _, _ in self.holders]
         self.rows: list[tuple] = []
+        #: canonical box -> [overlapping holders and overlaps, whole holders, their local
+        #: boxes, the cells and the holders of each (made when first needed)]
+        self._overlaps: dict[Ranges, list] = {}
         self.by_dst: dict[tuple[int, int], list[int]] = {}
         self.by_src: dict[tuple[int, int], list[int]] = {}
         counters: dict[tuple, int] = {}
@@ -236,6 +251,7 @@ class _Template:
                 if not lst or lst[-1] != w:
                     lst.append(w)
         self.clock = clock
+        del self._overlaps
 
     def _row(
         self,
@@ -249,34 +265,43 @@ class _Template:
     ) -> tuple:
         """(kind, m, forced holder or cells, holders that may serve, source boxes)."""
         want = cbox.ranges
-        cands = []
-        for n, (_, _, hbox, _) in enumerate(self.holders):
-            inter = _intersect(hbox.ranges, want)
-            if inter is not None:
-                cands.append((n, inter))
-        whole = [n for n, inter in cands if inter == want]
-        local_whole = [n for n in whole if h_ranks[n] == g]
+        found = self._overlaps.get(want)
+        if found is None:  # replicas of a destination want the same boxes
+            cands = []
+            for n, (_, _, hbox, _) in enumerate(self.holders):
+                inter = _intersect(hbox.ranges, want)
+                if inter is not None:
+                    cands.append((n, inter))
+            whole = tuple(n for n, inter in cands if inter == want)
+            boxes = tuple(local_of(self.holders[n][2], self.holders[n][3], want) for n in whole)
+            found = self._overlaps[want] = [cands, whole, boxes, None]
+        cands, whole, boxes, grid = found
+        local_whole = [x for x, n in enumerate(whole) if h_ranks[n] == g]
         if whole and (local_whole or all(h_ranks[n] != g for n, _ in cands)):
-            key = (0, tuple(whole))
+            key = (0, whole)
             m = counters.get(key, 0)
             counters[key] = m + 1
-            forced = local_whole[0] if local_whole else -1
-            options = (forced,) if local_whole else tuple(whole)
-            boxes = tuple(local_of(self.holders[n][2], self.holders[n][3], want) for n in options)
-            return (0, m, forced, options, boxes)
+            if local_whole:
+                x = local_whole[0]
+                return (0, m, whole[x], (whole[x],), (boxes[x],))
+            return (0, m, -1, whole, boxes)
         key = (1, tuple(n for n, _ in cands))
         m = counters.get(key, 0)
         counters[key] = m + 1
+        if grid is None:
+            grid = found[3] = []
+            for cell in _cells([inter for _, inter in cands], want):
+                opts = tuple(n for n, inter in cands if _contains(inter, cell))
+                if not opts:
+                    name = dst.layout.tensors[t].name
+                    raise PlanError(
+                        f"destination rank {g} needs {canonical}{Box._trusted(cell)} for {name!r}, "
+                        "which no source rank holds; the source layout must cover every canonical "
+                        "tensor the destination needs"
+                    )
+                grid.append((cell, opts))
         cells = []
-        for cell in _cells([inter for _, inter in cands], want):
-            opts = tuple(n for n, inter in cands if _contains(inter, cell))
-            if not opts:
-                name = dst.layout.tensors[t].name
-                raise PlanError(
-                    f"destination rank {g} needs {canonical}{Box._trusted(cell)} for {name!r}, which "
-                    "no source rank holds; the source layout must cover every canonical tensor the "
-                    "destination needs"
-                )
+        for cell, opts in grid:
             local = [n for n in opts if h_ranks[n] == g]
             cells.append((cell, local[0] if local else -1, opts))
         options = tuple(sorted({n for _, f, o in cells for n in ((f,) if f >= 0 else o)}))
@@ -337,21 +362,30 @@ class Planner:
         self.pos = {c.name: i for i, c in enumerate(dst.canonical)}
         self.order = [c.name for c in dst.canonical if c.name in self.dst.members]
         self._templates: dict[tuple, _Template] = {}
+        #: canonical -> (its class key on the destination side, on the source side)
+        self.keys: dict[str, tuple[tuple, tuple]] = {}
         self.base: dict[str, int] = {}
         self.itemsize: dict[str, int] = {}
+        # held bytes and element sizes are functions of the class keys: computed per class
+        held: dict[tuple, int] = {}
+        sizes: dict[tuple, int] = {}
+        d_part, s_part = self.dst.part, self.src.part
         clock = 0
         for c in self.order:  # the clock follows from the destination layout alone
-            size = self._itemsize(c)
+            dk, sk = self.keys[c] = (d_part(c), s_part(c))
+            size = sizes.get(sk)
+            if size is None:
+                size = sizes[sk] = self._itemsize(c)
+            self.itemsize[c] = size
+            n = held.get(dk)
+            if n is None:
+                n = held[dk] = self.dst.held(c)
             clock = -(-clock // size) * size  # each tensor starts on a multiple of its element
             self.base[c] = clock
-            clock += self.dst.held(c) * size
+            clock += n * size
 
     def _itemsize(self, c: str) -> int:
         tensors, members = self.src.layout.tensors, self.src.members.get(c, {})
-        if len(members) == 1:
-            for t in members:
-                self.itemsize[c] = size = DTYPE_BYTES[tensors[t].dtype]
-                return size
         sizes = {DTYPE_BYTES[tensors[t].dtype] for t in members}
         if not sizes:
             t = next(iter(self.dst.members[c]))
@@ -365,11 +399,10 @@ class Planner:
                 f"canonical tensor {c!r} is held with element sizes {sorted(sizes)} B in the "
                 "source layout; every source tensor holding it must have one dtype"
             )
-        self.itemsize[c] = size = sizes.pop()
-        return size
+        return sizes.pop()
 
     def template(self, c: str) -> _Template:
-        key = (self.dst.part(c), self.src.part(c))
+        key = self.keys[c]
         tpl = self._templates.get(key)
         if tpl is None:
             tpl = self._templates[key] = _Template(self.src, self.dst, c, self.itemsize[c])
@@ -378,7 +411,7 @@ class Planner:
     def world(self) -> list[Transfer]:
         """Every row of the plan, in plan order."""
         out: list[Transfer] = []
-        with _no_gc():
+        with no_gc():
             for c in self.order:
                 tpl = self.template(c)
                 self._emit(c, tpl, range(len(tpl.rows)), out, None)
@@ -388,18 +421,23 @@ class Planner:
         """The rows of the plan in which global ``rank`` sends or receives, in plan order."""
         j = dict(zip(self.dst.ranks, range(len(self.dst.ranks)), strict=True)).get(rank)
         i = dict(zip(self.src.ranks, range(len(self.src.ranks)), strict=True)).get(rank)
-        sides = [(s, x, by) for s, x, by in ((self.dst, j, 0), (self.src, i, 1)) if x is not None]
+        sides = [
+            (side.members, side.pids, side.where, x, by)
+            for side, x, by in ((self.dst, j, 0), (self.src, i, 1))
+            if x is not None
+        ]
         out: list[Transfer] = []
+        templates, keys = self._templates, self.keys
         for c in self.order:
             found: list[tuple[int, int, int]] = []
-            for side, idx, by in sides:
-                for e, t in enumerate(side.members.get(c, {})):
-                    k = side.where[side.pid(t)].get(idx)
+            for members, pids, where, idx, by in sides:
+                for e, t in enumerate(members.get(c, ())):
+                    k = where[pids[t]].get(idx)
                     if k is not None:
                         found.append((by, e, k))
             if not found:
                 continue
-            tpl = self.template(c)
+            tpl = templates.get(keys[c]) or self.template(c)
             mine = [
                 w for by, e, k in found for w in (tpl.by_src if by else tpl.by_dst).get((e, k), ())
             ]
@@ -414,14 +452,15 @@ class Planner:
         d_t, s_t = list(dst.members[c]), list(src.members[c])
         d_tensors, s_tensors = dst.layout.tensors, src.layout.tensors
         holders, rows, add = tpl.holders, tpl.rows, out.append
+        d_granks, d_pids, s_granks, s_pids = dst.granks, dst.pids, src.granks, src.pids
         for w in wants:
             e, k, cbox, lbox, nbytes, off, kind, m, a, options, boxes = rows[w]
-            g = dst.granks[dst.pid(d_t[e])][k]
+            g = d_granks[d_pids[d_t[e]]][k]
             d_name = d_tensors[d_t[e]].name
             if kind == 0:
                 x = 0 if a >= 0 else (m + pos) % len(options)
                 he, hk = holders[options[x]][:2]
-                s = src.granks[src.pid(s_t[he])][hk]
+                s = s_granks[s_pids[s_t[he]]][hk]
                 if keep is None or keep == s or keep == g:
                     add(
                         trusted_transfer(
@@ -445,7 +484,7 @@ class Planner:
             ]
             for box, n in _merge_runs(chosen):
                 he, hk, hc, hl = holders[n]
-                s, part = src.granks[src.pid(s_t[he])][hk], _numel(box) * size
+                s, part = s_granks[s_pids[s_t[he]]][hk], _numel(box) * size
                 if keep is None or keep == s or keep == g:
                     add(
                         trusted_transfer(
@@ -465,7 +504,7 @@ class Planner:
 
 
 @contextlib.contextmanager
-def _no_gc() -> Iterator[None]:
+def no_gc() -> Iterator[None]:
     """Pause the cyclic garbage collector while millions of acyclic rows are made (it
     would rescan them over and over); restore its state after."""
     was = gc.isenabled()

@@ -8,10 +8,10 @@ processes and threads: ``test_weight_sync.py`` (its authentication section and t
 ``auth`` section of the torchrun launch).
 """
 
-import hashlib
 import re
 from typing import Any, ClassVar
 
+import blake3
 import pytest
 import torch
 import torch.distributed as dist
@@ -173,19 +173,16 @@ def test_message_tags_cover_every_field_and_every_payload_byte() -> None:
         assert got != tag, i
 
 
-def test_the_payload_digest_is_a_sha256_of_chunk_sha256s() -> None:
-    data = torch.randint(0, 256, (2 * auth.CHUNK_BYTES + 5,), dtype=torch.uint8)
+def test_the_payload_digest_is_the_blake3_of_its_bytes_in_order() -> None:
+    data = torch.randint(0, 256, (9 << 20,), dtype=torch.uint8)
     view = auth.payload_view(data)
-    chunks = [
-        bytes(view[i : i + auth.CHUNK_BYTES]) for i in (0, auth.CHUNK_BYTES, 2 * auth.CHUNK_BYTES)
-    ]
-    want = hashlib.sha256(b"".join(hashlib.sha256(c).digest() for c in chunks)).digest()
+    want = blake3.blake3(data.numpy().tobytes()).digest()
     assert auth.payload_digest(view) == want
-    small = auth.payload_view(data[:100])
-    assert (
-        auth.payload_digest(small) == hashlib.sha256(hashlib.sha256(bytes(small)).digest()).digest()
-    )
-    data[auth.CHUNK_BYTES + 1] ^= 1  # a byte of the second chunk
+    # the same bytes in several buffers, read in order, give the same digest
+    parts = [auth.payload_view(p) for p in torch.tensor_split(data, [5, 1 << 20, 3 << 20])]
+    assert auth.payload_digest(parts) == want
+    assert auth.payload_digest(parts[::-1]) != want
+    data[(4 << 20) + 1] ^= 1  # one byte, in the middle
     assert auth.payload_digest(auth.payload_view(data)) != want
 
 

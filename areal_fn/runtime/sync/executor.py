@@ -11,10 +11,11 @@ bucket depends on that row alone); this module only moves bytes::
     group = SyncGroup.from_world([0, 1, 2, 3], timeout_s=30)      # or SyncGroup.from_store
     report = send_and_receive(plan, src_tensors=mine, dst_tensors=live, group=group)
 
-**Wire format.** Per bucket, a rank packs everything it sends to one peer into one
-byte buffer, a header and the boxes (:mod:`areal_fn.runtime.sync.messages`); the
-receiver derives the same order and offsets from the same plan, and the header turns
-a disagreement into an error instead of wrong weights. Transfers a rank makes to
+**Wire format.** Per bucket, everything a rank sends one peer is one message, a
+header and the boxes (:mod:`areal_fn.runtime.sync.messages`); large boxes travel
+straight from the sources and into the shadows, the rest through message buffers
+(kept by the group between syncs with ``keep_staging=True``). The receiver derives the same order and offsets from the same
+plan, and the header turns a disagreement into an error instead of wrong weights. Transfers a rank makes to
 itself are local copies (:func:`~areal_fn.plans.transfer_apply.copy_box`, as in the
 plan's reference semantics :func:`~areal_fn.plans.transfer_apply.apply_transfers`).
 
@@ -23,7 +24,9 @@ it has started; a rank posts a bucket's operations only once its peers in that
 bucket have started it, so ``timeout_s`` bounds one bucket's exchange
 (:mod:`areal_fn.runtime.sync.progress`).
 
-**Atomicity.** Received boxes are staged in shadow buffers. After its last bucket a
+**Atomicity.** Received boxes are staged in shadow buffers (one copy of the tensors
+this rank receives; freed when the sync ends, or kept by the group for the next sync
+with ``keep_staging=True``). After its last bucket a
 rank votes on the store and waits until every member has voted; then one
 ``compare_set`` on the store decides, for everyone, ``commit`` or ``abort``. Only
 after ``commit`` does a rank copy its shadows into its live tensors. A rank that
@@ -56,7 +59,15 @@ from areal_fn.errors import PlanError
 from areal_fn.plans.transfer import BucketPlan, Transfer
 from areal_fn.plans.transfer_apply import copy_box
 from areal_fn.runtime.sync.group import SyncError, SyncGroup, Transport, _fail, open_store
-from areal_fn.runtime.sync.messages import _Arrival, _exchange, _Message, _message
+from areal_fn.runtime.sync.messages import (
+    _Arrival,
+    _buffers,
+    _exchange,
+    _Message,
+    _message,
+    _Sealed,
+    release_staging,
+)
 from areal_fn.runtime.sync.progress import _Progress
 from areal_fn.sharding.box import Box
 from areal_fn.typecheck import beartype
@@ -90,6 +101,7 @@ def send_and_receive(
     group: SyncGroup,
     wire_dtype: torch.dtype | None = None,
     on_bucket: Callable[[int], None] | None = None,
+    keep_staging: bool = False,
 ) -> SyncReport:
     """Execute ``plan`` on this rank: send its sources, receive and commit its destinations.
 
@@ -99,45 +111,51 @@ def send_and_receive(
     tensor name; live tensors are written in place, only at commit. ``wire_dtype``
     casts what travels (both sides pass the same); by default the sender's dtypes
     travel and must equal the receiver's. ``on_bucket(index)`` runs before each bucket
-    this rank takes part in (progress, fault injection).
+    this rank takes part in (progress, fault injection). ``keep_staging``: the group
+    keeps this sync's staging memory for the next one (message buffers and one shadow
+    per received tensor: a copy of what this rank receives, held while the group
+    lives; reused memory is faster to fill); by default it is freed when the sync ends.
 
     Raises :class:`~areal_fn.errors.PlanError` when this rank's tensors do not fit the
     plan and :class:`SyncError` when the sync fails; either way no live tensor
     changed, and the group is spent (:meth:`SyncGroup.renew`).
     """
+    try:
+        return _send_and_receive(plan, src_tensors, dst_tensors, group, wire_dtype, on_bucket)
+    finally:
+        if not keep_staging:
+            release_staging(group)
+
+
+def _send_and_receive(
+    plan: BucketPlan,
+    src_tensors: Mapping[str, torch.Tensor],
+    dst_tensors: MutableMapping[str, torch.Tensor],
+    group: SyncGroup,
+    wire_dtype: torch.dtype | None,
+    on_bucket: Callable[[int], None] | None,
+) -> SyncReport:
     start = time.perf_counter()
     version, me = plan.version, group.rank
     seq = _begin(group, version)
     try:
         _check_in_group(plan, group)
-        steps, shadows, device = _prepare(plan, me, src_tensors, dst_tensors, wire_dtype)
+        steps, covered, device = _prepare(plan, me, src_tensors, dst_tensors, wire_dtype)
+        shadows = _shadows(group, covered, dst_tensors)
     except PlanError as e:
         _fail(group, seq, f"rank {me}: {e}")
         raise
     progress = _Progress(group, seq)
-    sent = received = copied = overhead = messages = 0
-    arrived: list[_Arrival] = []
-    for b, copies, outgoing, incoming in steps:
-        progress.advance(b + 1, version)
-        copied += _copy_local(group, seq, version, b, copies, src_tensors, shadows, on_bucket)
-        peers = sorted({m.dst for m in outgoing} | {m.src for m in incoming})
-        progress.await_peers(peers, b, version)
-        arrived = _exchange(
-            group, seq, version, b, outgoing, incoming, src_tensors, shadows, device, arrived
-        )
-        sent += sum(m.payload for m in outgoing)
-        overhead += sum(m.size - m.payload for m in outgoing)
-        received += sum(m.payload for m in incoming)
-        messages += len(outgoing)
-    last = steps[-1][0] if steps else 0  # check and unpack the last bucket's arrivals
-    _exchange(group, seq, version, last, [], [], src_tensors, shadows, device, arrived)
-    del arrived
+    counts = _run_steps(
+        group, seq, version, steps, progress, src_tensors, shadows, device, on_bucket
+    )
     # past every bucket index of this rank's plan (a rank's own plan skips buckets)
     progress.advance(plan.buckets[-1].index + 2 if plan.buckets else 1, version)
     progress.vote(version)
     with torch.no_grad():
         for name, shadow in shadows.items():
             dst_tensors[name].copy_(shadow)
+    sent, received, copied, overhead, messages = counts
     return SyncReport(
         version=version,
         rank=me,
@@ -149,6 +167,53 @@ def send_and_receive(
         messages=messages,
         seconds=time.perf_counter() - start,
     )
+
+
+def _run_steps(
+    group: SyncGroup,
+    seq: int,
+    version: int,
+    steps: "list[_Step]",
+    progress: _Progress,
+    src_tensors: Mapping[str, torch.Tensor],
+    shadows: Mapping[str, torch.Tensor],
+    device: torch.device,
+    on_bucket: Callable[[int], None] | None,
+) -> tuple[int, int, int, int, int]:
+    """Every bucket of this rank, in order; (bytes sent, received, copied, overhead,
+    messages). Bucket k+1's messages are packed and sealed while bucket k is in flight,
+    into the other of two buffer slots."""
+    sent = received = copied = overhead = messages = 0
+    arrived: list[_Arrival] = []
+    packed: dict[int, _Sealed] = {}  # this bucket's messages, sealed in the one before
+    for step, (b, copies, outgoing, incoming) in enumerate(steps):
+        progress.advance(b + 1, version)
+        copied += _copy_local(group, seq, version, b, copies, src_tensors, shadows, on_bucket)
+        peers = sorted({m.dst for m in outgoing} | {m.src for m in incoming})
+        progress.await_peers(peers, b, version)
+        nxt = steps[step + 1] if step + 1 < len(steps) else None
+        arrived, packed = _exchange(
+            group,
+            seq,
+            version,
+            b,
+            outgoing,
+            incoming,
+            src_tensors,
+            shadows,
+            device,
+            arrived,
+            step % 2,
+            packed,
+            None if nxt is None else (nxt[0], nxt[2], (step + 1) % 2),
+        )
+        sent += sum(m.payload for m in outgoing)
+        overhead += sum(m.size - m.payload for m in outgoing)
+        received += sum(m.payload for m in incoming)
+        messages += len(outgoing)
+    last = steps[-1][0] if steps else 0  # check and unpack the last bucket's arrivals
+    _exchange(group, seq, version, last, [], [], src_tensors, shadows, device, arrived, 0)
+    return sent, received, copied, overhead, messages
 
 
 def _begin(group: SyncGroup, version: int) -> int:
@@ -210,8 +275,9 @@ def _prepare(
     src_tensors: Mapping[str, torch.Tensor],
     dst_tensors: Mapping[str, torch.Tensor],
     wire_dtype: torch.dtype | None,
-) -> tuple[list[_Step], dict[str, torch.Tensor], torch.device]:
-    """This rank's work per bucket, its shadow buffers and the device of its buffers."""
+) -> tuple[list[_Step], dict[str, int], torch.device]:
+    """This rank's work per bucket, the elements it receives per destination tensor and
+    the device of its buffers."""
     steps: list[_Step] = []
     covered: dict[str, int] = {}
     devices: list[torch.device] = []
@@ -245,13 +311,21 @@ def _prepare(
         ]
         if copies or outgoing or incoming:
             steps.append((b.index, copies, outgoing, incoming))
-    shadows: dict[str, torch.Tensor] = {}
-    for name, n in covered.items():
-        live = dst_tensors[name]
-        # a tensor the plan rewrites whole needs no copy of its old value
-        shadows[name] = torch.empty_like(live) if n == live.numel() else live.detach().clone()
     device = devices[0] if devices else torch.device("cpu")
-    return steps, shadows, device
+    return steps, covered, device
+
+
+def _shadows(
+    group: SyncGroup, covered: Mapping[str, int], dst_tensors: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """A shadow per destination tensor the plan writes (elements ``covered``), from the
+    group's staging memory: one the plan rewrites whole needs no copy of its old value."""
+    staging = _buffers(group)
+    with torch.no_grad():
+        return {
+            name: staging.shadow(name, dst_tensors[name], whole=n == dst_tensors[name].numel())
+            for name, n in covered.items()
+        }
 
 
 def _forget(group: SyncGroup, seq: int) -> None:
