@@ -46,7 +46,7 @@ from areal_fn.runtime.checkpoint.api import RankState, load_checkpoint, save_che
 from areal_fn.strategy.parse import parse_allocation
 
 LAYERS = 2
-SAVE_REPEATS = 3
+SAVE_REPEATS = 5
 LOAD_REPEATS = 3
 SHM = Path("/dev/shm")
 CONFIG = Path(__file__).resolve().parents[1] / "specs" / "models" / "Qwen2.5-0.5B.json"
@@ -254,6 +254,12 @@ def _report(
     print(
         f"  reshard-on-load / same-strategy load (both verify=False): "
         f"x{best['load_re_nv'] / best['load_same_nv']:.2f} the time"
+    )
+    paired = sorted(t / o for o, t in zip(saves["ours"], saves["torch"], strict=True))
+    print(
+        "  save rounds, each ours then torch.save back to back (speed x, sorted): "
+        + ", ".join(f"{r:.2f}" for r in paired)
+        + f"; median x{paired[len(paired) // 2]:.2f}"
     )
     print(
         f"  goals (speed, ours / torch; >= 1.0 meets it): save x{base_save / best['ours']:.2f}, "
