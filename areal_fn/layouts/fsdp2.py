@@ -13,7 +13,7 @@ each computes ``T/cp`` of their tokens. ``pp``, ``ep``, ``etp`` and ``vpp`` must
 
 TP plan by role (like AReaL's): q/k/v/gate/up, multi-latent attention's up
 projections ``q_b_proj`` / ``kv_b_proj`` and ``lm_head`` column-wise
-(``Shard(0)``), o/down row-wise (``Shard(1)``, their biases replicated), embeddings
+(``Shard(0)``), gpt-oss's attention sinks by head (``Shard(0)``), o/down row-wise (``Shard(1)``, their biases replicated), embeddings
 row-wise over the vocabulary (``Shard(0)``; ``tp_embeddings=False`` replicates them),
 norms, q/k norms, multi-latent attention's down projections, router and stacked
 experts replicated. FSDP2 then shards dim 0 of
@@ -105,6 +105,8 @@ def fsdp2_data_mesh(mesh: Mesh, cp: int) -> Mesh:
 
 def tp_placement(name: str, options: Fsdp2Options) -> Placement:
     """The TP placement of a parameter by its role (its name's suffix)."""
+    if name.endswith("self_attn.sinks"):
+        return Shard(dim=0)  # one per head, beside the column-wise q/k/v heads
     if name.endswith(_COLWISE) and ".experts." not in name:
         return Shard(dim=0)
     if name.endswith(_ROWWISE) and ".experts." not in name:

@@ -16,6 +16,12 @@ names. Rules (both engines):
 - multi-latent attention (DeepSeek-V3): ``q_b_proj`` / ``kv_b_proj`` (and ``q_proj``)
   column-wise by heads, ``o_proj`` row-wise; the down projections ``q_a_proj`` /
   ``kv_a_proj_with_mqa`` and their norms are replicated (there are no KV heads).
+- gpt-oss: the attention sinks by head (``Shard(0)``); the stacked experts
+  ``gate_up_proj [E, H, 2I]`` by contiguous chunks of its interleaved gate/up columns
+  (``Shard(2)``: rank ``r`` holds units ``r*I/tp .. (r+1)*I/tp``, gate and up
+  alternating, as vLLM's and SGLang's gpt-oss loaders slice it), ``gate_up_proj_bias``
+  likewise (``Shard(1)``), ``down_proj [E, I, H]`` by rows (``Shard(1)``);
+  ``down_proj_bias`` and the router (weight and bias) replicated.
 - norms, q/k norms and the MoE router are replicated.
 - pipeline stages (``p``): layer ``i`` on stage ``s`` by an even split, the first
   ``L % pp`` stages one layer longer; embeddings on stage 0, final norm and head on the
@@ -119,8 +125,21 @@ def _stage(name: str, model: ModelSpec, pp: int) -> int:
     return pp - 1
 
 
+#: gpt-oss's stacked experts and sinks (vLLM's and SGLang's gpt-oss loaders): the
+#: interleaved gate/up columns and the down rows split in contiguous chunks over ``tp``.
+_STACKED = (
+    ("self_attn.sinks", Shard(dim=0)),
+    ("mlp.experts.gate_up_proj", Shard(dim=2)),
+    ("mlp.experts.gate_up_proj_bias", Shard(dim=1)),
+    ("mlp.experts.down_proj", Shard(dim=1)),
+)
+
+
 def _tp_placement(name: str) -> Placement:
     """The ``tp`` placement of canonical tensor ``name`` (KV weights: on ``tp_kv``)."""
+    for suffix, placement in _STACKED:
+        if name.endswith(suffix):
+            return placement
     if name.endswith(_VOCAB + _KV + _COLUMN):
         return Shard(dim=0)
     if name.endswith(_ROW):

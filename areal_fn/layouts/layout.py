@@ -16,6 +16,7 @@ is geometry on these pieces.
 
 import enum
 import functools
+import math
 from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
@@ -27,6 +28,7 @@ from areal_fn.sharding.box import Box
 from areal_fn.sharding.mesh import Mesh
 from areal_fn.sharding.placement import Replicate
 from areal_fn.sharding.sharding import Sharding, check_sharding, local_pieces, local_shape
+from areal_fn.sharding.strided import View, check_view, sub_box, view_shape
 from areal_fn.strategy.allocation import Backend
 from areal_fn.typecheck import beartype
 
@@ -46,27 +48,66 @@ def _fits(shape: tuple[int, ...], box: Box) -> bool:
     return Box.full(shape).contains(box)
 
 
+def _strided_box(name: str, box: Box | None, view: View) -> Box:
+    """A strided piece's canonical box, for code that reads plain boxes only: refused."""
+    raise LayoutError(
+        f"the piece of {name!r} at {box} is strided/transposed (view {view}: a gpt-oss expert "
+        "of a Megatron layout); this code reads plain canonical boxes only. Conversion "
+        "(areal_fn.plans.convert) handles such pieces; transfer and checkpoint plans over "
+        "this layout need the piece's canonical_region and view (areal_fn.sharding.strided)"
+    )
+
+
 @attrs.frozen(kw_only=True)
 class FusionPiece:
-    """Canonical box ``canonical_box`` of tensor ``canonical`` sits at ``logical_box``."""
+    """Canonical box ``canonical_box`` of tensor ``canonical`` sits at ``logical_box``.
+
+    With a ``view`` (:class:`~areal_fn.sharding.strided.View`) the box's elements are
+    taken with a step and permuted first (gpt-oss experts under Megatron); such a piece's
+    box is ``canonical_region``, and ``canonical_box`` raises ``LayoutError`` so that code
+    reading plain boxes only refuses it instead of misreading it.
+    """
 
     canonical: str
-    canonical_box: Box
+    canonical_region: Box = attrs.field(alias="canonical_box")
     logical_box: Box
+    view: View | None = None
 
     def __attrs_post_init__(self) -> None:
-        if not _boxes_match(self.canonical_box, self.logical_box):
+        if self.view is not None:
+            check_view(self.canonical, self.canonical_region, self.view, self.logical_box)
+        elif not _boxes_match(self.canonical_region, self.logical_box):
             raise LayoutError(
-                f"fusion piece of {self.canonical!r}: canonical box {self.canonical_box} has shape "
-                f"{self.canonical_box.shape} but logical box {self.logical_box} has shape "
+                f"fusion piece of {self.canonical!r}: canonical box {self.canonical_region} has shape "
+                f"{self.canonical_region.shape} but logical box {self.logical_box} has shape "
                 f"{self.logical_box.shape}; they must match element for element (a logical box may "
                 "only add leading dims of extent 1, like a stacked expert)"
             )
 
     @property
+    def canonical_box(self) -> Box:
+        if self.view is not None:
+            _strided_box(self.canonical, self.canonical_region, self.view)
+        return self.canonical_region
+
+    @property
+    def numel(self) -> int:
+        """The canonical elements the piece holds (every step-th one under a view)."""
+        if self.view is None:
+            return self.canonical_region.numel
+        return math.prod(view_shape(self.canonical_region, self.view))
+
+    @property
     def stacked_dims(self) -> int:
         """Leading logical dims (of extent 1) the canonical tensor does not have."""
-        return self.logical_box.ndim - self.canonical_box.ndim
+        return self.logical_box.ndim - self.canonical_region.ndim
+
+    def __repr__(self) -> str:
+        view = "" if self.view is None else f", view={self.view!r}"
+        return (
+            f"FusionPiece(canonical={self.canonical!r}, canonical_box={self.canonical_region!r}, "
+            f"logical_box={self.logical_box!r}{view})"
+        )
 
 
 @attrs.frozen(kw_only=True)
@@ -74,15 +115,25 @@ class Piece:
     """Part of a local tensor: ``canonical_box`` of ``canonical`` at ``local_box``.
 
     ``local_box`` may have extra leading dims of extent 1 (stacked experts): the data
-    maps by reshape.
+    maps by reshape. With a ``view`` the canonical elements are taken with a step and
+    permuted first (:mod:`areal_fn.sharding.strided`); the box is then
+    ``canonical_region`` and ``canonical_box`` raises ``LayoutError`` (as for
+    :class:`FusionPiece`).
 
     ``canonical is None`` marks padding (no canonical source; zero on load, dropped on
     export).
     """
 
     canonical: str | None
-    canonical_box: Box | None
+    canonical_region: Box | None = attrs.field(alias="canonical_box")
     local_box: Box
+    view: View | None = None
+
+    @property
+    def canonical_box(self) -> Box | None:
+        if self.view is not None:
+            _strided_box(str(self.canonical), self.canonical_region, self.view)
+        return self.canonical_region
 
     @property
     def is_padding(self) -> bool:
@@ -90,16 +141,21 @@ class Piece:
 
     def local_of(self, box: Box) -> Box:
         """The local box holding canonical sub-box ``box`` (which this piece must contain)."""
-        if self.canonical_box is None:
+        cbox = self.canonical_box
+        if cbox is None:
             raise LayoutError("a padding piece holds no canonical data")
-        k = self.local_box.ndim - self.canonical_box.ndim
+        k = self.local_box.ndim - cbox.ndim
         shifted = box.shift(
-            tuple(
-                lo - c
-                for lo, c in zip(self.local_box.start[k:], self.canonical_box.start, strict=True)
-            )
+            tuple(lo - c for lo, c in zip(self.local_box.start[k:], cbox.start, strict=True))
         )
         return Box._trusted(self.local_box.ranges[:k] + shifted.ranges)
+
+    def __repr__(self) -> str:
+        view = "" if self.view is None else f", view={self.view!r}"
+        return (
+            f"Piece(canonical={self.canonical!r}, canonical_box={self.canonical_region!r}, "
+            f"local_box={self.local_box!r}{view})"
+        )
 
 
 @attrs.frozen(kw_only=True)
@@ -179,6 +235,11 @@ class LogicalTensor:
                 )
 
     @property
+    def is_strided(self) -> bool:
+        """Some fusion piece takes its canonical elements with a step or a transpose."""
+        return any(f.view is not None for f in self.fusion)
+
+    @property
     def is_padded(self) -> bool:
         return sum(f.logical_box.numel for f in self.fusion) < Box.full(self.shape).numel
 
@@ -205,11 +266,16 @@ def _local_geometry(
 
 def _local(t: LogicalTensor, coords: tuple[int, ...]) -> LocalTensor:
     rank = t.sharding.mesh.rank(coords)
-    fusion_geometry = tuple((f.canonical_box, f.logical_box) for f in t.fusion)
+    fusion_geometry = tuple((f.canonical_region, f.logical_box, f.view) for f in t.fusion)
     lshape, template = _local_template(t.shape, t.sharding, rank, fusion_geometry)
     names = [f.canonical for f in t.fusion]
     pieces = tuple(
-        Piece(canonical=None if i < 0 else names[i], canonical_box=cbox, local_box=lbox)
+        Piece(
+            canonical=None if i < 0 else names[i],
+            canonical_box=cbox,
+            local_box=lbox,
+            view=None if i < 0 else t.fusion[i].view,
+        )
         for i, cbox, lbox in template
     )
     return LocalTensor(name=t.name, shape=lshape, dtype=t.dtype, pieces=pieces)
@@ -220,7 +286,7 @@ def _local_template(
     shape: tuple[int, ...],
     sharding: Sharding,
     rank: int,
-    fusion: tuple[tuple[Box, Box], ...],
+    fusion: tuple[tuple[Box, Box, View | None], ...],
 ) -> tuple[tuple[int, ...], tuple[tuple[int, Box | None, Box], ...]]:
     """One rank's pieces of a logical tensor, by fusion index (-1: padding).
 
@@ -232,11 +298,14 @@ def _local_template(
     for gbox, lbox in geometry:
         to_local = tuple(lo - g for lo, g in zip(lbox.start, gbox.start, strict=True))
         covered = 0
-        for index, (fcbox, flbox) in enumerate(fusion):
+        for index, (fcbox, flbox, view) in enumerate(fusion):
             inter = gbox.intersect(flbox)
             if inter is None:
                 continue
             covered += inter.numel
+            if view is not None:
+                out.append((index, sub_box(fcbox, view, flbox, inter), inter.shift(to_local)))
+                continue
             k = flbox.ndim - fcbox.ndim
             inner = Box._trusted(inter.ranges[k:]) if k else inter
             cbox = inner.shift(
@@ -244,7 +313,7 @@ def _local_template(
             )
             out.append((index, cbox, inter.shift(to_local)))
         if covered < gbox.numel:
-            for pad in _subtract(gbox, [flbox for _, flbox in fusion]):
+            for pad in _subtract(gbox, [flbox for _, flbox, _v in fusion]):
                 out.append((-1, None, pad.shift(to_local)))
     return lshape, tuple(out)
 
@@ -351,10 +420,16 @@ class Layout:
                     raise LayoutError(
                         f"{t.name}: fusion piece names {f.canonical!r}, which is not a canonical tensor"
                     )
-                if not _fits(spec.shape, f.canonical_box):
+                if not _fits(spec.shape, f.canonical_region):
                     raise LayoutError(
-                        f"{t.name}: fusion piece box {f.canonical_box} lies outside {f.canonical!r} of shape {spec.shape}"
+                        f"{t.name}: fusion piece box {f.canonical_region} lies outside {f.canonical!r} of shape {spec.shape}"
                     )
+
+    @property
+    def is_strided(self) -> bool:
+        """Some piece is strided or transposed (gpt-oss experts under Megatron): code that
+        reads plain canonical boxes only must refuse the layout."""
+        return any(t.is_strided for t in self.tensors)
 
     @property
     def meshes(self) -> tuple[Mesh, ...]:

@@ -8,6 +8,10 @@ over the same ranks (MoE parallel folding). Fusion maps:
   each head ``head_dim`` rows; TP shards whole groups (``Shard(0)``).
 - ``linear_fc1``: ``[gate; up]``; TP rank ``r`` holds ``[gate_r; up_r]``, which is
   ``StridedShard(0, split_factor=2)``.
+- gpt-oss's experts, from stacked ``[E, ...]`` canonical tensors: ``linear_fc1`` of
+  expert ``e`` is ``[W[e][:, ::2].T; W[e][:, 1::2].T]`` of ``gate_up_proj [E, H, 2I]``
+  (pieces with a stride and a transpose, :class:`~areal_fn.sharding.strided.View`), its
+  bias likewise, ``linear_fc2`` is ``down_proj[e].T``, its bias ``down_proj_bias[e]``.
 - ``word_embeddings`` / ``output_layer``: vocab padded to a multiple of
   ``128 * tp`` (padding rows have no canonical source), ``Shard(0)`` over TP.
 
@@ -44,6 +48,7 @@ from areal_fn.sharding.box import Box
 from areal_fn.sharding.mesh import Axis, Mesh
 from areal_fn.sharding.placement import Placement, Replicate, Shard
 from areal_fn.sharding.sharding import Sharding
+from areal_fn.sharding.strided import View
 from areal_fn.strategy.allocation import Backend, ParallelDims
 from areal_fn.strategy.coerce import Strategy, as_dims
 from areal_fn.strategy.rules import check_dims
@@ -227,14 +232,48 @@ def _rows_full(name: str, rows: int, cols: int) -> tuple[FusionPiece, ...]:
     return (_rows(name, (0, rows), 0, (cols,)),)
 
 
+def stacked_expert_fusion(
+    name: str, shape: tuple[int, ...], expert: int, *, glu: bool
+) -> tuple[tuple[int, ...], tuple[FusionPiece, ...]]:
+    """Expert ``expert`` of the stacked ``[E, *rest, n]`` tensor ``name``, its last dim
+    first: ``x[e].T`` (``Fusion.EXPERT``), or with ``glu`` the de-interleaved
+    ``[x[e][..., ::2].T; x[e][..., 1::2].T]`` (``Fusion.EXPERT_GLU``)."""
+    *rest, n = shape[1:]
+    perm = (0, len(shape) - 1, *range(1, len(shape) - 1))
+    full = tuple((0, d) for d in rest)
+    logical = (n, *rest)
+    if not glu:
+        box = Box(ranges=((expert, expert + 1), *full, (0, n)))
+        view = View(step=(1,) * len(shape), perm=perm)
+        return logical, (
+            FusionPiece(
+                canonical=name, canonical_box=box, logical_box=Box.full(logical), view=view
+            ),
+        )
+    half = n // 2
+    view = View(step=(1,) * (len(shape) - 1) + (2,), perm=perm)
+    pieces = tuple(
+        FusionPiece(
+            canonical=name,
+            canonical_box=Box(ranges=((expert, expert + 1), *full, (first, n - 1 + first))),
+            logical_box=Box(ranges=((first * half, (first + 1) * half), *full)),
+            view=view,
+        )
+        for first in (0, 1)
+    )
+    return logical, pieces
+
+
 def _fusion(
     model: ModelSpec,
     shapes: dict[str, tuple[int, ...]],
     fusion: Fusion,
     sources: tuple[str, ...],
+    expert: int = 0,
 ) -> tuple[tuple[int, ...], tuple[FusionPiece, ...]]:
     """Shape and fusion map of one table record whose canonical sources are ``sources``
-    (``shapes``: the model's canonical shapes by name)."""
+    (``shapes``: the model's canonical shapes by name; ``expert``: the expert a stacked
+    fusion takes)."""
     missing = [s for s in sources if s not in shapes]
     if missing:
         raise LayoutError(
@@ -247,6 +286,8 @@ def _fusion(
         return first, _full(sources[0], first)
     if fusion is Fusion.QKV:
         return qkv_fusion(model, sources, first[1:])
+    if fusion in (Fusion.EXPERT, Fusion.EXPERT_GLU):
+        return stacked_expert_fusion(sources[0], first, expert, glu=fusion is Fusion.EXPERT_GLU)
     return gate_up_fusion(sources[0], sources[1], first[0], first[1:])
 
 
@@ -349,5 +390,5 @@ class _Builder:
             for r in rows:
                 name = r.name(self.naming, grouped_gemm=self.grouped_gemm).format(local=local)
                 sources = tuple(hp + h.format(e=e) for h in r.hf)
-                fused = _fusion(self.model, self.shapes, r.fusion, sources)
+                fused = _fusion(self.model, self.shapes, r.fusion, sources, e)
                 self.add(mp + name, fused, r.placement(self.naming), present, expert=True)

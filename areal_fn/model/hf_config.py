@@ -152,6 +152,8 @@ def _rope(c: _Config) -> tuple[float, tuple[tuple[str, object], ...]]:
     legacy = c.cfg.get("rope_scaling")
     if legacy is not None and not isinstance(legacy, Mapping):
         raise SpecError(f"rope_scaling={legacy!r} must be a mapping or null")
+    if legacy is None and not c.cfg.get("rope_parameters") and c.fam.has_default("rope_scaling"):
+        legacy = c.fam.default("rope_scaling")  # the config class's rope when it names none
     scaling = _rope_pairs(legacy if legacy else params)
     if c.fam.partial_rotary:  # read into rotary_fraction by _rotary_fraction
         scaling = tuple((k, v) for k, v in scaling if k != "partial_rotary_factor")
@@ -232,6 +234,8 @@ def _check_sliding_window(c: _Config, layers: int) -> None:
                     f"'full_attention' layers{modelled} only; use a model whose layers are all "
                     f"'full_attention'"
                 )
+    if fam.sliding_window == "layer_types":
+        return  # modelled: read by _sliding
     has_key = "sliding_window" in c.cfg
     window = c.cfg["sliding_window"] if has_key else None
     if fam.sliding_window == "when_set":
@@ -277,6 +281,32 @@ def _check_sliding_window(c: _Config, layers: int) -> None:
             f"would attend to the whole context; set use_sliding_window to false (as Qwen2.5 "
             f"configs do) or use a model without sliding-window layers"
         )
+
+
+def _sliding(c: _Config, layers: int) -> dict[str, object]:
+    """``sliding_window`` and ``sliding_layers`` of a family that models sliding windows:
+    the layers ``layer_types`` marks ``sliding_attention`` (by default the even ones, as
+    transformers' gpt-oss config) attend to the last ``sliding_window`` tokens. A null
+    window is refused: transformers' gpt-oss builds a sliding mask in every forward and
+    fails without one."""
+    kinds = c.cfg.get("layer_types")
+    if kinds is None:
+        kinds = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    if "sliding_window" in c.cfg and c.cfg["sliding_window"] is None:
+        mt = c.fam.model_type
+        raise UnsupportedConfigError(
+            f"{mt} config has sliding_window=None; transformers' {mt} model builds a "
+            "sliding-window mask in every forward and fails without a window (even with every "
+            "layer full_attention); give a window (128 in the published configs)"
+        )
+    return {
+        "sliding_window": c.integer("sliding_window"),
+        "sliding_layers": tuple(k == "sliding_attention" for k in kinds),  # type: ignore[attr-defined]
+    }
+
+
+def _clamped_swiglu(c: _Config) -> dict[str, object]:
+    return {k: c.number(k, c.get(k)) for k in ("swiglu_alpha", "swiglu_limit")}
 
 
 def _spec_fields(raw: Mapping[str, object]) -> dict[str, object]:
@@ -331,6 +361,10 @@ def _spec_fields(raw: Mapping[str, object]) -> dict[str, object]:
         fields["rotary_fraction"] = _rotary_fraction(c)
     if fam.mla:
         fields.update(mla_fields(c.cfg, c.get, c.integer, model_type))
+    if fam.sliding_window == "layer_types":
+        fields.update(_sliding(c, layers))
+    if fam.clamped_swiglu:
+        fields.update(_clamped_swiglu(c))
     if fam.moe:
         fields.update(_routing(c))
         fields.update(

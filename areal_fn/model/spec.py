@@ -58,14 +58,33 @@ def _check_bool(_inst: object, attr: "attrs.Attribute[bool]", value: bool) -> No
         raise SpecError(f"ModelSpec.{attr.name}={value!r} must be a bool (true/false)")
 
 
+def _bools_of(field: str) -> Callable[[object], tuple[bool, ...]]:
+    def convert(value: object) -> tuple[bool, ...]:
+        if isinstance(value, str) or not isinstance(value, Sequence):
+            raise SpecError(f"ModelSpec.{field}={value!r} must be a sequence of bools")
+        out = tuple(value)
+        for v in out:
+            if not isinstance(v, bool):
+                raise SpecError(f"ModelSpec.{field} has {v!r}; every entry must be a bool")
+        return out
+
+    return convert
+
+
+_moe_converter = _bools_of("moe_layers")
+_sliding_converter = _bools_of("sliding_layers")
+
+
 def _bools(value: object) -> tuple[bool, ...]:
-    if isinstance(value, str) or not isinstance(value, Sequence):
-        raise SpecError(f"ModelSpec.moe_layers={value!r} must be a sequence of bools")
-    out = tuple(value)
-    for v in out:
-        if not isinstance(v, bool):
-            raise SpecError(f"ModelSpec.moe_layers has {v!r}; every entry must be a bool")
-    return out
+    return _moe_converter(value)
+
+
+def _sliding_bools(value: object) -> tuple[bool, ...]:
+    return _sliding_converter(value)
+
+
+def _optional_float(value: object) -> float | None:
+    return None if value is None else _positive_float(value)
 
 
 _pos = _int_at_least(1)
@@ -97,7 +116,11 @@ class ModelSpec:
     directly by ``q_proj``), ``kv_lora_rank``, ``qk_rope_head_dim`` and ``v_head_dim`` as
     in the config, ``rope_interleave`` as transformers applies it; ``num_key_value_heads
     == num_attention_heads`` (there are no shared KV heads). Other families have these
-    fields at 0 (and ``rope_interleave`` true).
+    fields at 0 (and ``rope_interleave`` true). Sliding windows (gpt-oss):
+    ``sliding_layers[i]`` is True when layer ``i`` attends to the last ``sliding_window``
+    tokens only (empty, and ``sliding_window`` 0, for families without them; gpt-oss
+    always has a window, whether or not a layer slides). Clamped
+    SwiGLU experts (gpt-oss): ``swiglu_alpha`` and ``swiglu_limit`` (``None`` elsewhere).
     """
 
     model_type: str = attrs.field(validator=_check_model_type)
@@ -137,6 +160,10 @@ class ModelSpec:
     rope_interleave: bool = attrs.field(default=True, validator=_check_bool)
     moe_layers: tuple[bool, ...] = attrs.field(converter=_bools)
     dtype: str = attrs.field(default="bfloat16", converter=dtype_name)
+    sliding_window: int = attrs.field(default=0, validator=_nonneg)
+    sliding_layers: tuple[bool, ...] = attrs.field(default=(), converter=_sliding_bools)
+    swiglu_alpha: float | None = attrs.field(default=None, converter=_optional_float)
+    swiglu_limit: float | None = attrs.field(default=None, converter=_optional_float)
 
     def __attrs_post_init__(self) -> None:
         check_model(self)
@@ -176,11 +203,28 @@ class ModelSpec:
             return self.num_params
         expert0 = [n for n, _ in _per_expert_names(self)]
         per_expert = sum(self.tensor(n).numel for n in expert0)
-        return self.num_params - idle * per_expert
+        stacked = sum(self.tensor(n).numel for n in _stacked_names(self))
+        return self.num_params - idle * (per_expert + stacked // self.num_experts)
 
     @property
     def is_moe(self) -> bool:
         return any(self.moe_layers)
+
+    @property
+    def has_sinks(self) -> bool:
+        """Attention sinks: one learnt softmax logit per head (gpt-oss ``self_attn.sinks``)."""
+        return any(r.name == "self_attn.sinks" for r in self.family.canonical)
+
+    @property
+    def has_expert_biases(self) -> bool:
+        """The routed experts have biases (gpt-oss), which Megatron-Core refuses to shard
+        over expert tensor parallelism."""
+        return any(".experts." in r.name and "bias" in r.name for r in self.family.canonical)
+
+    @property
+    def is_sliding(self) -> bool:
+        """Some layer attends to a sliding window (:attr:`sliding_layers`)."""
+        return any(self.sliding_layers)
 
     @property
     def is_mla(self) -> bool:
@@ -273,7 +317,7 @@ class ModelSpec:
             "rope_scaling": {
                 k: list(v) if isinstance(v, tuple) else v for k, v in self.rope_scaling
             }
-            or None,
+            or ({"rope_type": "default"} if fam.has_default("rope_scaling") else None),
             "tie_word_embeddings": self.tie_word_embeddings,
             "torch_dtype": self.dtype,
         }
@@ -303,6 +347,13 @@ class ModelSpec:
             cfg.update(mla_config(self))
         if fam.sliding_window == "when_set":
             cfg["sliding_window"] = None
+        if fam.sliding_window == "layer_types":
+            cfg["sliding_window"] = self.sliding_window
+            cfg["layer_types"] = [
+                "sliding_attention" if s else "full_attention" for s in self.sliding_layers
+            ]
+        if fam.clamped_swiglu:
+            cfg["swiglu_alpha"], cfg["swiglu_limit"] = self.swiglu_alpha, self.swiglu_limit
         return dict(sorted(cfg.items()))
 
 
@@ -322,16 +373,24 @@ def _per_expert_names(spec: ModelSpec) -> list[tuple[str, int]]:
     return out
 
 
+def _stacked_names(spec: ModelSpec) -> list[str]:
+    """The stacked expert tensors (every expert along dim 0) of every MoE layer."""
+    rows = [r for r in spec.family.canonical if r.stacked]
+    return [f"model.layers.{i}.{r.name}" for i, m in enumerate(spec.moe_layers) if m for r in rows]
+
+
 def dim_sizes(spec: ModelSpec) -> dict[Dim, int]:
     """The size of every :class:`~areal_fn.model.families.mapping.Dim` for ``spec``."""
     hd = spec.head_dim
     return {
         Dim.HIDDEN: spec.hidden_size,
         Dim.HEAD_DIM: hd,
+        Dim.HEADS: spec.num_attention_heads,
         Dim.Q_OUT: spec.num_attention_heads * hd,
         Dim.KV_OUT: spec.num_key_value_heads * hd,
         Dim.INTER: spec.intermediate_size,
         Dim.MOE_INTER: spec.moe_intermediate_size,
+        Dim.GLU_INTER: 2 * spec.moe_intermediate_size,
         Dim.EXPERTS: spec.num_experts,
         Dim.SHARED_INTER: spec.num_shared_experts * spec.moe_intermediate_size,
         Dim.Q_LORA: spec.q_lora_rank,

@@ -39,9 +39,44 @@ def _check_family_shape(spec: Any) -> None:
             )
 
 
+def _check_window_and_swiglu(spec: Any) -> None:
+    """Sliding-window layers and clamped SwiGLU experts: where the family models them."""
+    fam, n = spec.family, spec.num_layers
+    if fam.sliding_window == "layer_types":
+        if len(spec.sliding_layers) != n:
+            raise SpecError(
+                f"ModelSpec.sliding_layers has {len(spec.sliding_layers)} entries but "
+                f"num_layers={n}; {fam.model_type} gives one bool per layer (True: the layer "
+                "attends to a sliding window)"
+            )
+        if spec.sliding_window < 1:
+            raise SpecError(
+                f"ModelSpec.sliding_window={spec.sliding_window}: {fam.model_type} needs a "
+                "window >= 1 (its sliding layers attend to that many tokens)"
+            )
+    elif spec.sliding_window or any(spec.sliding_layers):
+        raise SpecError(
+            f"ModelSpec.sliding_window={spec.sliding_window}, sliding_layers="
+            f"{spec.sliding_layers}: the {fam.model_type} family models full causal attention "
+            "only; leave them at 0 and ()"
+        )
+    given = (spec.swiglu_alpha, spec.swiglu_limit)
+    if fam.clamped_swiglu and None in given:
+        raise SpecError(
+            f"ModelSpec.swiglu_alpha, swiglu_limit = {given}: {fam.model_type} experts apply a "
+            "clamped SwiGLU and need both"
+        )
+    if not fam.clamped_swiglu and given != (None, None):
+        raise SpecError(
+            f"ModelSpec.swiglu_alpha, swiglu_limit = {given}: the {fam.model_type} family's "
+            "MLP is a plain SwiGLU; leave them None"
+        )
+
+
 def check_model(spec: Any) -> None:
     fam = spec.family
     _check_family_shape(spec)
+    _check_window_and_swiglu(spec)
     heads, kv = spec.num_attention_heads, spec.num_key_value_heads
     if heads % kv:
         raise SpecError(

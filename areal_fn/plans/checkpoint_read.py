@@ -7,8 +7,10 @@ files, no ranks, no clock.
 
 import attrs
 
+from areal_fn.errors import CheckpointError
 from areal_fn.layouts.layout import Layout
 from areal_fn.plans.checkpoint_manifest import CheckpointManifest, check_model
+from areal_fn.plans.tensor_check import refuse_strided
 from areal_fn.sharding.box import Box
 from areal_fn.typecheck import beartype
 
@@ -61,6 +63,13 @@ def plan_load(manifest: CheckpointManifest, layout: Layout, rank: int) -> LoadPl
     Raises ``CheckpointError`` when the checkpoint holds other canonical tensors than
     the layout's model (missing, extra, mis-shaped).
     """
+    refuse_strided(
+        layout,
+        "checkpoint planning",
+        "load into a layout without them (FSDP2), or read the canonical tensors and convert "
+        "them (to_megatron_into)",
+        CheckpointError,
+    )
     check_model(manifest, layout.canonical)
     chunks = {
         t.name: sorted((c.box for c in t.chunks), key=lambda b: b.ranges) for t in manifest.tensors

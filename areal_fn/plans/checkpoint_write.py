@@ -16,6 +16,7 @@ import attrs
 from areal_fn.errors import CheckpointError
 from areal_fn.layouts.layout import Layout, LayoutKind
 from areal_fn.model.tensor_spec import DTYPE_BYTES, TensorSpec
+from areal_fn.plans.tensor_check import refuse_strided
 from areal_fn.sharding.box import Box
 from areal_fn.typecheck import beartype
 
@@ -143,6 +144,13 @@ def plan_save(layout: Layout, *, dedup: Dedup = "balanced") -> WritePlan:
     Raises ``CheckpointError`` when some canonical element is held by no rank (the
     layout cannot save a whole model).
     """
+    refuse_strided(
+        layout,
+        "checkpoint planning",
+        "save from a layout without them (FSDP2), or export the canonical tensors (to_hf, "
+        "write_hf_checkpoint)",
+        CheckpointError,
+    )
     holders: dict[str, list[_Holder]] = {c.name: [] for c in layout.canonical}
     for r in range(layout.world_size):
         for lt in layout.local_tensors(r):

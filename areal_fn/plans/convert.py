@@ -17,6 +17,7 @@ from areal_fn.layouts.layout import Layout, LocalTensor, Piece
 from areal_fn.model.tensor_spec import TensorSpec, torch_dtype
 from areal_fn.plans.tensor_check import check_local_tensors, diff_shapes, listing
 from areal_fn.sharding.box import Box
+from areal_fn.sharding.strided import view_slices
 from areal_fn.typecheck import beartype
 
 #: ``read(canonical_name, box) -> tensor of box.shape``.
@@ -68,6 +69,12 @@ def _unexpected_hint(unexpected: Sequence[str], specs: tuple[TensorSpec, ...]) -
             "; the checkpoint holds quantised weights (FP8 'weight_scale_inv', MXFP4 "
             "'_blocks'/'_scales'): dequantise it to the dtype of its config.json first"
         )
+    if any(n.endswith(("_blocks", "_scales")) for n in unexpected):
+        hints.append(
+            " (MXFP4 gpt-oss experts: transformers' from_pretrained with "
+            "quantization_config=Mxfp4Config(dequantize=True), then save_pretrained, writes "
+            "the bf16 'gate_up_proj' / 'down_proj' this model reads)"
+        )
     layers = {n.split(".")[2] for n in (s.name for s in specs) if n.startswith("model.layers.")}
     extra = sorted(
         {n.split(".")[2] for n in unexpected if n.startswith("model.layers.")} - layers, key=int
@@ -81,17 +88,74 @@ def _unexpected_hint(unexpected: Sequence[str], specs: tuple[TensorSpec, ...]) -
     return "".join(hints)
 
 
+def _taken(src: Tensor, p: Piece, origin: tuple[int, ...]) -> Tensor:
+    """The elements of piece ``p`` in ``src``, the tensor of a canonical box starting at
+    ``origin`` that contains the piece's: a slice, strided and permuted for a piece with a
+    view (:mod:`areal_fn.sharding.strided`)."""
+    box = p.canonical_region
+    assert box is not None
+    rel = Box._trusted(
+        tuple((lo - o, hi - o) for (lo, hi), o in zip(box.ranges, origin, strict=True))
+    )
+    if p.view is None:
+        return src[rel.slices()]
+    return src[view_slices(rel, p.view)].permute(p.view.perm)
+
+
+def _read_pieces(read: Reader, local: LocalTensor) -> list[tuple[Piece, Tensor]]:
+    """Each non-padding piece of ``local`` with its canonical elements, read through
+    ``read``: a plain piece reads its box; the strided pieces of one canonical tensor
+    (gpt-oss gate and up columns) read the box around all of them once."""
+    strided: dict[str, Box] = {}
+    for p in local.pieces:
+        if p.view is not None and p.canonical is not None and p.canonical_region is not None:
+            b = strided.get(p.canonical, p.canonical_region)
+            strided[p.canonical] = Box._trusted(
+                tuple(
+                    (min(a0, b0), max(a1, b1))
+                    for (a0, a1), (b0, b1) in zip(b.ranges, p.canonical_region.ranges, strict=True)
+                )
+            )
+    cache = {n: _read_box(read, n, box, local.name) for n, box in strided.items()}
+    out = []
+    for p in local.pieces:
+        if p.canonical is None or p.canonical_region is None:
+            continue
+        if p.view is None:
+            src = _read_box(read, p.canonical, p.canonical_region, local.name)
+            out.append((p, src))
+        else:
+            out.append((p, _taken(cache[p.canonical], p, strided[p.canonical].start)))
+    return out
+
+
+def _read_box(read: Reader, name: str, box: Box, local: str) -> Tensor:
+    src = read(name, box)
+    if tuple(src.shape) != box.shape:
+        raise ConversionError(
+            f"{local}: reader returned shape {tuple(src.shape)} for {name}{box}, expected "
+            f"{box.shape}"
+        )
+    return src
+
+
+def canonical_region(t: Tensor, p: Piece) -> Tensor:
+    """The view of canonical tensor ``t`` holding piece ``p``'s elements (strided and
+    permuted for a piece with a view); writing into it writes into ``t``."""
+    box = p.canonical_region
+    assert box is not None
+    if p.view is None:
+        return t[box.slices()]
+    return t[view_slices(box, p.view)].permute(p.view.perm)
+
+
 def materialize(local: LocalTensor, read: Reader, *, dtype: torch.dtype | None = None) -> Tensor:
     """One local tensor from its pieces (padding zero).
 
     Without ``dtype`` the result keeps the canonical tensors' dtype (they must agree:
     nothing is cast silently); with ``dtype`` it is cast explicitly.
     """
-    reads = [
-        (p, read(p.canonical, p.canonical_box))
-        for p in local.pieces
-        if p.canonical is not None and p.canonical_box is not None
-    ]
+    reads = _read_pieces(read, local)
     dtypes = {src.dtype for _, src in reads}
     if dtype is None and len(dtypes) > 1:
         raise ConversionError(
@@ -100,13 +164,7 @@ def materialize(local: LocalTensor, read: Reader, *, dtype: torch.dtype | None =
     target = dtype or (dtypes.pop() if dtypes else torch_dtype(local.dtype))
     out = torch.zeros(local.shape, dtype=target)
     for p, src in reads:
-        assert p.canonical_box is not None
         region = out[p.local_box.slices()]
-        if tuple(src.shape) != p.canonical_box.shape:
-            raise ConversionError(
-                f"reader returned shape {tuple(src.shape)} for {p.canonical}{p.canonical_box}, expected "
-                f"{p.canonical_box.shape}"
-            )
         region.copy_(src.reshape(region.shape))
     return out
 
@@ -175,17 +233,16 @@ def iter_to_hf(
         out = torch.empty(spec.shape, dtype=out_dtype)
         written = torch.zeros(spec.shape, dtype=torch.bool)
         for r, name, p in hs:
-            assert p.canonical_box is not None
-            cbox, lbox = p.canonical_box, p.local_box
-            src = states[r][name][lbox.slices()].reshape(cbox.shape)
-            region = out[cbox.slices()]
-            seen = written[cbox.slices()]
+            region = canonical_region(out, p)
+            seen = canonical_region(written, p)
+            src = states[r][name][p.local_box.slices()].reshape(region.shape)
             if check_replicas and bool(seen.any()):
                 a = region[seen].contiguous()
                 b = src.to(region.dtype)[seen].contiguous()
                 if not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):
                     raise ConversionError(
-                        f"{spec.name}{cbox}: rank {r} ({name}) disagrees with an earlier replica"
+                        f"{spec.name}{p.canonical_region}: rank {r} ({name}) disagrees with an "
+                        "earlier replica"
                     )
             fresh = ~seen
             if bool(fresh.all()):
@@ -285,12 +342,7 @@ def check_into(
 
 
 def _copy_piece(region: Tensor, src: Tensor, p: Piece, name: str, *, cast: bool) -> None:
-    assert p.canonical_box is not None
-    if tuple(src.shape) != p.canonical_box.shape:
-        raise ConversionError(
-            f"reader returned shape {tuple(src.shape)} for {p.canonical}{p.canonical_box}, "
-            f"expected {p.canonical_box.shape}"
-        )
+    """Copy ``src`` (piece ``p``'s elements, :func:`_read_piece`) into ``region``."""
     if src.dtype != region.dtype and not cast:
         raise ConversionError(
             f"{name}: {p.canonical} is {src.dtype}, the destination {region.dtype}; pass "
@@ -326,11 +378,13 @@ def to_megatron_into(
         dtypes, read = None, source
     check_into(layout, rank, out, dtypes=dtypes, cast=cast)
     with torch.no_grad():
-        for name, region, p in pieces_into(layout, rank, out):
-            if p.canonical is None or p.canonical_box is None:
-                region.zero_()
-            else:
-                _copy_piece(region, read(p.canonical, p.canonical_box), p, name, cast=cast)
+        for lt in layout.local_tensors(rank):
+            dest = out[lt.name]
+            for p in lt.pieces:
+                if p.canonical is None:
+                    dest[p.local_box.slices()].zero_()
+            for p, src in _read_pieces(read, lt):
+                _copy_piece(dest[p.local_box.slices()], src, p, lt.name, cast=cast)
     return _nbytes(layout, rank, out)
 
 

@@ -42,7 +42,7 @@ def canonical_multiplicity(layout: Layout) -> dict[str, int]:
     for t in layout.tensors:
         reps = _replicas(layout, t.name)
         for f in t.fusion:
-            covered[f.canonical] = covered.get(f.canonical, 0) + reps * f.canonical_box.numel
+            covered[f.canonical] = covered.get(f.canonical, 0) + reps * f.numel
     out: dict[str, int] = {}
     for spec in layout.canonical:
         total = covered.get(spec.name, 0)

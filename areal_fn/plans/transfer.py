@@ -17,6 +17,7 @@ import attrs
 
 from areal_fn.errors import PlanError
 from areal_fn.layouts.layout import Layout
+from areal_fn.plans.tensor_check import refuse_strided
 from areal_fn.plans.transfer_classes import Planner, no_gc
 from areal_fn.plans.transfer_records import Transfer as Transfer
 from areal_fn.plans.transfer_records import check_ranks as check_ranks
@@ -67,6 +68,14 @@ class TransferPlan:
 def _planner(
     src: Layout, dst: Layout, src_ranks: Sequence[int] | None, dst_ranks: Sequence[int] | None
 ) -> Planner:
+    for side in (src, dst):
+        refuse_strided(
+            side,
+            "weight-sync planning",
+            "sync from or to a layout without them (FSDP2 or an inference engine's), or go "
+            "through the canonical tensors (to_hf, then to_megatron)",
+            PlanError,
+        )
     src_g = check_ranks(
         "src_ranks", src_ranks if src_ranks is not None else range(src.world_size), src.world_size
     )

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 from areal_fn.errors import PlanError
 from areal_fn.layouts.layout import Layout
 from areal_fn.model.tensor_spec import DTYPE_BYTES
+from areal_fn.plans.tensor_check import refuse_strided
 from areal_fn.plans.transfer import check_ranks
 from areal_fn.sharding.box import Box
 from areal_fn.typecheck import beartype
@@ -78,6 +79,13 @@ def required_bytes(
     (default ``range(world)``: colocated). Bytes are counted in the source layout's
     canonical dtype, the dtype the source sends.
     """
+    for side in (src, dst):
+        refuse_strided(
+            side,
+            "the transfer lower bound",
+            "bound a sync from or to a layout without them (FSDP2 or an inference engine's)",
+            PlanError,
+        )
     # the rank lists follow the planner's rule (one owner); the bound itself does not
     src_g = check_ranks(
         "src_ranks", range(src.world_size) if src_ranks is None else src_ranks, src.world_size

@@ -299,6 +299,15 @@ def _experts(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
 
 def _expert_tp(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
     inter = m.moe_intermediate_size
+    if m.has_expert_biases and d.etp > 1:
+        text = "Megatron-Core refuses expert tensor parallelism for experts with biases"
+        return Problem(
+            field="etp",
+            reads=("etp",),
+            fixed=True,
+            text=f"etp={d.etp}: {text} "
+            f"({m.model_type}'s experts have them); use etp=1 (ep and tp stay free)",
+        )
     if not m.is_moe or inter % d.etp == 0:
         return None
     return Problem(

@@ -127,7 +127,7 @@ def megatron_dims_for(
     draw: st.DrawFn, model: "ModelSpec", *, max_world: int = 16
 ) -> "ParallelDims":
     """Megatron degrees valid for ``model`` (TP divides heads/KV/channels, EP the
-    experts, PP x VPP at most the layers)."""
+    experts, PP x VPP at most the layers, expert TP 1 for biased experts)."""
     import math
 
     from areal_fn.strategy.allocation import ParallelDims
@@ -147,7 +147,11 @@ def megatron_dims_for(
         ep = draw(st.sampled_from([d for d in _divisors(model.num_experts) if stage % d == 0]))
         etp = draw(
             st.sampled_from(
-                [d for d in _divisors(model.moe_intermediate_size) if stage % (ep * d) == 0]
+                [
+                    d
+                    for d in _divisors(model.moe_intermediate_size)
+                    if stage % (ep * d) == 0 and (d == 1 or not model.has_expert_biases)
+                ]
             )
         )
     return ParallelDims(dp=dp, tp=tp, pp=pp, ep=ep, etp=etp, vpp=vpp)

@@ -146,6 +146,8 @@ def _draw_moe(
         experts = draw(st.integers(1, max_experts))
         cfg["num_local_experts"] = experts
         cfg["num_experts_per_tok"] = draw(st.integers(1, experts))
+    elif name == "gpt_oss":
+        _draw_gpt_oss(draw, cfg, max_experts)
     elif fam.moe:
         experts = draw(st.integers(1, max_experts))
         cfg["num_local_experts" if draw(st.booleans()) else "num_experts"] = experts
@@ -154,6 +156,27 @@ def _draw_moe(
         _maybe(draw, cfg, "decoder_sparse_step", st.integers(1, 3))
         _maybe(draw, cfg, "mlp_only_layers", st.lists(st.integers(0, layers - 1), unique=True))
         _maybe(draw, cfg, "norm_topk_prob", st.booleans())
+
+
+def _draw_gpt_oss(draw: st.DrawFn, cfg: dict[str, object], max_experts: int) -> None:
+    """gpt-oss: every layer MoE; sliding windows on the default layers;
+    clamped SwiGLU; yarn rope by default, plain sometimes."""
+    experts = draw(st.integers(1, max_experts))
+    cfg["num_local_experts"] = experts
+    cfg["num_experts_per_tok"] = draw(st.integers(1, experts))
+    _maybe(draw, cfg, "sliding_window", st.integers(1, 8))
+    # no layer_types: callers may change num_hidden_layers after the draw; the default
+    # (even layers slide) follows it, and gpt_oss_layer_types draws explicit patterns
+    _maybe(draw, cfg, "swiglu_limit", st.sampled_from([7.0, 3.5]))
+    _maybe(draw, cfg, "rope_scaling", st.just({"rope_type": "default"}))
+
+
+@st.composite
+def gpt_oss_layer_types(draw: st.DrawFn, cfg: dict[str, object]) -> dict[str, object]:
+    """``cfg`` (a gpt-oss config) with an explicit ``layer_types`` pattern drawn."""
+    layers = int(cfg["num_hidden_layers"])  # type: ignore[call-overload]
+    kinds = st.sampled_from(["sliding_attention", "full_attention"])
+    return {**cfg, "layer_types": draw(st.lists(kinds, min_size=layers, max_size=layers))}
 
 
 @st.composite

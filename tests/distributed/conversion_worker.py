@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from areal_fn.layouts.megatron import megatron_layout
 from areal_fn.model.spec import ModelSpec, model_from_hf_config
-from areal_fn.plans.convert import to_hf, to_megatron
+from areal_fn.plans.convert import canonical_region, to_hf, to_megatron
 from areal_fn.runtime.megatron.build import (
     MegatronSizes,
     build_model_chunks,
@@ -158,6 +158,27 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "topk_group": 1,
         "first_k_dense_replace": 2,
     },
+    # sinks, a 4-token window on layers 0 and 2 (SEQ is 8), q/k/v/o biases, a biased
+    # router, stacked biased experts (pieces with a stride and a transpose), the clamped
+    # SwiGLU with a limit the activations reach, the published yarn rope (truncate false)
+    "gpt_oss": {
+        **_BASE,
+        "model_type": "gpt_oss",
+        "intermediate_size": 32,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "sliding_window": 4,
+        "swiglu_limit": 0.3,
+        "rope_theta": 150000.0,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+    },
     # MoE on layers 1 and 3, dense MLP on layers 0 and 2
     "qwen3_moe": {
         **_BASE,
@@ -181,6 +202,7 @@ STRATEGIES: dict[str, dict[str, int]] = {
     "t2p2": {"tp": 2, "pp": 2},
     "t2p2-moe": {"tp": 2, "pp": 2, "etp": 2},
     "p2v2": {"dp": 2, "pp": 2, "vpp": 2},
+    "t2-etp1": {"dp": 2, "tp": 2, "etp": 1},  # experts whole on every TP rank
 }
 
 CASES: list[tuple[str, str]] = [
@@ -205,6 +227,10 @@ CASES += [
     ("deepseek_v3", "e2"),
     ("deepseek_v3", "p2"),
     ("deepseek_v3_noq", "t2p2-moe"),
+    ("gpt_oss", "t1"),
+    ("gpt_oss", "t2-etp1"),
+    ("gpt_oss", "e2"),
+    ("gpt_oss", "p2"),
 ]
 
 SEQ = 8
@@ -213,7 +239,7 @@ NOISE = 0.02
 
 
 def case_name(family: str, strategy: str) -> str:
-    return f"{family}-{strategy.removesuffix('-moe')}"
+    return f"{family}-{strategy.removesuffix('-moe').removesuffix('-etp1')}"
 
 
 def arch_of(spec: ModelSpec) -> dict[str, Any]:
@@ -250,17 +276,27 @@ def arch_of(spec: ModelSpec) -> dict[str, Any]:
         "q_lora_rank": spec.q_lora_rank,
         "qk_rope_head_dim": spec.qk_rope_head_dim,
         "v_head_dim": spec.v_head_dim,
+        "model_type": spec.model_type,
+        "o_bias": spec.o_bias,
+        "mlp_bias": spec.mlp_bias,
+        "attention_sinks": spec.has_sinks,
+        "sliding_window": spec.sliding_window,
+        "sliding_layers": spec.sliding_layers,
+        "swiglu_alpha": spec.swiglu_alpha,
+        "swiglu_limit": spec.swiglu_limit,
     }
 
 
-def sizes_of(dims: ParallelDims) -> MegatronSizes:
-    """Megatron's sizes for ``dims`` (``etp=None``: Megatron's default, etp = tp)."""
+def sizes_of(dims: ParallelDims, *, moe: bool = False) -> MegatronSizes:
+    """Megatron's sizes for ``dims`` (``etp=None``: Megatron's default, etp = tp; for an
+    MoE model an etp of 1 under tp > 1 is passed as such)."""
+    explicit = moe and dims.tp > 1 and dims.etp == 1 and dims.ep == 1
     return MegatronSizes(
         tp=dims.tp,
         pp=dims.pp,
         cp=dims.cp,
         ep=dims.ep,
-        etp=None if dims.ep == 1 and dims.etp in (1, dims.tp) else dims.etp,
+        etp=None if dims.ep == 1 and dims.etp in (1, dims.tp) and not explicit else dims.etp,
         vpp=dims.vpp,
     )
 
@@ -474,9 +510,11 @@ def _replica_mismatches(
             for p in lt.pieces:
                 if p.canonical is None:
                     continue
-                held = state[lt.name][p.local_box.slices()].reshape(p.canonical_box.shape)
-                if not torch.equal(held, canonical[p.canonical][p.canonical_box.slices()]):
-                    bad.append(f"rank {r} {lt.name} {p.canonical}{p.canonical_box}")
+                # the piece's canonical elements (strided and permuted for gpt-oss experts)
+                want = canonical_region(canonical[p.canonical], p)
+                held = state[lt.name][p.local_box.slices()].reshape(want.shape)
+                if not torch.equal(held, want):
+                    bad.append(f"rank {r} {lt.name} {p.canonical}{p.canonical_region}")
     return bad
 
 
@@ -507,8 +545,9 @@ def run_case(
         "strategy": str(dims),
         "padded_vocab": vpad,
     }
-    with megatron_session(sizes_of(dims), seed=1234):
-        config = transformer_config(arch, sizes_of(dims))
+    sizes = sizes_of(dims, moe=spec.is_moe)
+    with megatron_session(sizes, seed=1234):
+        config = transformer_config(arch, sizes)
         chunks = build_model_chunks(arch, config, vocab_size=vpad)
         # 1. HF -> Megatron through our conversion
         t0 = time.perf_counter()

@@ -202,6 +202,23 @@ CONFIGS["deepseek_v3"] = {
     "first_k_dense_replace": 1,
     "torch_dtype": "float32",
 }
+#: gpt-oss: attention sinks (sharded by head under TP), a 3-token window on layer 0,
+#: a biased router, the four stacked expert tensors, yarn rope (the config default).
+CONFIGS["gpt_oss"] = {
+    "model_type": "gpt_oss",
+    "hidden_size": 16,
+    "intermediate_size": 8,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "vocab_size": 52,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "sliding_window": 3,
+    "max_position_embeddings": 256,
+    "torch_dtype": "float32",
+}
 DENSE = ("qwen2", "qwen3", "llama_tied", "llama_untied")
 
 #: label -> (allocation string, hsdp replicas, TP over the embeddings).
@@ -228,6 +245,8 @@ LAYOUT_CASES: tuple[tuple[str, str], ...] = (
     ("glm4_moe", "d2t2"),
     ("deepseek_v3", "d4"),
     ("deepseek_v3", "d2t2"),
+    ("gpt_oss", "d4"),
+    ("gpt_oss", "d2t2"),
 )
 #: label -> (runtime options, gradient tolerance, weight tolerance) of the training section.
 RUN_OPTIONS: dict[str, tuple[Fsdp2RunOptions, float, float]] = {
@@ -244,6 +263,7 @@ TRAIN_CASES: tuple[tuple[str, str, str], ...] = (
     ("mixtral", "d2t2", "fp32"),
     ("glm4_moe", "d2t2", "fp32"),
     ("deepseek_v3", "d2t2", "fp32"),
+    ("gpt_oss", "d2t2", "fp32"),
     ("llama_tied", "d2t2_rep_emb", "fp32"),
     ("qwen3", "d2t2", "ac"),
     ("qwen3", "d2t2", "offload"),

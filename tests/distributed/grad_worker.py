@@ -177,6 +177,25 @@ CONFIGS["deepseek_v3"] = {
     "torch_dtype": "float32",
 }
 
+#: gpt-oss: attention sinks, a 5-token window on layer 0 (shorter than SEQ), biased router
+#: and fused biased experts with the clamped SwiGLU, yarn rope (the config default).
+CONFIGS["gpt_oss"] = {
+    "model_type": "gpt_oss",
+    "hidden_size": 16,
+    "intermediate_size": 8,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "vocab_size": 52,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "sliding_window": 5,
+    "swiglu_limit": 0.5,  # low enough that the clamps bite on random weights
+    "max_position_embeddings": 256,
+    "torch_dtype": "float32",
+}
+
 #: label -> (allocation string, HSDP replicas, pipeline chunk lengths or None for the
 #: even split, FSDP2 run options). All fill the 4 ranks.
 STRATEGIES: dict[str, tuple[str, int, tuple[int, ...] | None, Fsdp2RunOptions]] = {
@@ -246,6 +265,10 @@ CASES: tuple[tuple[str, str], ...] = (
     ("glm4_moe", "megatron:d2p2"),
     ("deepseek_v3", "fsdp:d2t2"),
     ("deepseek_v3", "megatron:d2p2"),
+    ("gpt_oss", "fsdp:d4"),
+    ("gpt_oss", "fsdp:d2t2"),  # sinks sharded by head beside column-wise q/k/v
+    ("gpt_oss", "fsdp:t2c2"),  # Ulysses: each rank adds the sinks of the heads it runs
+    ("gpt_oss", "megatron:d2p2"),
 )
 
 

@@ -136,6 +136,35 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "router_group_topk": 1,
         "routed_scaling_factor": 2.5,
     },
+    # attention sinks, a 4-token window on layers 0 and 2, q/k/v/o biases, a biased
+    # router, stacked biased experts, the clamped SwiGLU, the published yarn rope
+    "gpt_oss": {
+        **_BASE,
+        "hf": "gpt_oss",
+        "model_type": "gpt_oss",
+        "qkv_bias": True,
+        "o_bias": True,
+        "mlp_bias": True,
+        "attention_sinks": True,
+        "sliding_window": 4,
+        "sliding_layers": [True, False, True, False],
+        "swiglu_alpha": 1.702,
+        "swiglu_limit": 0.3,
+        "rope_theta": 150_000.0,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+        "intermediate_size": 32,
+        "num_experts": 4,
+        "moe_intermediate_size": 32,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+    },
     # dense MLP on layers 0 and 2 (HF mlp_only_layers=[0, 2])
     "qwen3_moe_mixed": {
         **_BASE,
@@ -198,6 +227,7 @@ CASES += [
     _case("glm4_moe-t2e2x1", "glm4_moe", {"tp": 2, "ep": 2, "etp": 1}),
     _case("glm4_moe-p2e2", "glm4_moe", {"pp": 2, "ep": 2}),
     _case("deepseek_v3-t2e2x1", "deepseek_v3", {"tp": 2, "ep": 2, "etp": 1}),
+    _case("gpt_oss-t2e2x1", "gpt_oss", {"tp": 2, "ep": 2, "etp": 1}),
     _case(
         "qwen3_moe-e2-grouped",
         "qwen3_moe",
@@ -291,6 +321,18 @@ def _hf_model(arch: Mapping[str, Any], seed: int) -> Any:
             topk_group=arch["router_group_topk"],
             routed_scaling_factor=arch["routed_scaling_factor"],
             first_k_dense_replace=arch["moe_layer_pattern"].index(1),
+        )
+    elif kind == "gpt_oss":
+        config = transformers.GptOssConfig(
+            **{k: v for k, v in common.items() if k != "rope_theta"},
+            num_local_experts=arch["num_experts"],
+            num_experts_per_tok=arch["num_experts_per_tok"],
+            sliding_window=arch["sliding_window"],
+            layer_types=[
+                "sliding_attention" if s else "full_attention" for s in arch["sliding_layers"]
+            ],
+            swiglu_limit=arch["swiglu_limit"],
+            rope_parameters={**arch["rope_scaling"], "rope_theta": arch["rope_theta"]},
         )
     elif kind == "qwen3_moe":
         pattern = arch["moe_layer_pattern"] or [1] * arch["num_layers"]
@@ -391,6 +433,10 @@ def _megatron_tensor(
             return _chunk(hf[f"{p}self_attn.{mla[rest]}.weight"], tp, tpr, 0)
         simple["self_attention.q_layernorm.weight"] = p + "self_attn.q_a_layernorm.weight"
         simple["self_attention.kv_layernorm.weight"] = p + "self_attn.kv_a_layernorm.weight"
+    if arch["hf"] == "gpt_oss":
+        gpt_oss = _gpt_oss_tensor(rest, p, hf, arch, par)
+        if gpt_oss is not None:
+            return gpt_oss
     if rest in simple:
         return hf[simple[rest]]
     if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
@@ -424,6 +470,39 @@ def _megatron_tensor(
         if rest.endswith("linear_fc2.weight"):
             return _chunk(hf[p + "mlp.experts.down_proj"][expert], etp, etpr, 1)
     raise KeyError(f"no HF source for Megatron parameter {name!r}")
+
+
+def _gpt_oss_tensor(
+    rest: str,
+    p: str,
+    hf: Mapping[str, torch.Tensor],
+    arch: Mapping[str, Any],
+    par: Mapping[str, int],
+) -> torch.Tensor | None:
+    """gpt-oss's own tensors: sinks by head, the output bias, the biased router, and the
+    experts out of the stacked ``gate_up_proj [E, H, 2I]`` (gate/up interleaved columns,
+    used as ``x @ W``) and ``down_proj [E, I, H]`` with their biases (etp 1)."""
+    if rest == "self_attention.core_attention.softmax_offset":
+        return _chunk(hf[p + "self_attn.sinks"], par["tp"], par["tp_rank"], 0)
+    if rest == "self_attention.linear_proj.bias":
+        return hf[p + "self_attn.o_proj.bias"]
+    if rest in ("mlp.router.weight", "mlp.router.bias"):
+        return hf[p + rest]
+    if not rest.startswith("mlp.experts.local_experts."):
+        return None
+    local = int(rest.split(".")[3])
+    e = par["ep_rank"] * (arch["num_experts"] // par["ep"]) + local
+    if rest.endswith("linear_fc1.weight"):
+        w = hf[p + "mlp.experts.gate_up_proj"][e]
+        return torch.cat([w[:, 0::2].T, w[:, 1::2].T], dim=0)
+    if rest.endswith("linear_fc1.bias"):
+        b = hf[p + "mlp.experts.gate_up_proj_bias"][e]
+        return torch.cat([b[0::2], b[1::2]], dim=0)
+    if rest.endswith("linear_fc2.weight"):
+        return hf[p + "mlp.experts.down_proj"][e].T
+    if rest.endswith("linear_fc2.bias"):
+        return hf[p + "mlp.experts.down_proj_bias"][e]
+    return None
 
 
 def _load_hf_weights(

@@ -81,3 +81,65 @@ def test_perturbed_megatron_exported_with_to_hf_matches_transformers(report: Any
         assert case["replica_mismatches"] == [], case
         assert case["perturbation_logit_shift"] > MIN_SHIFT, case
         assert case["reverse_max_abs_diff"] <= LOGITS_ATOL, case
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"sliding_window": 64}, {"swiglu_limit": 100.0}, {"rope_scaling": {"rope_type": "default"}}],
+    ids=["a window wider than the rows", "no clamp", "no yarn"],
+)
+def test_the_gpt_oss_case_exercises_window_clamp_and_yarn(change: dict[str, Any]) -> None:
+    """The gpt-oss parity case would notice a Megatron model without the window, the clamp
+    or yarn: transformers' logits move by far more than the parity tolerance without each."""
+    import torch
+
+    from areal_fn.model.spec import model_from_hf_config
+    from tests.distributed.conversion_worker import BATCH, SEQ, _hf_logits, _hf_model
+
+    ids = torch.randint(0, 120, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    base = _hf_logits(_hf_model(model_from_hf_config(FAMILIES["gpt_oss"]), seed=7), ids)
+    other = model_from_hf_config({**FAMILIES["gpt_oss"], **change})
+    moved = _hf_logits(_hf_model(other, seed=7), ids)
+    assert float((base - moved).abs().max()) > 100 * LOGITS_ATOL
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            {"attention_bias": False},
+            r"mlp_bias without q/k/v/o biases: Megatron-Core's add_bias_linear biases the "
+            r"attention and MLP linears together, so this model cannot be built there; use the "
+            r"fsdp backend \(or a config with attention_bias true\)$",
+        ),
+        (
+            {"swiglu_alpha": 1.5},
+            r"swiglu_alpha=1.5: Megatron-Core's quick_gelu is x \* sigmoid\(1.702 x\); use the "
+            r"fsdp backend for another gain$",
+        ),
+    ],
+    ids=["no attention biases", "another swiglu gain"],
+)
+def test_gpt_oss_configs_megatron_cannot_build_are_refused(
+    change: dict[str, Any], message: str
+) -> None:
+    from areal_fn.errors import LayoutError
+    from areal_fn.model.spec import model_from_hf_config
+    from areal_fn.runtime.megatron.build import MegatronSizes, arch_of, transformer_config
+
+    spec = model_from_hf_config({**FAMILIES["gpt_oss"], **change})
+    with pytest.raises(LayoutError, match=message):
+        transformer_config(arch_of(spec), MegatronSizes())
+
+
+def test_gpt_oss_megatron_config_fields() -> None:
+    from areal_fn.model.spec import model_from_hf_config
+    from areal_fn.runtime.megatron.build import MegatronSizes, arch_of, transformer_config
+
+    config = transformer_config(arch_of(model_from_hf_config(FAMILIES["gpt_oss"])), MegatronSizes())
+    assert config.add_bias_linear and config.softmax_type == "learnable"
+    assert config.window_size == (3, 0) and config.window_attn_skip_freq == [1, 0, 1, 0]
+    assert config.glu_linear_offset == 1.0 and config.activation_func_clamp_value == 0.3
+    assert config.activation_func.__name__ == "quick_gelu"
+    assert config.yarn_rotary_scaling_factor == 32.0
+    assert config.yarn_correction_range_round_to_int is False  # transformers' truncate: false

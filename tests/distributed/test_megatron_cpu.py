@@ -116,6 +116,16 @@ def _expected_layer_params(
         inter = arch["intermediate_size"]
         out["mlp.linear_fc1.weight"] = (2 * inter // tp, h)
         out["mlp.linear_fc2.weight"] = (h, inter // tp)
+    if arch.get("mlp_bias") and arch.get("o_bias"):  # add_bias_linear (gpt-oss)
+        out["self_attention.linear_proj.bias"] = (h,)
+        if moe_layer:
+            out["mlp.router.bias"] = (arch["num_experts"],)
+            for i in range(arch["num_experts"] // sizes["ep"]):
+                mi = arch["moe_intermediate_size"]
+                out[f"mlp.experts.local_experts.{i}.linear_fc1.bias"] = (2 * mi // etp,)
+                out[f"mlp.experts.local_experts.{i}.linear_fc2.bias"] = (h,)
+    if arch.get("attention_sinks"):  # softmax_type="learnable": one logit per local head
+        out["self_attention.core_attention.softmax_offset"] = (nh // tp,)
     return out
 
 

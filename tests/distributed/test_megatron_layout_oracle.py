@@ -80,6 +80,17 @@ def _hf_config(arch: dict[str, Any]) -> dict[str, Any]:
             routed_scaling_factor=arch["routed_scaling_factor"],
             first_k_dense_replace=arch["moe_layer_pattern"].index(1),
         )
+    elif arch["hf"] == "gpt_oss":
+        cfg.update(
+            num_local_experts=arch["num_experts"],
+            num_experts_per_tok=arch["num_experts_per_tok"],
+            sliding_window=arch["sliding_window"],
+            layer_types=[
+                "sliding_attention" if s else "full_attention" for s in arch["sliding_layers"]
+            ],
+            swiglu_limit=arch["swiglu_limit"],
+            rope_scaling=arch["rope_scaling"],
+        )
     elif arch["hf"] == "mixtral":
         cfg.update(
             num_local_experts=arch["num_experts"], num_experts_per_tok=arch["num_experts_per_tok"]
@@ -159,19 +170,32 @@ def test_every_rank_holds_what_megatron_layout_predicts(megatron_ground_truth: P
                     layer = sum(lengths[: v * dims.pp + rec["ranks"]["pp"]]) + local_layer
                     prefix = f"model{v}." if vpp > 1 else ""
                     expert_of = re.compile(rf"^model\.layers\.{layer}\.\w+\.experts\.(\d+)\.")
+                    stacked = re.compile(rf"^model\.layers\.{layer}\.mlp\.experts\.[a-z_]+$")
                     held = sorted(
                         {
-                            int(m.group(1))
+                            _expert_of(expert_of, stacked, p.canonical, p.canonical_region)
                             for lt in layout.local_tensors(r)
                             if lt.name.startswith(f"{prefix}{module}.experts.")
                             for p in lt.pieces
                             if p.canonical is not None
-                            and (m := expert_of.match(p.canonical)) is not None
+                            and (expert_of.match(p.canonical) or stacked.match(p.canonical))
                         }
                     )
                     assert held == sorted(experts), (case, r, module)
             checked += 1
     assert checked >= 4 * 20, checked
+
+
+def _expert_of(
+    per_expert: "re.Pattern[str]", stacked: "re.Pattern[str]", name: str, box: Any
+) -> int:
+    """The global expert a piece holds: from a per-expert canonical name, or for a
+    stacked tensor [E, ...] (gpt-oss) from the piece's first canonical dim."""
+    m = per_expert.match(name)
+    if m is not None:
+        return int(m.group(1))
+    assert stacked.match(name) and box.shape[0] == 1, (name, box)
+    return int(box.ranges[0][0])
 
 
 def test_our_meshes_give_megatron_parallel_state_groups(megatron_ground_truth: Path) -> None:

@@ -59,7 +59,8 @@ def test_published_rope_scaling_is_what_gpt_model_is_given(name: str) -> None:
         (
             {"rope_type": "yarn", "factor": 4.0},
             r"rope scaling \{'rope_type': 'yarn', 'factor': 4.0\} \(rope_type='yarn'\) is not "
-            r"applied by Megatron-Core's GPTModel, which applies rope_type 'llama3' only, so it "
+            r"applied by Megatron-Core's GPTModel, which applies rope_type 'llama3' only \(and "
+            r"yarn for gpt_oss\), so it "
             r"would compute other rotations than the config asks for; train this model with the "
             r"fsdp backend, or use a model without rope scaling",
         ),

@@ -329,13 +329,6 @@ def mcore_import_not_megatron(root: Path) -> Any:
     return import_megatron_checkpoint(root / STEP, SPEC, trust_pickle=True)
 
 
-def mcore_moe(root: Path) -> Any:
-    from areal_fn.model.spec import model_from_hf_config
-
-    moe = model_from_hf_config(REPO / "specs" / "models" / "Qwen3-30B-A3B.json")
-    return export_megatron_checkpoint({}, moe, root.parent / "moe")
-
-
 def not_a_manifest(root: Path) -> Any:
     return CheckpointManifest.from_json('{"format": "something else"}', source="x.json")
 
@@ -588,12 +581,6 @@ CASES = [
         nothing,
         mcore_export(vocab_size_padded=100),
         r"vocab_size_padded=100 is smaller than vocab_size=250",
-    ),
-    (
-        "Megatron export of an MoE model",
-        nothing,
-        mcore_moe,
-        r"qwen3_moe: Megatron-Core checkpoints of MoE models .* are not supported; only dense models are",
     ),
     ("not a manifest", nothing, not_a_manifest, r"x\.json is not an areal_fn checkpoint manifest"),
 ]

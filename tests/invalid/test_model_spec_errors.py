@@ -61,6 +61,20 @@ BASE: dict[str, dict[str, object]] = {
 }
 
 
+GPT_OSS: dict[str, object] = {
+    "model_type": "gpt_oss",
+    "hidden_size": 8,
+    "intermediate_size": 4,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 4,
+    "vocab_size": 16,
+    "num_local_experts": 2,
+    "num_experts_per_tok": 1,
+}
+
+
 def cfg(base: str, **changes: object) -> Callable[[], object]:
     """A call building a spec from ``BASE[base]`` with keys changed (``None`` deletes)."""
 
@@ -124,7 +138,8 @@ CASES: list[tuple[str, Callable[..., object], type[Exception], str]] = [
         "unsupported model_type",
         cfg("llama", model_type="gpt2"),
         SpecError,
-        r"model_type='gpt2' is not supported; supported model types are \['deepseek_v3', 'glm4_moe', 'llama', 'mistral', "
+        r"model_type='gpt2' is not supported; supported model types are \['deepseek_v3', 'glm4_moe', 'gpt_oss', 'llama', "
+        r"'mistral', "
         r"'mixtral', 'qwen2', 'qwen3', 'qwen3_moe'\]",
     ),
     (
@@ -182,7 +197,7 @@ CASES: list[tuple[str, Callable[..., object], type[Exception], str]] = [
         "no model_type",
         cfg("llama", model_type=None),
         SpecError,
-        r"config has model_type=None.*one of \['deepseek_v3', 'glm4_moe', 'llama'",
+        r"config has model_type=None.*one of \['deepseek_v3', 'glm4_moe', 'gpt_oss', 'llama'",
     ),
     (
         "missing hidden_size",
@@ -319,6 +334,22 @@ CASES: list[tuple[str, Callable[..., object], type[Exception], str]] = [
         UnsupportedConfigError,
         r"qwen3_moe config turns on sliding-window attention \(use_sliding_window=true, "
         r"sliding_window=16\) for 4 of 4 layers \[0, 1, 2, 3\] \(every layer\)",
+    ),
+    (
+        "gpt_oss without a window",
+        lambda: model_from_hf_config({**GPT_OSS, "sliding_window": None}),
+        UnsupportedConfigError,
+        r"gpt_oss config has sliding_window=None; transformers' gpt_oss model builds a "
+        r"sliding-window mask in every forward and fails without a window \(even with every "
+        r"layer full_attention\); give a window \(128 in the published configs\)$",
+    ),
+    (
+        "gpt_oss with moe_intermediate_size",
+        lambda: model_from_hf_config({**GPT_OSS, "moe_intermediate_size": 4}),
+        UnsupportedConfigError,
+        r"gpt_oss config sets moe_intermediate_size=4, which transformers' gpt_oss config class "
+        r"does not have \(it would be ignored\); remove it and use intermediate_size \(the "
+        r"experts' width\)$",
     ),
     (
         "llama with a sliding window",

@@ -59,3 +59,38 @@ def test_unexpected_tensors_get_their_reason(what: str, extra: list[str], messag
     spec = model_from_hf_config(_DS)
     with pytest.raises(ConversionError, match=message):
         check_canonical(_canonical(extra), spec.tensors)
+
+
+_GPT_OSS = {
+    "model_type": "gpt_oss",
+    "hidden_size": 64,
+    "intermediate_size": 8,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 4,
+    "vocab_size": 16,
+    "num_local_experts": 2,
+    "num_experts_per_tok": 1,
+    "quantization_config": {"quant_method": "mxfp4"},
+}
+
+
+def test_mxfp4_gpt_oss_checkpoint_is_refused_with_the_way_to_dequantise() -> None:
+    """A published gpt-oss checkpoint: experts' weights as MXFP4 blocks and scales
+    (``[E, 2I, H/32, 16]`` uint8 and ``[E, 2I, H/32]``), biases in bf16."""
+    spec = model_from_hf_config(_GPT_OSS)
+    held = {t.name: torch.empty(t.shape) for t in spec.tensors}
+    for name in ("gate_up_proj", "down_proj"):
+        del held[f"model.layers.0.mlp.experts.{name}"]
+        held[f"model.layers.0.mlp.experts.{name}_blocks"] = torch.empty(2, 16, 2, 16)
+        held[f"model.layers.0.mlp.experts.{name}_scales"] = torch.empty(2, 16, 2)
+    with pytest.raises(
+        ConversionError,
+        match=r"missing 2: \['model\.layers\.0\.mlp\.experts\.gate_up_proj', .*unexpected 4: "
+        r".*gate_up_proj_blocks.*dequantise it to the dtype of its config\.json first \(MXFP4 "
+        r"gpt-oss experts: transformers' from_pretrained with "
+        r"quantization_config=Mxfp4Config\(dequantize=True\), then save_pretrained, writes the "
+        r"bf16 'gate_up_proj' / 'down_proj' this model reads\)$",
+    ):
+        check_canonical(held, spec.tensors)

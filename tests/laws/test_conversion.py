@@ -8,7 +8,7 @@ from areal_fn.errors import ConversionError
 from areal_fn.layouts.fsdp2 import fsdp2_layout
 from areal_fn.layouts.inference import inference_layout
 from areal_fn.model.tensor_spec import torch_dtype
-from areal_fn.plans.convert import mapping_reader, to_hf, to_megatron
+from areal_fn.plans.convert import canonical_region, mapping_reader, to_hf, to_megatron
 from areal_fn.sharding.shard import as_bytes
 from areal_fn.strategy.allocation import ParallelDims
 from areal_fn.testing.layouts import megatron_layouts_for
@@ -130,7 +130,8 @@ def test_replica_check_catches_a_diverged_copy(data):
             for p in lt.pieces:
                 if p.canonical is None or p.local_box.is_empty:
                     continue
-                first = tuple(lo for lo, _ in p.canonical_box.ranges)
+                # a piece's first element: its box's start (strided pieces too)
+                first = tuple(lo for lo, _ in p.canonical_region.ranges)
                 if bool(covered[p.canonical][first]):
                     idx = tuple(lo for lo, _ in p.local_box.ranges)
                     states[r][lt.name][idx] = (
@@ -142,4 +143,4 @@ def test_replica_check_catches_a_diverged_copy(data):
                         assert "disagrees with an earlier replica" in str(e)
                         return
                     raise AssertionError("a diverged replica went unnoticed")
-                covered[p.canonical][p.canonical_box.slices()] = True
+                canonical_region(covered[p.canonical], p).fill_(True)

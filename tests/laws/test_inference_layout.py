@@ -117,3 +117,39 @@ def test_each_stage_holds_what_the_engines_hold(case):
             lo, hi = embedding_rows(layout, r).get("lm_head.weight", (0, 0))
             assert torch.equal(got[: hi - lo], canon[EMBED][lo:hi])
             assert bool((got[hi - lo :] == 0).all())  # vocabulary padding rows
+
+
+@given(st.data())
+def test_gpt_oss_experts_and_sinks_split_as_the_engines_load_them(data):
+    """vLLM's gpt-oss loader (SGLang's likewise): rank ``r`` of ``tp`` takes
+    ``gate_up_proj[:, :, 2*r*I/tp : 2*(r+1)*I/tp]`` (interleaved gate/up columns),
+    ``gate_up_proj_bias[:, 2*r*I/tp : ...]``, ``down_proj[:, r*I/tp : (r+1)*I/tp, :]``,
+    the sinks of its heads, and the whole ``down_proj_bias`` and router."""
+    from areal_fn.testing.layouts import inference_dims_for
+    from areal_fn.testing.models import model_specs
+
+    model = data.draw(model_specs("gpt_oss", max_layers=2))
+    dims = data.draw(inference_dims_for(model, max_world=4))
+    layout = inference_layout(model, dims)
+    g = torch.Generator().manual_seed(0)
+    canon = {t.name: torch.randn(t.shape, generator=g) for t in model.tensors}
+    inter, heads, tp = model.moe_intermediate_size, model.num_attention_heads, dims.tp
+    for rank in range(layout.world_size):
+        r = layout.meshes[0].coords(rank)[-1]
+        local = to_megatron(canon, layout, rank)
+        for name, t in local.items():
+            if ".mlp." not in name and not name.endswith("sinks"):
+                continue
+            c, i, h = canon[name], inter // tp, heads // tp
+            role = name.split(".", 3)[3]
+            if role == "self_attn.sinks":
+                want = c[r * h : (r + 1) * h]
+            elif role == "mlp.experts.gate_up_proj":
+                want = c[:, :, 2 * r * i : 2 * (r + 1) * i]
+            elif role == "mlp.experts.gate_up_proj_bias":
+                want = c[:, 2 * r * i : 2 * (r + 1) * i]
+            elif role == "mlp.experts.down_proj":
+                want = c[:, r * i : (r + 1) * i, :]
+            else:  # down_proj_bias, router weight and bias: whole
+                want = c
+            assert torch.equal(t, want), name

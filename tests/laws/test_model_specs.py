@@ -15,7 +15,7 @@ from areal_fn.model.hf_memory import hf_memory_view
 from areal_fn.model.spec import ModelSpec, load_hf_config, model_from_hf_config
 from areal_fn.model.tensor_spec import TensorSpec
 from areal_fn.sharding.box import Box
-from areal_fn.testing.models import FAMILY_NAMES, hf_configs, model_specs
+from areal_fn.testing.models import FAMILY_NAMES, gpt_oss_layer_types, hf_configs, model_specs
 
 SPECS = Path(__file__).resolve().parents[2] / "specs" / "models"
 
@@ -39,6 +39,9 @@ PUBLISHED = {
     "GLM-4.5-Air": (106.0, None),
     "DeepSeek-V3": (671.0, None),
     "Kimi-K2-Instruct": (1000.0, None),
+    # OpenAI's model card: 116.83B and 20.91B total (MXFP4 experts counted as parameters)
+    "gpt-oss-120b": (116.83, None),
+    "gpt-oss-20b": (20.91, None),
 }
 
 #: Wider bands where the vendor's figure counts differently: Z.ai's 355B / 106B round
@@ -58,6 +61,8 @@ PUBLISHED_ACTIVE = {
     "GLM-4.5-Air": 12.0,
     "DeepSeek-V3": 37.0,
     "Kimi-K2-Instruct": 32.0,
+    "gpt-oss-120b": 5.13,
+    "gpt-oss-20b": 3.61,
 }
 
 #: Active-count bands wider than 2%: Kimi-K2's card gives "32B activated" (ours 32.86B).
@@ -65,6 +70,10 @@ ACTIVE_TOLERANCE = {"Kimi-K2-Instruct": 0.03}
 
 #: Model cards whose active count leaves out the embedding and output layer.
 ACTIVE_WITHOUT_EMBEDDINGS = ("GLM-4.5", "GLM-4.5-Air")
+
+#: Model cards whose active count leaves out the embedding only (OpenAI's gpt-oss card
+#: counts the unembedding: 5.13B and 3.61B active).
+ACTIVE_WITHOUT_EMBEDDING_TABLE = ("gpt-oss-120b", "gpt-oss-20b")
 
 
 def test_every_published_config_is_present() -> None:
@@ -93,6 +102,8 @@ def test_published_active_parameter_counts(name: str) -> None:
     if name in ACTIVE_WITHOUT_EMBEDDINGS:
         vocab = spec.tensor("model.embed_tokens.weight").numel
         active -= vocab * (1 if spec.tie_word_embeddings else 2)
+    if name in ACTIVE_WITHOUT_EMBEDDING_TABLE:
+        active -= spec.tensor("model.embed_tokens.weight").numel
     tol = ACTIVE_TOLERANCE.get(name, 0.02)
     assert math.isclose(active, PUBLISHED_ACTIVE[name] * 1e9, rel_tol=tol)
 
@@ -116,6 +127,33 @@ def test_published_architecture_facts() -> None:
     assert dict(llama.rope_scaling)["rope_type"] == "llama3" and llama.rope_theta == 500000.0
     assert llama.tensors[-1].name == "lm_head.weight"
     assert model_from_hf_config(SPECS / "Llama-3.2-1B.json").head_dim == 64
+
+
+def test_gpt_oss_published_facts() -> None:
+    """gpt-oss-120b as its config.json says: alternating 128-token windows from layer 0,
+    yarn rope, fused experts with biases, a biased router, sinks per head."""
+    spec = model_from_hf_config(SPECS / "gpt-oss-120b.json")
+    assert spec.sliding_window == 128 and spec.sliding_layers == (True, False) * 18
+    assert dict(spec.rope_scaling)["rope_type"] == "yarn" and spec.rope_theta == 150000.0
+    assert (spec.swiglu_alpha, spec.swiglu_limit) == (1.702, 7.0)
+    assert spec.num_experts == 128 and spec.num_experts_per_tok == 4 and spec.qkv_bias
+    layer = {t.name.split(".", 3)[3]: t.shape for t in spec.layer_tensors(35)}
+    assert layer["self_attn.sinks"] == (64,)
+    assert layer["mlp.experts.gate_up_proj"] == (128, 2880, 5760)
+    assert layer["mlp.experts.gate_up_proj_bias"] == (128, 5760)
+    assert layer["mlp.experts.down_proj"] == (128, 2880, 2880)
+    assert layer["mlp.router.bias"] == (128,)
+    small = model_from_hf_config(SPECS / "gpt-oss-20b.json")
+    assert small.num_experts == 32 and small.num_layers == 24
+
+
+@given(cfg=hf_configs("gpt_oss").flatmap(gpt_oss_layer_types))
+def test_gpt_oss_sliding_layers_follow_layer_types(cfg: dict[str, object]) -> None:
+    spec = model_from_hf_config(cfg)
+    marked = tuple(k == "sliding_attention" for k in cfg["layer_types"])  # type: ignore[attr-defined]
+    assert spec.sliding_layers == marked
+    assert spec.sliding_window == cfg.get("sliding_window", 128)
+    assert model_from_hf_config(spec.hf_config()) == spec
 
 
 def test_path_dir_and_dict_agree(tmp_path: Path) -> None:
@@ -231,7 +269,11 @@ def test_tensor_laws(spec: ModelSpec) -> None:
 def test_moe_tensor_counts(spec: ModelSpec) -> None:
     for i in range(spec.num_layers):
         experts = [t for t in spec.layer_tensors(i) if ".experts." in t.name]
-        assert len(experts) == (3 * spec.num_experts if spec.is_moe_layer(i) else 0)
+        # gpt-oss stores its experts as four stacked tensors [E, ...]; the others per expert
+        per_layer = 4 if spec.model_type == "gpt_oss" else 3 * spec.num_experts
+        assert len(experts) == (per_layer if spec.is_moe_layer(i) else 0)
+        if spec.model_type == "gpt_oss" and spec.is_moe_layer(i):
+            assert all(t.shape[0] == spec.num_experts for t in experts)
 
 
 @given(spec=model_specs())
@@ -255,7 +297,8 @@ def test_memory_view_tiles_memory_and_covers_canonical_once(spec: ModelSpec) -> 
     moe_layers = sum(spec.moe_layers)
     renamed = {old for old, _new in spec.family.memory_names}
     moved = sum(t.name.split(".", 3)[-1] in renamed for t in spec.tensors)
-    assert len(fused) == 2 * moe_layers + moved + spec.tie_word_embeddings
+    groups = len(spec.family.fused_experts)  # gpt-oss: none, memory holds the checkpoint's
+    assert len(fused) == groups * moe_layers + moved + spec.tie_word_embeddings
 
 
 def _megatron_reference(vocab: int, divisible_by: int, tp: int) -> int:

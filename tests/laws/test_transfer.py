@@ -5,6 +5,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from areal_fn.errors import PlanError
 from areal_fn.layouts.layout import Layout
 from areal_fn.model.tensor_spec import DTYPE_BYTES
 from areal_fn.plans.transfer import bucket, plan_transfers
@@ -244,6 +245,10 @@ def test_plans_between_real_framework_layouts_reproduce_the_destination(data):
     }
     src = choices[data.draw(st.sampled_from(sorted(choices)))]()
     dst = choices[data.draw(st.sampled_from(sorted(choices)))]()
+    if src.is_strided or dst.is_strided:  # gpt-oss experts under Megatron: refused, named
+        with pytest.raises(PlanError, match=r"weight-sync planning does not handle strided"):
+            plan_transfers(src, dst)
+        return
     g = torch.Generator().manual_seed(3)
     canon = {t.name: torch.randn(t.shape, generator=g) for t in model.tensors}
     offset = src.world_size
@@ -400,4 +405,8 @@ def test_weight_sync_refreshes_tied_heads_of_random_models(data):
             ]
         )
     )()
+    if src.is_strided:  # gpt-oss experts under Megatron: refused, named
+        with pytest.raises(PlanError, match=r"weight-sync planning does not handle strided"):
+            plan_transfers(src, dst)
+        return
     assert len(_sync_tied_head(model, src, dst)) == dims.dp * dims.tp

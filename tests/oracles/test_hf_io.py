@@ -46,6 +46,20 @@ CONFIGS = {
         moe_intermediate_size=16,
         tie_word_embeddings=False,
     ),
+    # stacked biased experts: strided, transposed pieces under Megatron
+    "gpt_oss": dict(
+        model_type="gpt_oss",
+        hidden_size=32,
+        intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=80,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
+    ),
 }
 
 

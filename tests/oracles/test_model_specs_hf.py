@@ -6,6 +6,9 @@ Facts pinned here (transformers 5, safetensors):
 - A safetensors file lists its tensors sorted by name; our canonical order is the
   state-dict order (see ``areal_fn.model.spec``), compared against ``model.state_dict()``.
 - Tied models write no ``lm_head.weight``.
+- gpt-oss holds and writes its experts stacked (``mlp.experts.gate_up_proj [E, H, 2I]``,
+  gate/up interleaved in columns, ``down_proj [E, I, H]``, their biases), its router as
+  ``mlp.router.{weight,bias}`` and its attention sinks as ``self_attn.sinks [heads]``.
 """
 
 import json
@@ -21,7 +24,7 @@ from safetensors import safe_open
 from areal_fn.model.hf_memory import canonical_to_hf_state, hf_memory_view, hf_state_to_canonical
 from areal_fn.model.spec import ModelSpec, model_from_hf_config
 from areal_fn.model.tensor_spec import torch_dtype
-from areal_fn.testing.models import hf_configs
+from areal_fn.testing.models import gpt_oss_layer_types, hf_configs
 
 transformers = pytest.importorskip("transformers")
 
@@ -74,7 +77,7 @@ def _expanded_state_dict_order(model: Any, spec: ModelSpec) -> list[str]:
     names = list(model.state_dict())
     out: list[str] = []
     for name in names:
-        if ".mlp.experts." in name:
+        if ".mlp.experts." in name and spec.family.fused_experts:
             layer = name.split(".mlp.experts.")[0]
             group = [n for n in names if n.startswith(layer + ".mlp.experts.")]
             if name != group[0]:
@@ -234,6 +237,24 @@ CASES = {
         routed_scaling_factor=2.827,
         torch_dtype="bfloat16",
     ),
+    "gpt_oss": _cfg(
+        "gpt_oss",
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=3,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    ),
+    "gpt_oss-tied-bf16-no-bias-plain-rope": _cfg(
+        "gpt_oss",
+        num_hidden_layers=2,
+        num_local_experts=3,
+        num_experts_per_tok=1,
+        attention_bias=False,
+        tie_word_embeddings=True,
+        rope_scaling={"rope_type": "default"},
+        torch_dtype="bfloat16",
+    ),
     "qwen3_moe-sparse2-mlp-only": _cfg(
         "qwen3_moe",
         num_hidden_layers=6,
@@ -295,8 +316,18 @@ def test_random_configs_match_transformers(cfg: dict[str, object]) -> None:
 
 
 @settings(max_examples=10)
+@given(cfg=hf_configs("gpt_oss").flatmap(gpt_oss_layer_types))
+def test_gpt_oss_sliding_layers_match_transformers(cfg: dict[str, object]) -> None:
+    """The layers transformers gives a window are the spec's sliding layers."""
+    spec = model_from_hf_config(cfg)
+    model = _build(cfg, meta=True)
+    windows = tuple(layer.self_attn.sliding_window for layer in model.model.layers)
+    assert windows == tuple(spec.sliding_window if s else None for s in spec.sliding_layers)
+
+
+@settings(max_examples=10)
 @given(
-    cfg=st.sampled_from(["qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3"]).flatmap(
+    cfg=st.sampled_from(["qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "gpt_oss"]).flatmap(
         lambda f: hf_configs(f, max_layers=3)
     )
 )

@@ -20,7 +20,7 @@ from areal_fn.model.families.mapping import HfTensor, LayerKind, MegatronTensor
 from areal_fn.typecheck import beartype
 
 #: How a config class switches sliding-window attention on (see :class:`Family`).
-SlidingWindow = Literal["absent", "max_window_layers", "all_layers", "when_set"]
+SlidingWindow = Literal["absent", "max_window_layers", "all_layers", "when_set", "layer_types"]
 
 
 def _strs(value: Iterable[str]) -> tuple[str, ...]:
@@ -140,7 +140,7 @@ class Family:
     - ``hidden_act``: the one MLP activation the family models (SwiGLU with ``silu``);
       a config asking for another is refused.
     - ``sliding_window``: how the config class switches sliding-window attention on,
-      which no family models (a config that turns it on for some layer is refused):
+      which the other families do not model (a config that turns it on for some layer is refused):
       ``"absent"``: the class has none, so a non-null ``sliding_window`` (which
       transformers would ignore) is refused; ``"max_window_layers"``: with
       ``use_sliding_window`` true and ``sliding_window`` not null, the layers that
@@ -148,7 +148,12 @@ class Family:
       ``>= max_window_layers``) slide; ``"all_layers"``: with ``use_sliding_window``
       true and ``sliding_window`` not null, every layer slides; ``"when_set"``: every
       layer slides whenever ``sliding_window`` is not null (Mistral, Mixtral; there is no
-      ``use_sliding_window``).
+      ``use_sliding_window``); ``"layer_types"``: the family models sliding windows
+      (gpt-oss): the layers ``layer_types`` marks ``"sliding_attention"`` attend to the
+      last ``sliding_window`` tokens (read into ``ModelSpec.sliding_window`` and
+      ``sliding_layers``).
+    - ``clamped_swiglu``: the experts apply gpt-oss's clamped SwiGLU
+      (``swiglu_alpha``, ``swiglu_limit``, read into the spec).
     - ``key_sources``: config keys the family's config class does not have, read from
       another key (Mixtral's experts are ``intermediate_size`` wide:
       ``("moe_intermediate_size", "intermediate_size")``).
@@ -192,8 +197,11 @@ class Family:
     hidden_act: str = "silu"
     sliding_window: SlidingWindow = attrs.field(
         default="absent",
-        validator=attrs.validators.in_(("absent", "max_window_layers", "all_layers", "when_set")),
+        validator=attrs.validators.in_(
+            ("absent", "max_window_layers", "all_layers", "when_set", "layer_types")
+        ),
     )
+    clamped_swiglu: bool = False
     key_sources: tuple[tuple[str, str], ...] = attrs.field(
         default=(), converter=lambda v: tuple((str(a), str(b)) for a, b in v)
     )
@@ -225,6 +233,7 @@ def _registry() -> dict[str, Family]:
     from areal_fn.model.families import (
         deepseek_v3,
         glm4_moe,
+        gpt_oss,
         llama,
         mistral,
         mixtral,
@@ -236,6 +245,7 @@ def _registry() -> dict[str, Family]:
     fams = (
         deepseek_v3.FAMILY,
         glm4_moe.FAMILY,
+        gpt_oss.FAMILY,
         llama.FAMILY,
         mistral.FAMILY,
         mixtral.FAMILY,

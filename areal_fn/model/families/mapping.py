@@ -48,13 +48,30 @@ class Fusion(enum.Enum):
     QKV = "qkv"
     #: ``[gate; up]`` stacked along rows (sources: gate, up).
     GATE_UP = "gate_up"
+    #: Expert ``e`` of one stacked ``[E, ..., n]`` tensor (gpt-oss), its last dim first:
+    #: ``x[e].T`` for a weight used as ``h @ W`` (``down_proj [E, I, H]`` -> ``[H, I]``),
+    #: ``x[e]`` for a bias.
+    EXPERT = "expert"
+    #: Expert ``e`` of one stacked ``[E, ..., 2I]`` tensor whose last dim interleaves gate
+    #: and up (gpt-oss ``gate_up_proj``): ``[x[e][..., ::2].T; x[e][..., 1::2].T]``, i.e.
+    #: ``[gate; up]`` rows, pieces with a stride of 2 and a transpose.
+    EXPERT_GLU = "expert_glu"
 
     def __repr__(self) -> str:
         return f"Fusion.{self.name}"
 
 
 #: Number of canonical sources each fusion takes.
-FUSION_SOURCES = {Fusion.WHOLE: 1, Fusion.QKV: 3, Fusion.GATE_UP: 2}
+FUSION_SOURCES = {
+    Fusion.WHOLE: 1,
+    Fusion.QKV: 3,
+    Fusion.GATE_UP: 2,
+    Fusion.EXPERT: 1,
+    Fusion.EXPERT_GLU: 1,
+}
+
+#: Fusions that take expert ``e`` out of one stacked tensor of every expert.
+STACKED_FUSIONS = (Fusion.EXPERT, Fusion.EXPERT_GLU)
 
 
 class LayerKind(enum.Enum):
@@ -90,12 +107,16 @@ class Dim(enum.Enum):
 
     HIDDEN = "hidden_size"
     HEAD_DIM = "head_dim"
+    #: ``num_attention_heads`` (gpt-oss attention sinks: one per head).
+    HEADS = "num_attention_heads"
     #: ``num_attention_heads * head_dim``.
     Q_OUT = "num_attention_heads * head_dim"
     #: ``num_key_value_heads * head_dim``.
     KV_OUT = "num_key_value_heads * head_dim"
     INTER = "intermediate_size"
     MOE_INTER = "moe_intermediate_size"
+    #: ``2 * moe_intermediate_size``: gate and up of one expert side by side (gpt-oss).
+    GLU_INTER = "2 * moe_intermediate_size"
     EXPERTS = "num_experts"
     #: ``num_shared_experts * moe_intermediate_size``: the shared experts' fused width.
     SHARED_INTER = "num_shared_experts * moe_intermediate_size"
@@ -131,6 +152,14 @@ def _check_hf_record(inst: "HfTensor") -> None:
             f"HfTensor {inst.name!r}: expert={inst.expert}, layers={inst.layers!r}; a per-expert "
             "tensor is named with '{e}', has expert=True and belongs to MoE layers"
         )
+    if inst.stacked and (
+        inst.expert or inst.layers is not LayerKind.MOE or inst.shape[:1] != (Dim.EXPERTS,)
+    ):
+        raise SpecError(
+            f"HfTensor {inst.name!r}: stacked=True with expert={inst.expert}, "
+            f"layers={inst.layers!r}, shape={inst.shape!r}; a stacked tensor holds every routed "
+            "expert along its first dim (Dim.EXPERTS), is not per-expert and belongs to MoE layers"
+        )
 
 
 @attrs.frozen(kw_only=True)
@@ -143,7 +172,9 @@ class HfTensor:
     :class:`MegatronTensor`. ``dtype``: the tensor's own dtype where the model keeps it
     in one whatever the model's dtype (a router in float32), else ``None``. ``buffer``:
     a persistent buffer in transformers' module, not a parameter (not trained, not
-    sharded by FSDP2).
+    sharded by FSDP2). ``stacked``: one tensor holds every routed expert along its first
+    dim (gpt-oss ``mlp.experts.gate_up_proj [E, H, 2I]``); a token uses
+    ``num_experts_per_tok`` of its ``E`` slices.
     """
 
     name: str
@@ -153,6 +184,7 @@ class HfTensor:
     expert: bool = False
     dtype: str | None = None
     buffer: bool = False
+    stacked: bool = False
 
     def __attrs_post_init__(self) -> None:
         _check_hf_record(self)
@@ -173,7 +205,14 @@ def _check_record(inst: "MegatronTensor") -> None:
         )
     _check_when(f"MegatronTensor {inst.local!r}", inst.when)
     per_expert = ["{e}" in h for h in inst.hf]
-    if inst.expert != all(per_expert) or any(per_expert) != all(per_expert):
+    stacked = inst.fusion in STACKED_FUSIONS
+    if stacked and (not inst.expert or any(per_expert)):
+        raise SpecError(
+            f"MegatronTensor {inst.local!r}: fusion {inst.fusion!r} takes expert e out of one "
+            f"stacked tensor, so the record is an expert record (expert=True) whose source names "
+            f"no '{{e}}'; got expert={inst.expert}, hf={inst.hf!r}"
+        )
+    if not stacked and (inst.expert != all(per_expert) or any(per_expert) != all(per_expert)):
         raise SpecError(
             f"MegatronTensor {inst.local!r}: expert={inst.expert} but hf={inst.hf!r}; an "
             "expert record names every source with '{e}', others name none"

@@ -13,7 +13,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -27,7 +27,7 @@ from areal_fn.runtime.checkpoint.megatron_keys import LayerKeys, LayerSpec, defa
 from areal_fn.runtime.checkpoint.metadata import METADATA
 from areal_fn.runtime.hf.convert import ConvertSummary, layout_of
 from areal_fn.runtime.hf.files import read_hf_files
-from areal_fn.runtime.hf.io import HfCheckpoint, write_hf_checkpoint
+from areal_fn.runtime.hf.io import HfCheckpoint, Tally, write_hf_checkpoint
 from areal_fn.sharding.box import Box
 from areal_fn.strategy.parse import parse_allocation
 from areal_fn.typecheck import beartype
@@ -189,19 +189,11 @@ def convert_torch_dist_to_hf(
         src, model, trust_pickle=trust_pickle, drop_optimizer=drop_optimizer
     )
     hf = read_hf_files(src, weights=_mcore_files(src), config=model.hf_config())
-    counted = [0, 0]
-
-    def count(items: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, t in items:
-            counted[0] += 1
-            counted[1] += t.numel() * t.element_size()
-            if progress is not None:
-                progress(name)
-            yield name, t
+    tally = Tally(progress)
 
     write_hf_checkpoint(
         dst,
-        count(iter_to_hf({0: state}, layout)),
+        tally.count(iter_to_hf({0: state}, layout)),
         config=hf.config,
         model=model,
         files=hf.files,
@@ -211,8 +203,8 @@ def convert_torch_dist_to_hf(
     return ConvertSummary(
         path=str(dst),
         ranks=(),
-        tensors=counted[0],
-        bytes=counted[1],
+        tensors=tally.tensors,
+        bytes=tally.bytes,
         seconds=round(time.perf_counter() - start, 4),
         carried=hf.names,
         not_carried=tuple(f"{n} ({why})" for n, why in hf.skipped),

@@ -16,9 +16,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor import Partial as TPartial
 from torch.distributed.tensor import Replicate as TReplicate
+from torch.distributed.tensor import Shard as TShard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from areal_fn.errors import LayoutError
@@ -30,6 +31,7 @@ from areal_fn.sharding.placement import Placement, Replicate, Shard
 from areal_fn.typecheck import beartype
 
 __all__ = [
+    "HeadShardParallel",
     "ReplicateParallel",
     "module_placements",
     "param_names",
@@ -80,6 +82,12 @@ class ReplicateParallel(ParallelStyle):
             )
             module.register_parameter(pname, dparam)
         grads = (TPartial(),) if self.partial_grads else (TReplicate(),)
+        return self._run_locally(module, device_mesh, grads)
+
+    def _run_locally(
+        self, module: nn.Module, device_mesh: DeviceMesh, grads: tuple[Any, ...]
+    ) -> nn.Module:
+        """Swap the module's DTensor parameters for their local tensors during its forward."""
 
         def to_local(mod: nn.Module, _args: Any) -> None:
             saved: dict[str, nn.Parameter] = {}
@@ -102,6 +110,25 @@ class ReplicateParallel(ParallelStyle):
     def __repr__(self) -> str:
         cols = "" if self.sum_output_grad is None else f", sum_output_grad={self.sum_output_grad}"
         return f"ReplicateParallel(partial_grads={self.partial_grads}{cols})"
+
+
+class HeadShardParallel(ReplicateParallel):
+    """Parameters sharded by attention head (``Shard(0)`` DTensors over the TP mesh),
+    computed on their local shards: gpt-oss's attention sinks (one logit per head) beside
+    column-wise q/k/v, where each TP rank runs its own heads. Each rank's gradient is
+    that of its own shard."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for pname, param in list(module.named_parameters(recurse=False)):
+            dparam = nn.Parameter(
+                distribute_tensor(param.data, device_mesh, [TShard(0)]),
+                requires_grad=param.requires_grad,
+            )
+            module.register_parameter(pname, dparam)
+        return self._run_locally(module, device_mesh, (TShard(0),))
+
+    def __repr__(self) -> str:
+        return "HeadShardParallel()"
 
 
 class _SumGradColumns(torch.autograd.Function):
@@ -195,6 +222,8 @@ def module_placements(
 def _style(
     mname: str, module: nn.Module, placements: Mapping[str, Placement], config: Any
 ) -> ParallelStyle:
+    if mname.endswith("self_attn") and placements == {"sinks": Shard(dim=0)}:
+        return HeadShardParallel()  # gpt-oss: the sinks of this rank's heads
     if all(isinstance(p, Replicate) for p in placements.values()):
         cols = None
         if mname.endswith(_SHARED_ROPE_KEY) and isinstance(module, nn.Linear):

@@ -14,6 +14,9 @@ attention is registered with transformers' ``AttentionInterface`` under
    sequence starts, and a token attends only to earlier tokens of its own sequence;
 3. all-to-all back to ``[b, heads, T/sp, d]``.
 
+Sliding windows and attention sinks (gpt-oss) are applied as transformers' eager
+attention applies them; each rank adds the sinks of the heads it runs.
+
 The all-to-alls carry gradients (their backward is the inverse all-to-all). With
 ``sp = 1`` there is no communication and this is eager attention with a
 block-diagonal causal mask built from ``position_ids``. :func:`install` selects the
@@ -91,12 +94,13 @@ def ulysses_attention(
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
-    """transformers attention-interface function: ``[b, h, T/sp, d]`` in, ``[b, T/sp, h, dv]`` out."""
-    if kwargs.get("sliding_window") is not None:
-        raise LayoutError(
-            f"sliding_window={kwargs['sliding_window']}: Ulysses attention attends the whole "
-            "sequence; use a model without a sliding window"
-        )
+    """transformers attention-interface function: ``[b, h, T/sp, d]`` in, ``[b, T/sp, h, dv]`` out.
+
+    ``sliding_window`` (gpt-oss's sliding layers): query ``i`` attends keys ``j > i -
+    window`` only, as transformers' mask. ``s_aux`` (gpt-oss's attention sinks, one logit
+    per head of the module): an extra softmax column per head, dropped after the softmax;
+    under Ulysses each rank takes the sinks of the heads it runs.
+    """
     if _GROUP not in vars(module):
         raise LayoutError(
             f"{type(module).__name__} has no sequence-parallel group; call ulysses.install(model, group)"
@@ -116,12 +120,27 @@ def ulysses_attention(
         query, key, value = (
             all_to_all(x, sp_group, scatter=1, gather=2) for x in (query, key, value)
         )
-    allowed = segment_mask(_gather_positions(position_ids, sp_group)).unsqueeze(1)
+    allowed = segment_mask(_gather_positions(position_ids, sp_group))
+    window = kwargs.get("sliding_window")
+    if window is not None:
+        t = allowed.shape[-1]
+        idx = torch.arange(t, device=allowed.device)
+        allowed = allowed & (idx.unsqueeze(-1) - idx.unsqueeze(0) < int(window))
+    allowed = allowed.unsqueeze(1)
     rep = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
     scores = torch.matmul(query, key.transpose(2, 3)) * scaling
     scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    sinks = kwargs.get("s_aux")
+    if sinks is not None:
+        if sp_group is not None:
+            sinks = sinks.chunk(dist.get_world_size(sp_group))[dist.get_rank(sp_group)]
+        b, h, t = scores.shape[:3]
+        column = sinks.reshape(1, h, 1, 1).expand(b, h, t, 1).to(scores.dtype)
+        scores = torch.cat([scores, column], dim=-1)
     probs = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    if sinks is not None:
+        probs = probs[..., :-1]
     probs = nn.functional.dropout(probs, p=dropout, training=module.training)
     out = torch.matmul(probs, value)
     if sp_group is not None:

@@ -22,7 +22,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import attrs
@@ -37,6 +37,7 @@ from areal_fn.runtime.hf import rank_files
 from areal_fn.runtime.hf.files import HfFiles, read_hf_files
 from areal_fn.runtime.hf.io import (
     HfCheckpoint,
+    Tally,
     is_write_failure,
     read_safetensors_header,
     write_error,
@@ -487,19 +488,11 @@ def convert_back(
     hf = read_hf_files(src, weights=[p.name for p in files.values()], config=model.hf_config())
     states = {r: read_local(files[r]) for r in range(layout.world_size)}
     unverified = rank_files.check_digests(metadata, {files[r].name: s for r, s in states.items()})
-    counted = [0, 0]
-
-    def count(items: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, t in items:
-            counted[0] += 1
-            counted[1] += t.numel() * t.element_size()
-            if progress is not None:
-                progress(name)
-            yield name, t
+    tally = Tally(progress)
 
     write_hf_checkpoint(
         dst,
-        count(iter_to_hf(states, layout, check_replicas=check_replicas)),
+        tally.count(iter_to_hf(states, layout, check_replicas=check_replicas)),
         config=hf.config,
         model=model,
         files=hf.files,
@@ -509,8 +502,8 @@ def convert_back(
     return ConvertSummary(
         path=str(dst),
         ranks=tuple(range(layout.world_size)),
-        tensors=counted[0],
-        bytes=counted[1],
+        tensors=tally.tensors,
+        bytes=tally.bytes,
         seconds=round(time.perf_counter() - start, 4),
         **_carried(hf),
         verified=tuple(sorted(set(metadata) - set(unverified))),

@@ -17,7 +17,7 @@ import re
 import shutil
 import struct
 import tempfile
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -379,3 +379,23 @@ def _write_config(
     cfg = dict(config) if config is not None else (model.hf_config() if model is not None else None)
     if cfg is not None:
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+
+
+class Tally:
+    """Counts the tensors and bytes of a stream of ``(name, tensor)`` as it passes
+    (:meth:`count`), calling ``progress(name)`` for each."""
+
+    def __init__(self, progress: Callable[[str], None] | None = None) -> None:
+        self.tensors = 0
+        self.bytes = 0
+        self._progress = progress
+
+    def count(
+        self, items: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in items:
+            self.tensors += 1
+            self.bytes += t.numel() * t.element_size()
+            if self._progress is not None:
+                self._progress(name)
+            yield name, t

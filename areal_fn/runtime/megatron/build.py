@@ -96,7 +96,30 @@ def layer_spec(arch: Mapping[str, Any], config: Any, *, vp_stage: int | None = N
     if core is not None:
         for layer in layers:
             layer.submodules.self_attention.submodules.core_attention = core
+    if arch.get("num_experts") and arch.get("mlp_bias"):
+        fc2 = _biased_expert_fc2()
+        for layer in layers:
+            experts = getattr(layer.submodules.mlp.submodules, "experts", None)
+            if experts is not None and experts.submodules is not None:
+                experts.submodules.linear_fc2 = fc2
     return spec
+
+
+def _biased_expert_fc2() -> Any:
+    """The local ``RowParallelLinear`` for biased experts (gpt-oss), returning a copy of its
+    output while gradients are recorded. Megatron-Core 0.16's expert ``MLP`` adds the bias
+    in place (``output += bias * scale``) to ``linear_fc2``'s output, which at expert-TP 1
+    the tensor-parallel reduce (a custom autograd function) returns as its own input, and
+    autograd refuses that in-place write in training."""
+    import torch
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+    class BiasedExpertRowParallelLinear(RowParallelLinear):  # type: ignore[misc]
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            out, bias = super().forward(*args, **kwargs)
+            return (out.clone() if torch.is_grad_enabled() else out), bias
+
+    return BiasedExpertRowParallelLinear
 
 
 def _core_attention(config: Any, *, mla: bool) -> Any:
@@ -161,14 +184,22 @@ MCORE_LLAMA3_ROPE: Mapping[str, float] = {
 }
 
 
+#: Families whose yarn rope the builder gives GPTModel (logits parity with transformers
+#: is proven for them: tests/distributed/conversion_worker.py).
+YARN_FAMILIES = ("gpt_oss",)
+
+
 @beartype
 def rope_kwargs(arch: Mapping[str, Any]) -> dict[str, Any]:
     """``GPTModel``'s rope-scaling arguments for ``arch["rope_scaling"]``.
 
     ``rope_scaling`` is absent, ``None``, a mapping or ``(key, value)`` pairs (as
-    :class:`~areal_fn.model.spec.ModelSpec` holds it). Megatron-Core applies one rope scaling,
-    Llama 3's (``rope_type`` ``llama3``), with :data:`MCORE_LLAMA3_ROPE` fixed:
-    ``{"rope_scaling": True, "rope_scaling_factor": factor}``. No scaling (or
+    :class:`~areal_fn.model.spec.ModelSpec` holds it). Megatron-Core applies Llama 3's rope
+    scaling (``rope_type`` ``llama3``), with :data:`MCORE_LLAMA3_ROPE` fixed:
+    ``{"rope_scaling": True, "rope_scaling_factor": factor}``, and yarn for
+    :data:`YARN_FAMILIES` (gpt-oss):
+    ``{"rope_scaling": False, "position_embedding_type": "yarn"}``, its parameters on the
+    config (:func:`~areal_fn.runtime.megatron.config.yarn_attributes`). No scaling (or
     ``rope_type`` ``default``): ``{"rope_scaling": False}``. Anything else GPTModel would
     ignore, computing other rotations than the config asks for: ``LayoutError``.
     """
@@ -185,6 +216,9 @@ def rope_kwargs(arch: Mapping[str, Any]) -> dict[str, Any]:
         )
     if kind == "default":
         return {"rope_scaling": False}
+    if kind == "yarn" and arch.get("model_type") in YARN_FAMILIES:
+        # YarnRotaryEmbedding, its parameters on the config (config.yarn_attributes)
+        return {"rope_scaling": False, "position_embedding_type": "yarn"}
     if kind == "llama3":
         wrong = [f"{k}={items.get(k)!r}" for k, v in MCORE_LLAMA3_ROPE.items() if items.get(k) != v]
         factor = items.get("factor")
@@ -198,7 +232,8 @@ def rope_kwargs(arch: Mapping[str, Any]) -> dict[str, Any]:
         )
     raise LayoutError(
         f"rope scaling {items} (rope_type={kind!r}) is not applied by Megatron-Core's "
-        f"GPTModel, which applies rope_type 'llama3' only, so it would compute other "
+        f"GPTModel, which applies rope_type 'llama3' only (and yarn for "
+        f"{', '.join(YARN_FAMILIES)}), so it would compute other "
         f"rotations than the config asks for; train this model with the fsdp backend, or use "
         f"a model without rope scaling"
     )
@@ -226,6 +261,7 @@ def build_gpt_model(
     pre = parallel_state.is_pipeline_first_stage(ignore_virtual=ignore_virtual, vp_stage=vp_stage)
     post = parallel_state.is_pipeline_last_stage(ignore_virtual=ignore_virtual, vp_stage=vp_stage)
     spec = layer_spec(arch, config, vp_stage=vp_stage)
+    rope = {"position_embedding_type": "rope", **rope_kwargs(arch)}
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -235,11 +271,10 @@ def build_gpt_model(
         post_process=post,
         parallel_output=parallel_output,
         share_embeddings_and_output_weights=bool(arch.get("tie_word_embeddings", False)),
-        position_embedding_type="rope",
         rotary_percent=float(arch_field(arch, "rotary_fraction", 1.0)),
         rotary_base=_rotary_base(arch["rope_theta"]),
         vp_stage=vp_stage,
-        **rope_kwargs(arch),
+        **rope,
     )
 
 

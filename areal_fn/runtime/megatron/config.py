@@ -51,6 +51,13 @@ ARCH_FIELDS: Mapping[str, str] = {
     "q_lora_rank": "int or None (multi-latent attention: 0/None = q_proj without LoRA)",
     "qk_rope_head_dim": "int or None (multi-latent attention: rotary dims per head)",
     "v_head_dim": "int or None (multi-latent attention: value dims per head)",
+    "o_bias": "bool or None (attention output bias; with mlp_bias: add_bias_linear)",
+    "mlp_bias": "bool or None (MLP / expert biases; needs o_bias and qkv_bias too)",
+    "attention_sinks": "bool or None (a learnt softmax logit per head: softmax_type learnable)",
+    "sliding_window": "int or None (window of the sliding layers, in tokens)",
+    "sliding_layers": "sequence of bools per layer or None (True: the layer slides)",
+    "swiglu_alpha": "float or None (gpt-oss clamped SwiGLU: 1.702, Megatron's quick_gelu)",
+    "swiglu_limit": "float or None (gpt-oss clamped SwiGLU: the clamp of gate and up)",
 }
 
 
@@ -61,6 +68,7 @@ def arch_of(spec: Any) -> dict[str, Any]:
 
     arch = attrs.asdict(spec)
     arch["moe_layer_pattern"] = [int(m) for m in spec.moe_layers] if spec.is_moe else None
+    arch["attention_sinks"] = spec.has_sinks
     return arch
 
 
@@ -110,12 +118,84 @@ def transformer_config(
         **_cpu_fields(params_dtype),
         **_moe_fields(arch, moe_grouped_gemm=moe_grouped_gemm),
     )
+    fields.update(_gpt_oss_fields(arch))
     if arch_field(arch, "kv_lora_rank", 0):
         fields.update(mla_fields(arch))
         fields.update(overrides or {})
         return MLATransformerConfig(**fields)
     fields.update(overrides or {})
-    return TransformerConfig(**fields)
+    config = TransformerConfig(**fields)
+    for name, value in yarn_attributes(arch).items():  # read by GPTModel's yarn rope
+        setattr(config, name, value)
+    return config
+
+
+def _gpt_oss_fields(arch: Mapping[str, Any]) -> dict[str, Any]:
+    """Biases on every linear, attention sinks, sliding windows, the clamped SwiGLU.
+
+    ``add_bias_linear`` when ``o_bias`` and ``mlp_bias`` (it biases attention output and
+    MLP together; MLP biases without an output bias are refused). Sinks: ``softmax_type
+    = "learnable"`` (``core_attention.softmax_offset``). Sliding layers: ``window_size =
+    (sliding_window - 1, 0)`` (transformers attends ``i - j < window``) on the layers
+    ``window_attn_skip_freq`` marks 1. ``swiglu_limit``: Megatron's ``quick_gelu`` (whose
+    sigmoid gain is 1.702: another ``swiglu_alpha`` is refused), ``glu_linear_offset=1``
+    and the clamp.
+    """
+    out: dict[str, Any] = {}
+    if arch.get("mlp_bias"):
+        if not (arch.get("o_bias") and arch.get("qkv_bias")):
+            raise LayoutError(
+                "mlp_bias without q/k/v/o biases: Megatron-Core's add_bias_linear biases the "
+                "attention and MLP linears together, so this model cannot be built there; use "
+                "the fsdp backend (or a config with attention_bias true)"
+            )
+        out["add_bias_linear"] = True
+    if arch.get("attention_sinks"):
+        out["softmax_type"] = "learnable"
+    sliding = [bool(x) for x in arch.get("sliding_layers") or ()]
+    if any(sliding):
+        out["window_size"] = (int(arch["sliding_window"]) - 1, 0)
+        out["window_attn_skip_freq"] = [int(x) for x in sliding]
+    limit = arch.get("swiglu_limit")
+    if limit is not None:
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+        if arch.get("swiglu_alpha") != 1.702:
+            raise LayoutError(
+                f"swiglu_alpha={arch.get('swiglu_alpha')!r}: Megatron-Core's quick_gelu is "
+                "x * sigmoid(1.702 x); use the fsdp backend for another gain"
+            )
+        out.update(
+            activation_func=quick_gelu,
+            glu_linear_offset=1.0,
+            activation_func_clamp_value=float(limit),
+        )
+    return out
+
+
+def yarn_attributes(arch: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``yarn_*`` config attributes ``GPTModel(position_embedding_type="yarn")`` reads,
+    for a yarn rope scaling (none otherwise, and none for multi-latent attention, whose
+    config class has its own fields): transformers' ``truncate`` is Megatron's
+    ``correction_range_round_to_int``; without ``mscale`` both apply ``0.1 ln(factor) + 1``."""
+    raw = arch.get("rope_scaling")
+    items: dict[str, Any] = dict(raw.items() if isinstance(raw, Mapping) else raw or ())
+    if items.get("rope_type") != "yarn" or arch_field(arch, "kv_lora_rank", 0):
+        return {}
+    if items.get("attention_factor") is not None:
+        raise LayoutError(
+            f"yarn rope scaling {items} sets attention_factor, which Megatron-Core's yarn does "
+            "not take; use the fsdp backend"
+        )
+    return {
+        "yarn_rotary_scaling_factor": float(items["factor"]),
+        "yarn_original_max_position_embeddings": int(items["original_max_position_embeddings"]),
+        "yarn_beta_fast": float(items.get("beta_fast", 32)),
+        "yarn_beta_slow": float(items.get("beta_slow", 1)),
+        "yarn_mscale": float(items.get("mscale", 1.0)),
+        "yarn_mscale_all_dim": float(items.get("mscale_all_dim", 0.0)),
+        "yarn_correction_range_round_to_int": bool(items.get("truncate", True)),
+    }
 
 
 #: The epsilon of transformers' DeepSeek-V3 q/kv latent norms (fixed in its code).

@@ -1,0 +1,81 @@
+"""Code that places plain canonical boxes refuses layouts with strided pieces, by name.
+
+gpt-oss experts under Megatron (``linear_fc1`` = ``gate_up_proj`` de-interleaved and
+transposed) are strided pieces: conversion handles them; weight-sync planning, its
+lower bound and checkpoint plans refuse such a layout with the tensors and a remedy,
+before any work.
+"""
+
+import pytest
+
+from areal_fn import ParallelDims, fsdp2_layout, inference_layout, megatron_layout
+from areal_fn.errors import CheckpointError, PlanError
+from areal_fn.model.spec import model_from_hf_config
+from areal_fn.plans.checkpoint_manifest import make_manifest, optimizer_spec
+from areal_fn.plans.checkpoint_read import plan_load
+from areal_fn.plans.checkpoint_write import plan_save
+from areal_fn.plans.transfer import plan_rank_transfers, plan_transfers
+from areal_fn.plans.transfer_bound import transfer_lower_bound
+
+MODEL = model_from_hf_config(
+    {
+        "model_type": "gpt_oss",
+        "hidden_size": 8,
+        "intermediate_size": 4,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "head_dim": 4,
+        "vocab_size": 16,
+        "num_local_experts": 2,
+        "num_experts_per_tok": 1,
+    }
+)
+# 2 layers x 2 experts x fc1/fc2 weight and bias: 16 strided or transposed tensors
+STRIDED = megatron_layout(MODEL, ParallelDims(tp=2))
+NAMES = r"holds 16 tensor\(s\) made of them \(\['decoder\.layers\.0\.mlp\.experts"
+
+
+def test_the_layouts_say_which_are_strided():
+    assert STRIDED.is_strided
+    assert not fsdp2_layout(MODEL, ParallelDims(dp=2)).is_strided
+    assert not inference_layout(MODEL, ParallelDims(tp=2)).is_strided
+
+
+@pytest.mark.parametrize("strided_side", ["src", "dst"])
+def test_weight_sync_planning_refuses_them(strided_side):
+    plain = inference_layout(MODEL, ParallelDims(tp=2))
+    src, dst = (STRIDED, plain) if strided_side == "src" else (plain, STRIDED)
+    for plan in (
+        lambda: plan_transfers(src, dst),
+        lambda: plan_rank_transfers(src, dst, 0),
+    ):
+        with pytest.raises(
+            PlanError,
+            match=r"weight-sync planning does not handle strided or transposed pieces yet; "
+            r"this megatron layout " + NAMES + r".*sync from or to a layout without them",
+        ):
+            plan()
+    with pytest.raises(PlanError, match=r"the transfer lower bound does not handle strided"):
+        transfer_lower_bound(src, dst)
+
+
+def test_checkpoint_plans_refuse_them():
+    with pytest.raises(
+        CheckpointError,
+        match=r"checkpoint planning does not handle strided or transposed pieces yet; this "
+        r"megatron layout " + NAMES + r".*save from a layout without them \(FSDP2\)",
+    ):
+        plan_save(STRIDED)
+    plain = fsdp2_layout(MODEL, ParallelDims(dp=2))
+    manifest = make_manifest(
+        plan_save(plain),
+        allocation="fsdp:d2",
+        model_config=MODEL.hf_config(),
+        step=1,
+        optimizer=optimizer_spec("none"),
+        dtypes={c.name: c.dtype for c in MODEL.tensors},
+        library_version="0.1.0",
+    )
+    with pytest.raises(CheckpointError, match=r"load into a layout without them \(FSDP2\)"):
+        plan_load(manifest, STRIDED, 0)
