@@ -16,21 +16,9 @@ from areal_fn.plans.checkpoint_read import plan_load
 from areal_fn.plans.checkpoint_write import plan_save
 from areal_fn.plans.transfer import plan_rank_transfers, plan_transfers
 from areal_fn.plans.transfer_bound import transfer_lower_bound
+from tests.laws.test_strided_pieces import TINY_GPT_OSS
 
-MODEL = model_from_hf_config(
-    {
-        "model_type": "gpt_oss",
-        "hidden_size": 8,
-        "intermediate_size": 4,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 2,
-        "head_dim": 4,
-        "vocab_size": 16,
-        "num_local_experts": 2,
-        "num_experts_per_tok": 1,
-    }
-)
+MODEL = model_from_hf_config(TINY_GPT_OSS)
 # 2 layers x 2 experts x fc1/fc2 weight and bias: 16 strided or transposed tensors
 STRIDED = megatron_layout(MODEL, ParallelDims(tp=2))
 NAMES = r"holds 16 tensor\(s\) made of them \(\['decoder\.layers\.0\.mlp\.experts"

@@ -180,23 +180,25 @@ def test_a_view_needs_a_permutation_and_positive_steps() -> None:
         View(step=(1, 1), perm=(0, 0))
 
 
+#: A gpt-oss config small enough for tables of refusals (2 layers of 2 experts).
+TINY_GPT_OSS = {
+    "model_type": "gpt_oss",
+    "hidden_size": 8,
+    "intermediate_size": 4,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "head_dim": 4,
+    "vocab_size": 16,
+    "num_local_experts": 2,
+    "num_experts_per_tok": 1,
+}
+
+
 def test_expert_tensor_parallelism_is_refused_for_biased_experts() -> None:
     from areal_fn.model.spec import model_from_hf_config
 
-    model = model_from_hf_config(
-        {
-            "model_type": "gpt_oss",
-            "hidden_size": 8,
-            "intermediate_size": 4,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 2,
-            "head_dim": 4,
-            "vocab_size": 16,
-            "num_local_experts": 2,
-            "num_experts_per_tok": 1,
-        }
-    )
+    model = model_from_hf_config(TINY_GPT_OSS)
     with pytest.raises(
         LayoutError,
         match=r"etp=2: Megatron-Core refuses expert tensor parallelism for experts with biases "
