@@ -8,13 +8,15 @@ processes and threads: ``test_weight_sync.py`` (its authentication section and t
 ``auth`` section of the torchrun launch).
 """
 
+import hashlib
+import hmac
 import re
 from typing import Any, ClassVar
 
-import blake3
 import pytest
 import torch
 import torch.distributed as dist
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from areal_fn.errors import PlanError
 from areal_fn.runtime import launch
@@ -173,22 +175,37 @@ def test_message_tags_cover_every_field_and_every_payload_byte() -> None:
         assert got != tag, i
 
 
-def test_the_payload_digest_is_the_blake3_of_its_bytes_in_order() -> None:
+def _hmac_parts(key: bytes, *parts: bytes | str) -> bytes:
+    """HMAC-SHA256 over length-prefixed parts, written out here from the module's rule."""
+    h = hmac.new(key, digestmod=hashlib.sha256)
+    for p in parts:
+        b = p.encode() if isinstance(p, str) else p
+        h.update(len(b).to_bytes(8, "little") + b)
+    return h.digest()
+
+
+def test_the_payload_tag_is_aes_gcm_over_its_bytes_in_order() -> None:
+    key = bytes(range(32))
     data = torch.randint(0, 256, (9 << 20,), dtype=torch.uint8)
     view = auth.payload_view(data)
-    want = blake3.blake3(data.numpy().tobytes()).digest()
-    assert auth.payload_digest(view) == want
-    # the same bytes in several buffers, read in order, give the same digest
+    # the one-shot AES-GCM of the library, no plaintext, the payload as associated data
+    nonce = _hmac_parts(key, "nonce", "message", b"ab")[:12]
+    want = AESGCM(_hmac_parts(key, "gmac")).encrypt(nonce, b"", data.numpy().tobytes())
+    assert auth.payload_tag(key, ("message", b"ab"), view) == want
+    # the same bytes in several buffers, read in order, give the same tag
     parts = [auth.payload_view(p) for p in torch.tensor_split(data, [5, 1 << 20, 3 << 20])]
-    assert auth.payload_digest(parts) == want
-    assert auth.payload_digest(parts[::-1]) != want
+    assert auth.payload_tag(key, ("message", b"ab"), parts) == want
+    assert auth.payload_tag(key, ("message", b"ab"), parts[::-1]) != want
+    # another message (nonce) or another session key: another tag
+    assert auth.payload_tag(key, ("message", b"ac"), view) != want
+    assert auth.payload_tag(bytes(32), ("message", b"ab"), view) != want
     data[(4 << 20) + 1] ^= 1  # one byte, in the middle
-    assert auth.payload_digest(auth.payload_view(data)) != want
+    assert auth.payload_tag(key, ("message", b"ab"), auth.payload_view(data)) != want
 
 
 AUTH_FAILS = re.escape(
     "the message fails authentication: its MAC does not match this group's key over the "
-    "header (version, bucket, sender, receiver, sync) and the payload's digest, so a process "
+    "header (version, bucket, sender, receiver, sync) and the payload's GMAC, so a process "
     "without the group's secret sent it, or its bytes were altered on the way. Refused before "
     "unpacking; live tensors keep the previous version. Give every member the same secret and "
     "keep other processes off the group's store and ports"

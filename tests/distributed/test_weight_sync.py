@@ -595,7 +595,7 @@ def test_a_forged_message_is_refused_and_changes_nothing_then_the_next_sync_succ
         assert re.search(
             r"on rank [23] receiving from rank 1 \(\d+ transfers of .*\): the message fails "
             r"authentication: its MAC does not match this group's key over the header \(version, "
-            r"bucket, sender, receiver, sync\) and the payload's digest, so a process without "
+            r"bucket, sender, receiver, sync\) and the payload's GMAC, so a process without "
             r"the group's secret sent it, or its bytes were altered on the way\. Refused before "
             r"unpacking; live tensors keep the previous version",
             str(r),

@@ -16,9 +16,11 @@ and derives the group's session key from the secret, the prefix and all nonces
 (:func:`session_key`), so that a generation's messages are worth nothing in another.
 
 **Messages, votes, decisions.** Each bucket message carries
-``HMAC(session, header | sync | src | dst | digest(payload))`` (:func:`message_tag`; the
-digest is the payload's BLAKE3, :func:`payload_digest`),
-which the receiver checks before unpacking anything; each commit vote and the commit
+``HMAC(session, header | sync | src | dst | GMAC(payload))`` (:func:`message_tag`; the
+payload's GMAC, :func:`payload_tag`, is AES-256-GCM's tag over the payload as
+associated data with no plaintext, under a key derived from the session key and a
+nonce derived from the sync, both ends and the header, so no two messages of a
+session share a nonce), which the receiver checks before unpacking anything; each commit vote and the commit
 decision carry a MAC over the sync, the rank or the decision's text (:func:`sign`).
 
 What is not protected: the payload is not encrypted (anyone who reaches the
@@ -34,9 +36,9 @@ import os
 import secrets
 from collections.abc import Sequence
 
-import blake3
 import torch
 import torch.distributed as dist
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from areal_fn.errors import PlanError
 
@@ -138,16 +140,26 @@ def payload_view(buf: torch.Tensor) -> memoryview:
     return host.numpy().data.cast("B")
 
 
-def payload_digest(payload: memoryview | Sequence[memoryview]) -> bytes:
-    """BLAKE3 (32 bytes) of ``payload``: one buffer, or several read one after another.
+def payload_tag(
+    key: bytes, nonce_parts: Sequence[bytes | str | int], payload: memoryview | Sequence[memoryview]
+) -> bytes:
+    """GMAC (16 bytes) of ``payload``, one buffer or several read one after another.
 
-    BLAKE3 runs at several times SHA-256's speed on one core, so the digest costs a
-    fraction of the transfer it protects.
+    AES-256-GCM with no plaintext and the payload as associated data, under
+    ``HMAC(key, "gmac")`` and the 96-bit nonce ``HMAC(key, "nonce", *nonce_parts)``.
+    GCM's tag is a MAC only while no nonce repeats under one key: ``nonce_parts``
+    must name the message uniquely within the session (the sync, both ends and the
+    header, whose fields hold the version and the bucket). It runs at several times
+    BLAKE3's speed on CPUs with AES and carry-less multiply instructions.
     """
-    h = blake3.blake3()
+    mac = Cipher(
+        algorithms.AES(_mac(key, "gmac")), modes.GCM(_mac(key, "nonce", *nonce_parts)[:12])
+    )
+    enc = mac.encryptor()
     for part in (payload,) if isinstance(payload, memoryview) else payload:
-        h.update(part)
-    return h.digest()
+        enc.authenticate_additional_data(part)
+    enc.finalize()
+    return enc.tag
 
 
 def message_tag(
@@ -159,8 +171,10 @@ def message_tag(
     header: memoryview,
     payload: memoryview | Sequence[memoryview],
 ) -> bytes:
-    """The MAC of one bucket message: its header fields, sync, ends and payload digest."""
-    return _mac(key, "message", seq, src, dst, bytes(header), payload_digest(payload))
+    """The MAC of one bucket message: its header fields, sync, ends and payload's GMAC."""
+    head = bytes(header)
+    gmac = payload_tag(key, ("message", seq, src, dst, head), payload)
+    return _mac(key, "message", seq, src, dst, head, gmac)
 
 
 def sign(key: bytes, what: str, seq: int, text: str) -> str:

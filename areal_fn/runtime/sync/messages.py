@@ -20,7 +20,7 @@ by pair, the lower rank's message first, so that backends whose operations rende
 per pair (NCCL) cannot deadlock.
 
 **The MAC**, ``HMAC-SHA256`` under the group's session key over the first 48 bytes,
-the sync, sender, receiver and the payload's BLAKE3
+the sync, sender, receiver and the payload's GMAC
 (:func:`~areal_fn.runtime.sync.auth.message_tag`), is checked before anything else the
 header says is believed and before any staged byte is unpacked (while the next bucket
 is in flight): a message from a process without the group's secret, or altered on the
@@ -445,7 +445,7 @@ def _check_header(
     ):
         raise _HeaderMismatch(
             "the message fails authentication: its MAC does not match this group's key over "
-            "the header (version, bucket, sender, receiver, sync) and the payload's digest, "
+            "the header (version, bucket, sender, receiver, sync) and the payload's GMAC, "
             "so a process without the group's secret sent it, or its bytes were altered on "
             "the way. Refused before unpacking; live tensors keep the previous version. Give "
             "every member the same secret and keep other processes off the group's store and "

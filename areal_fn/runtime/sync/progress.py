@@ -22,7 +22,16 @@ from collections.abc import Sequence
 from areal_fn.runtime.sync.auth import sign, verified
 from areal_fn.runtime.sync.group import ABORT, COMMIT, SyncError, SyncGroup, _fail
 
-_POLL_S = (0.0005, 0.02)  # first and longest pause while waiting for the vote
+#: Store polls: the first pause, the longest pause during the first ``_POLL_S[2]``
+#: seconds of a wait, the longest after. A peer or a vote is usually milliseconds away
+#: (every pause past its arrival delays the sync); long waits poll the store gently.
+_POLL_S = (0.0001, 0.001, 0.1, 0.02)
+
+
+def _next_pause(pause: float, since: float) -> float:
+    """The pause after ``pause`` in a wait that began at ``since`` (``time.monotonic``)."""
+    _, short, window, longest = _POLL_S
+    return min(pause * 2, short if time.monotonic() - since < window else longest)
 
 
 class _Progress:
@@ -76,7 +85,8 @@ class _Progress:
         """Wait until every peer has started ``bucket`` (or an abort, or no progress)."""
         if not peers:
             return
-        pause, last, deadline = _POLL_S[0], None, time.monotonic() + self.group.timeout_s
+        since = time.monotonic()
+        pause, last, deadline = _POLL_S[0], None, since + self.group.timeout_s
         try:
             while True:
                 at = {p: self._add(f"at/{p}", 0) for p in peers}
@@ -89,7 +99,7 @@ class _Progress:
                 elif time.monotonic() > deadline:
                     break
                 time.sleep(pause)
-                pause = min(pause * 2, _POLL_S[1])
+                pause = _next_pause(pause, since)
         except SyncError:
             raise
         except Exception as e:
@@ -127,7 +137,8 @@ class _Progress:
         """Wait until every member finished its buckets; commit or abort, all alike."""
         group, seq = self.group, self.seq
         me, size = group.rank, len(group.members)
-        pause, deadline = _POLL_S[0], time.monotonic() + group.timeout_s
+        since = time.monotonic()
+        pause, deadline = _POLL_S[0], since + group.timeout_s
         unverified: list[int] = []
         try:
             mine = sign(group._session, "vote", seq, f"vote {me}")
@@ -149,7 +160,7 @@ class _Progress:
                     decision = group._decide(seq, self._timeout_reason(arrived, unverified))
                     break
                 time.sleep(pause)
-                pause = min(pause * 2, _POLL_S[1])
+                pause = _next_pause(pause, since)
                 arrived = self._add("votes", 0)
         except Exception as e:
             _fail(group, seq, f"rank {me} lost the store at the commit vote: {e}")
