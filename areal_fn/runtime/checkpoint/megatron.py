@@ -42,6 +42,7 @@ from areal_fn.runtime.checkpoint.megatron_keys import (
     pick_keys,
 )
 from areal_fn.runtime.checkpoint.metadata import METADATA, trust_pickle_rule, unpickle_metadata
+from areal_fn.runtime.replace_dir import replace_dir
 from areal_fn.sharding.box import Box
 
 __all__ = [
@@ -327,9 +328,7 @@ def _write(out: Path, items: list[WriteItem], data: dict[MetadataIndex, Callable
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
         _fsync_dir(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        replace_dir(tmp, out)
         _fsync_dir(out.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -28,6 +28,7 @@ from areal_fn.runtime.checkpoint.metadata import METADATA
 from areal_fn.runtime.hf.convert import ConvertSummary, layout_of
 from areal_fn.runtime.hf.files import read_hf_files
 from areal_fn.runtime.hf.io import HfCheckpoint, Tally, write_hf_checkpoint
+from areal_fn.runtime.replace_dir import replace_dir
 from areal_fn.sharding.box import Box
 from areal_fn.strategy.parse import parse_allocation
 from areal_fn.typecheck import beartype
@@ -125,9 +126,7 @@ def convert_to_torch_dist(
             )
             for name, data in (("config.json", hf.config), *hf.files):
                 (out / name).write_bytes(data)
-            if dst.exists():
-                shutil.rmtree(dst)
-            os.replace(out, dst)
+            replace_dir(out, dst)
         finally:
             shutil.rmtree(work, ignore_errors=True)
     for name, shape in sizes.items():

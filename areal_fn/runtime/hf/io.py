@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 from areal_fn.errors import ConversionError
 from areal_fn.model.spec import ModelSpec
 from areal_fn.plans.convert import check_canonical
+from areal_fn.runtime.replace_dir import replace_dir
 from areal_fn.sharding.box import Box
 
 INDEX = "model.safetensors.index.json"
@@ -262,10 +263,7 @@ def write_hf_checkpoint(
         raise
     try:  # completing the checkpoint in ``tmp``, then putting it in place
         _complete(tmp, shards, total, config=config, model=model, files=extra)
-        if dest.exists():
-            left = f"{dest} may be partly deleted: write it again"
-            shutil.rmtree(dest)
-        os.replace(tmp, dest)
+        replace_dir(tmp, dest)
         return dest
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
