@@ -265,6 +265,26 @@ def _add_suggest_arguments(plan: argparse.ArgumentParser) -> None:
         help="optimizer master weights and states in host memory (default: on the device)",
     )
     sg.add_argument(
+        "--grad-dtype",
+        default="fp32",
+        metavar="DTYPE",
+        help="gradients (Megatron's --main-grads-dtype): fp32, bf16 or fp16 (fp32)",
+    )
+    sg.add_argument(
+        "--master-dtype",
+        default="fp32",
+        metavar="DTYPE",
+        help="optimizer master weights (Megatron's --main-params-dtype): fp32, bf16, fp16, or "
+        "none for no master copy (fp32)",
+    )
+    sg.add_argument(
+        "--adam-dtype",
+        default="fp32",
+        metavar="DTYPE",
+        help="Adam's two moments (Megatron's --exp-avg-dtype and --exp-avg-sq-dtype): fp32, "
+        "bf16 or fp16 (fp32)",
+    )
+    sg.add_argument(
         "--memory-margin",
         type=float,
         default=0.1,

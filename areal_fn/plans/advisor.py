@@ -12,8 +12,8 @@ and counted):
   sharded over ``dp*cp``, each rank running ``seq_len/cp`` tokens of every row, the
   attention all-to-all splitting the heads of a TP rank ``cp`` ways).
 - ``megatron:d{dp}p{pp}t{tp}c{cp}e{ep}v{vpp}``: ``tp`` at most ``devices_per_node``;
-  ``pp`` at most 16 and at most the layers; ``vpp`` 1 or 2 (needs ``pp >= 2`` and
-  ``2*pp`` layers); ``ep`` (MoE only) divides the experts and ``dp*tp*cp`` (expert
+  ``pp`` at most 16 and at most the layers; ``vpp`` 1, 2 or 4 (above 1: needs
+  ``pp >= 2`` and ``vpp*pp`` layers); ``ep`` (MoE only) divides the experts and ``dp*tp*cp`` (expert
   tensor parallelism left at 1); the rule decides the rest. ``c`` is Megatron-Core's
   context parallelism (parameters replicated over ``cp``, each rank holding
   ``seq_len/cp`` tokens in Megatron's ``2*cp`` load-balanced chunks). Stages:
@@ -116,6 +116,8 @@ __all__ = ["CommEstimate", "CommTerm", "Hardware", "Suggestion", "suggest_strate
 
 #: Largest pipeline degree tried.
 MAX_PP = 16
+#: Virtual pipeline degrees tried (those above 1 need ``pp >= 2`` and ``vpp * pp`` layers).
+VPP_CHOICES = (1, 2, 4)
 #: Largest context-parallel degree tried, and the fewest tokens of a sequence per CP rank.
 MAX_CP = 8
 MIN_TOKENS_PER_CP_RANK = 4096
@@ -190,7 +192,9 @@ def _megatron_dims(w: _Workload, skipped: list[str]) -> Iterator[ParallelDims]:
             for cp in _cp_choices(w.n // (tp * pp), w.act.seq_len, 2):
                 dp = w.n // (tp * pp * cp)
                 eps = [e for e in divisors(m.num_experts) if (dp * tp * cp) % e == 0]
-                for vpp in (1, 2) if pp > 1 and 2 * pp <= m.num_layers else (1,):
+                for vpp in [
+                    v for v in VPP_CHOICES if v == 1 or (1 < pp and v * pp <= m.num_layers)
+                ]:
                     for ep in eps if m.is_moe else [1]:
                         dims = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, vpp=vpp)
                         if dims_problems(m, "megatron", dims):

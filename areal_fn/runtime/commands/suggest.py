@@ -2,12 +2,15 @@
 
 The assumptions of the estimate are printed first, each with the flag that sets it:
 sequence length, micro-batch, global batch, recompute, GPUs per node, optimizer
-offload, and the margin of device memory kept free for what the estimate leaves out
-(CUDA context, NCCL communication buffers, allocator fragmentation).
+offload, the dtypes of gradients, master weights and Adam moments, and the margin of
+device memory kept free for what the estimate leaves out (CUDA context, NCCL
+communication buffers, allocator fragmentation).
 """
 
 import argparse
 from typing import Any
+
+import attrs
 
 from areal_fn.errors import SpecError
 from areal_fn.model.spec import ModelSpec
@@ -46,6 +49,35 @@ def seq_len_of(args: argparse.Namespace) -> int:
     return DEFAULT_SEQ_LEN if args.seq_len is None else int(args.seq_len)
 
 
+#: Dtype spellings of ``--grad-dtype``, ``--master-dtype`` and ``--adam-dtype``.
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def _dtype(flag: str, value: str, *, none: bool = False) -> str | None:
+    """``value`` of ``flag`` as a torch dtype name (``None`` for ``none`` where allowed)."""
+    if none and value == "none":
+        return None
+    if value not in DTYPES:
+        valid = ", ".join([*DTYPES, *(["none"] if none else [])])
+        raise SpecError(f"{flag} {value!r} is not a dtype here; use one of {valid}")
+    return DTYPES[value]
+
+
+def policy_of(args: argparse.Namespace) -> PrecisionPolicy:
+    """The precision policy of ``--grad-dtype``, ``--master-dtype`` and ``--adam-dtype``
+    (bf16 parameters and compute, Adam)."""
+    grad = _dtype("--grad-dtype", args.grad_dtype)
+    master = _dtype("--master-dtype", args.master_dtype, none=True)
+    state = _dtype("--adam-dtype", args.adam_dtype)
+    return attrs.evolve(
+        PrecisionPolicy.bf16_mixed(),
+        grad_dtype=grad,
+        master_weights=master is not None,
+        master_dtype=master or "float32",
+        state_dtype=state,
+    )
+
+
 def _assumptions(args: argparse.Namespace, device_bytes: int) -> dict[str, Any]:
     margin = float(args.memory_margin)
     if not 0 <= margin < 1:
@@ -69,7 +101,10 @@ def _assumptions(args: argparse.Namespace, device_bytes: int) -> dict[str, Any]:
         "recompute": args.recompute,
         "gpus_per_node": args.gpus_per_node,
         "optimizer_offload": args.optimizer_offload,
-        "policy": str(PrecisionPolicy.bf16_mixed()),
+        "policy": str(policy_of(args)),
+        "grad_dtype": args.grad_dtype,
+        "master_dtype": args.master_dtype,
+        "adam_dtype": args.adam_dtype,
         "memory_margin": margin,
         "margin_bytes": margin_bytes,
         "usable_bytes": device_bytes - margin_bytes,
@@ -88,7 +123,8 @@ def _assumption_lines(a: dict[str, Any], device_bytes: int) -> list[str]:
         f"  recompute {on[a['recompute']]} (--recompute / --no-recompute), "
         f"{a['gpus_per_node']} GPUs per node (--gpus-per-node), optimizer state {offload} "
         f"(--optimizer-offload)",
-        f"  precision: {a['policy']}",
+        f"  precision: {a['policy']} (--grad-dtype {a['grad_dtype']}, --master-dtype "
+        f"{a['master_dtype']}, --adam-dtype {a['adam_dtype']})",
         f"  margin: {a['memory_margin']:.0%} of {device_bytes:,} bytes ({human(a['margin_bytes'])})"
         f" kept free for what the estimate leaves out ({', '.join(a['left_out'])}); a "
         f"strategy fits when its estimate is at most {a['usable_bytes']:,} bytes "
@@ -124,6 +160,7 @@ def cmd_suggest(console: Any, model: ModelSpec, args: argparse.Namespace) -> int
         model,
         args.suggest,
         device_bytes,
+        policy=policy_of(args),
         activation=ActivationModel(
             micro_batch_size=a["micro_batch"], seq_len=a["seq_len"], recompute=a["recompute"]
         ),
