@@ -61,7 +61,9 @@ def megatron_cases(draw: st.DrawFn) -> tuple[ModelSpec, ParallelDims]:
     )
     tp = draw(st.sampled_from([t for t in divisors(kv) if all(n % t == 0 for n in sizes)]))
     pp = draw(st.integers(1, model.num_layers))
-    vpp = draw(st.sampled_from([v for v in (1, 2) if pp > 1 and pp * v <= model.num_layers] or [1]))
+    vpp = draw(
+        st.sampled_from([v for v in (1, 2, 4) if pp > 1 and pp * v <= model.num_layers] or [1])
+    )
     dp = draw(st.integers(1, 3))
     ep = 1
     if model.is_moe:
