@@ -28,6 +28,7 @@ Rank 0 writes ``<out>/report.json`` (max abs diffs per case, timings, versions).
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import time
@@ -37,6 +38,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 from areal_fn.layouts.megatron import megatron_layout
 from areal_fn.model.spec import ModelSpec, model_from_hf_config
@@ -626,10 +628,15 @@ def main(argv: list[str]) -> int:
     cache: dict[str, Any] = {}
     records = []
     start = time.perf_counter()
+    # process groups held before the first session, then groups and threads (native
+    # ones too) after each: every megatron_session destroys the groups it made
+    held: dict[str, list[int]] = {"groups": [len(distributed_c10d._world.pg_map)], "threads": []}
     tmp = args.out / "hf"
     try:
         for family, strategy in wanted:
             record = run_case(family, strategy, input_ids, cache, tmp)
+            held["groups"].append(len(distributed_c10d._world.pg_map))
+            held["threads"].append(len(os.listdir("/proc/self/task")))
             if record is not None:
                 records.append(record)
                 print(json.dumps(record), flush=True)
@@ -643,6 +650,7 @@ def main(argv: list[str]) -> int:
                 "transformers": version("transformers"),
                 "input_ids": input_ids.tolist(),
                 "seconds": round(time.perf_counter() - start, 2),
+                **held,
                 "cases": records,
             }
             (args.out / "report.json").write_text(json.dumps(report, indent=1))

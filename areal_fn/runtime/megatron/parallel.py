@@ -158,7 +158,7 @@ def megatron_session(
     cpu: bool | None = None,
 ) -> Iterator[None]:
     """CPU redirections on (``cpu``, default: when no GPU is present), parallel state up
-    for ``sizes``; both undone on exit.
+    for ``sizes``; both undone on exit, the process groups made for it destroyed.
 
     Initialises the default process group first if needed (left up on exit, so that
     one launch can run many sessions). Build and run models inside the block: on CPU
@@ -167,8 +167,29 @@ def megatron_session(
     use_cpu = (not torch.cuda.is_available()) if cpu is None else cpu
     with megatron_cpu.cpu_megatron() if use_cpu else contextlib.nullcontext():
         init_distributed(backend="gloo" if use_cpu else "nccl")
-        init_parallel_state(sizes, seed=seed, create_gloo_process_groups=create_gloo_process_groups)
+        before = _groups()
         try:
+            init_parallel_state(
+                sizes, seed=seed, create_gloo_process_groups=create_gloo_process_groups
+            )
             yield
         finally:
             destroy_parallel_state()
+            _destroy_groups_since(before)
+
+
+def _groups() -> list[dist.ProcessGroup]:
+    """The process groups this process holds now (the default one included)."""
+    from torch.distributed import distributed_c10d
+
+    return list(distributed_c10d._world.pg_map)
+
+
+def _destroy_groups_since(before: list[dist.ProcessGroup]) -> None:
+    """Destroy the groups made since ``before``: Megatron's ``destroy_model_parallel``
+    forgets its groups without destroying them, so each session would otherwise leave
+    its groups' connections and threads behind (gloo: two threads per group)."""
+    kept = {id(g) for g in before}
+    for g in _groups():
+        if id(g) not in kept:
+            dist.destroy_process_group(g)
