@@ -3,7 +3,9 @@
 Part 1 (4 CPU processes under torchrun, gloo): a Qwen2.5-0.5B-shaped model (all 24
 layers, bf16, random values; tied embeddings), trainer ``fsdp:d2`` on ranks 0-1,
 inference ``sglang:t2`` on ranks 2-3. Two ways to bring the trained weights to the
-inference ranks, each timed best of ``REPEATS`` (barrier to barrier, wall time):
+inference ranks, each timed over ``REPEATS`` rounds, the schemes taking turns within a
+round (barrier to barrier, wall time; best of the rounds, and against the bare
+transport also each round's ratio and their median):
 
 - **planned**: :func:`~areal_fn.plans.transfer.plan_transfers` from the FSDP2 layout to the
   inference layout, bucketed (``BUCKET_MB``), executed by
@@ -339,16 +341,19 @@ def _sync_part() -> None:
         f"results bitwise equal: {all(rec['equal'] for rec in recs)}"
     )
     bare = rows["bare"]
+
     # per round, the bare time over the planned time of the same round (the first round,
     # which makes the groups' staging memory, is left out)
-    paired = sorted(b / p for b, p in zip(bare[2][1:], pl[2][1:], strict=True))
-    fresh = sorted(b / p for b, p in zip(bare[2][1:], rows["planned_fresh"][2][1:], strict=True))
-    median, median_fresh = statistics.median(paired), statistics.median(fresh)
+    def paired(name: str) -> list[float]:
+        return sorted(b / p for b, p in zip(bare[2][1:], rows[name][2][1:], strict=True))
+
+    per_round = paired("planned")
+    median, median_fresh = statistics.median(per_round), statistics.median(paired("planned_fresh"))
     print(
         f"bare send/recv (the executor's messages as raw sends and receives of preallocated "
         f"buffers, same pairs, buckets and order): {bare[0] / bare[1] / 1e9:.2f} GB/s; "
         f"planned {pl[0] / pl[1] / 1e9:.2f} GB/s = {bare[1] / pl[1]:.2f}x of it, best against "
-        f"best; per round {', '.join(f'{r:.2f}' for r in paired)}x, median {median:.2f}x "
+        f"best; per round {', '.join(f'{r:.2f}' for r in per_round)}x, median {median:.2f}x "
         f"(goal >= {GOAL_OF_BARE}x on the median: "
         f"{'met' if median >= GOAL_OF_BARE else 'NOT met'}); planned with its staging freed "
         f"after each sync (the default, keep_staging=False): {bare[1] / rows['planned_fresh'][1]:.2f}x "

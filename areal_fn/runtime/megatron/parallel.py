@@ -188,7 +188,7 @@ def _groups() -> list[dist.ProcessGroup]:
 def _destroy_groups_since(before: list[dist.ProcessGroup]) -> None:
     """Destroy the groups made since ``before``: Megatron's ``destroy_model_parallel``
     forgets its groups without destroying them, so each session would otherwise leave
-    its groups' connections and threads behind (gloo: two threads per group)."""
+    its groups' connections and threads behind (gloo: three threads per group)."""
     kept = {id(g) for g in before}
     for g in _groups():
         if id(g) not in kept:
