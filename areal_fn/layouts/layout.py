@@ -425,10 +425,11 @@ class Layout:
                         f"{t.name}: fusion piece box {f.canonical_region} lies outside {f.canonical!r} of shape {spec.shape}"
                     )
 
-    @property
+    @functools.cached_property
     def is_strided(self) -> bool:
         """Some piece is strided or transposed (gpt-oss experts under Megatron): code that
-        reads plain canonical boxes only must refuse the layout."""
+        reads plain canonical boxes only must lift the layout first
+        (:mod:`areal_fn.layouts.lift`) or refuse it."""
         return any(t.is_strided for t in self.tensors)
 
     @property

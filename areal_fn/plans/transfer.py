@@ -15,9 +15,9 @@ from collections.abc import Sequence
 
 import attrs
 
-from areal_fn.errors import PlanError
+from areal_fn.errors import LayoutError, PlanError
 from areal_fn.layouts.layout import Layout
-from areal_fn.plans.tensor_check import refuse_strided
+from areal_fn.layouts.lift import LiftedLayout, LocalView, lift_layouts
 from areal_fn.plans.transfer_classes import Planner, no_gc
 from areal_fn.plans.transfer_records import Transfer as Transfer
 from areal_fn.plans.transfer_records import check_ranks as check_ranks
@@ -31,11 +31,21 @@ class TransferPlan:
 
     The least bytes any plan must move is :func:`areal_fn.transfer_lower_bound`,
     computed from the two layouts alone.
+
+    Between layouts with strided pieces (gpt-oss experts under Megatron-Core) the plan
+    is made in the lifted basis (:mod:`areal_fn.layouts.lift`): ``lifted`` gives the
+    step per dim of each canonical tensor whose boxes are lifted, and ``src_views`` /
+    ``dst_views`` the view of each local tensor the rows' boxes index (the executor and
+    :func:`~areal_fn.plans.transfer_apply.apply_transfers` apply them). All three are
+    empty otherwise.
     """
 
     transfers: tuple[Transfer, ...]
     src_ranks: tuple[int, ...]
     dst_ranks: tuple[int, ...]
+    src_views: tuple[tuple[str, LocalView], ...] = ()
+    dst_views: tuple[tuple[str, LocalView], ...] = ()
+    lifted: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     @property
     def bytes_total(self) -> int:
@@ -65,17 +75,19 @@ class TransferPlan:
         return "\n".join([head, *(f"  {t}" for t in self.transfers)])
 
 
+def lifted_pair(src: Layout, dst: Layout) -> tuple[LiftedLayout, LiftedLayout]:
+    """Both layouts in one lifted basis (themselves when neither has strided pieces);
+    a pair that cannot be lifted is a ``PlanError``."""
+    try:
+        lifted_src, lifted_dst = lift_layouts(src, dst)
+    except LayoutError as e:
+        raise PlanError(f"weight-sync planning: {e}") from None
+    return lifted_src, lifted_dst
+
+
 def _planner(
     src: Layout, dst: Layout, src_ranks: Sequence[int] | None, dst_ranks: Sequence[int] | None
 ) -> Planner:
-    for side in (src, dst):
-        refuse_strided(
-            side,
-            "weight-sync planning",
-            "sync from or to a layout without them (FSDP2 or an inference engine's), or go "
-            "through the canonical tensors (to_hf, then to_megatron)",
-            PlanError,
-        )
     src_g = check_ranks(
         "src_ranks", src_ranks if src_ranks is not None else range(src.world_size), src.world_size
     )
@@ -108,10 +120,24 @@ def plan_transfers(
     Sources are chosen per destination piece (:mod:`areal_fn.plans.transfer_classes`),
     so :func:`plan_rank_transfers` gives any one rank's rows of this plan alone.
     """
+    lifted_src, lifted_dst = lifted_pair(src, dst)
     with no_gc():
-        planner = _planner(src, dst, src_ranks, dst_ranks)
+        planner = _planner(lifted_src.layout, lifted_dst.layout, src_ranks, dst_ranks)
         rows = tuple(planner.world())
-    return TransferPlan(transfers=rows, src_ranks=planner.src.ranks, dst_ranks=planner.dst.ranks)
+    return _plan(rows, planner, lifted_src, lifted_dst)
+
+
+def _plan(
+    rows: tuple[Transfer, ...], planner: Planner, src: LiftedLayout, dst: LiftedLayout
+) -> TransferPlan:
+    return TransferPlan(
+        transfers=rows,
+        src_ranks=planner.src.ranks,
+        dst_ranks=planner.dst.ranks,
+        src_views=src.views,
+        dst_views=dst.views,
+        lifted=src.factors,
+    )
 
 
 @beartype
@@ -131,10 +157,11 @@ def plan_rank_transfers(
     metadata travelling. A rank in neither layout gets no rows. A canonical tensor that
     this rank does not touch is checked only for being held at all.
     """
+    lifted_src, lifted_dst = lifted_pair(src, dst)
     with no_gc():  # the planner makes many small acyclic objects; see no_gc
-        planner = _planner(src, dst, src_ranks, dst_ranks)
+        planner = _planner(lifted_src.layout, lifted_dst.layout, src_ranks, dst_ranks)
         rows = tuple(planner.rank(rank))
-    return TransferPlan(transfers=rows, src_ranks=planner.src.ranks, dst_ranks=planner.dst.ranks)
+    return _plan(rows, planner, lifted_src, lifted_dst)
 
 
 # -- buckets ---------------------------------------------------------------------------
@@ -152,11 +179,14 @@ class Bucket:
 
 @attrs.frozen(kw_only=True)
 class BucketPlan:
-    """A transfer plan cut into buckets of at most ``max_bytes``, tagged with ``version``."""
+    """A transfer plan cut into buckets of at most ``max_bytes``, tagged with ``version``;
+    the plan's views of the local tensors (see :class:`TransferPlan`) come along."""
 
     version: int
     max_bytes: int
     buckets: tuple[Bucket, ...]
+    src_views: tuple[tuple[str, LocalView], ...] = ()
+    dst_views: tuple[tuple[str, LocalView], ...] = ()
 
     @property
     def transfers(self) -> tuple[Transfer, ...]:
@@ -273,4 +303,10 @@ def bucket(plan: TransferPlan, max_bytes: int, *, version: int = 0) -> BucketPla
         for b, part in _split(t, step):
             found.setdefault(b, []).append(part)
     buckets = tuple(Bucket(index=b, transfers=tuple(found[b])) for b in sorted(found))
-    return BucketPlan(version=version, max_bytes=max_bytes, buckets=buckets)
+    return BucketPlan(
+        version=version,
+        max_bytes=max_bytes,
+        buckets=buckets,
+        src_views=plan.src_views,
+        dst_views=plan.dst_views,
+    )

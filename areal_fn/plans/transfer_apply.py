@@ -16,7 +16,8 @@ import torch
 from jaxtyping import UInt8
 from torch import Tensor
 
-from areal_fn.errors import PlanError
+from areal_fn.errors import LayoutError, PlanError
+from areal_fn.layouts.lift import LocalView, apply_view
 from areal_fn.plans.transfer import Transfer
 
 #: a flat byte buffer that boxes are packed into
@@ -27,9 +28,17 @@ def apply_transfers(
     transfers: Iterable[Transfer],
     src_tensors: Mapping[int, Mapping[str, Tensor]],
     dst_tensors: MutableMapping[int, MutableMapping[str, Tensor]],
+    *,
+    src_views: Sequence[tuple[str, LocalView]] = (),
+    dst_views: Sequence[tuple[str, LocalView]] = (),
 ) -> int:
-    """Copy every transfer's source box into its destination box; returns bytes copied."""
+    """Copy every transfer's source box into its destination box; returns bytes copied.
+
+    ``src_views`` / ``dst_views``: a plan's views of the local tensors
+    (:class:`~areal_fn.plans.transfer.TransferPlan`), applied before the boxes index them.
+    """
     total = 0
+    views = {"source": dict(src_views), "destination": dict(dst_views)}
     for t in transfers:
         try:
             s = src_tensors[t.src][t.src_tensor]
@@ -38,9 +47,30 @@ def apply_transfers(
             raise PlanError(
                 f"transfer {t} names a tensor or rank that is not present: {e}"
             ) from None
+        s = viewed(views["source"], t.src_tensor, s, "source")
+        d = viewed(views["destination"], t.dst_tensor, d, "destination")
         copy_box(s, d, t)
         total += t.nbytes
     return total
+
+
+def viewed(views: Mapping[str, LocalView], name: str, tensor: Tensor, role: str) -> Tensor:
+    """``tensor`` (the local tensor ``name``) through its view in ``views``, if it has one."""
+    view = views.get(name)
+    if view is None:
+        return tensor
+    try:
+        return apply_view(view, tensor, f"{role} tensor {name!r}")
+    except LayoutError as e:
+        raise PlanError(str(e)) from None
+
+
+def with_views(
+    views: Sequence[tuple[str, LocalView]], tensors: Mapping[str, Tensor], role: str
+) -> dict[str, Tensor]:
+    """Every tensor of ``tensors`` through its view, if it has one (by name)."""
+    by_name = dict(views)
+    return {name: viewed(by_name, name, t, role) for name, t in tensors.items()}
 
 
 def copy_box(src: Tensor, dst: Tensor, transfer: Transfer) -> None:

@@ -5,7 +5,9 @@ each destination rank, the canonical elements its pieces need (each element once
 however many of its local tensors hold it) minus the elements the same global rank
 already holds in the source layout, in bytes of the source layout's canonical dtype.
 No plan can move fewer bytes across ranks, so a plan's ``bytes_total`` measured
-against this bound is evidence, not a tautology.
+against this bound is evidence, not a tautology. Layouts with strided pieces are
+counted in their lifted basis (:mod:`areal_fn.layouts.lift`), which holds the same
+elements.
 """
 
 import itertools
@@ -14,8 +16,7 @@ from collections.abc import Iterable, Sequence
 from areal_fn.errors import PlanError
 from areal_fn.layouts.layout import Layout
 from areal_fn.model.tensor_spec import DTYPE_BYTES
-from areal_fn.plans.tensor_check import refuse_strided
-from areal_fn.plans.transfer import check_ranks
+from areal_fn.plans.transfer import check_ranks, lifted_pair
 from areal_fn.sharding.box import Box
 from areal_fn.typecheck import beartype
 
@@ -79,13 +80,8 @@ def required_bytes(
     (default ``range(world)``: colocated). Bytes are counted in the source layout's
     canonical dtype, the dtype the source sends.
     """
-    for side in (src, dst):
-        refuse_strided(
-            side,
-            "the transfer lower bound",
-            "bound a sync from or to a layout without them (FSDP2 or an inference engine's)",
-            PlanError,
-        )
+    lifted_src, lifted_dst = lifted_pair(src, dst)
+    src, dst = lifted_src.layout, lifted_dst.layout
     # the rank lists follow the planner's rule (one owner); the bound itself does not
     src_g = check_ranks(
         "src_ranks", range(src.world_size) if src_ranks is None else src_ranks, src.world_size

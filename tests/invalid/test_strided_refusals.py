@@ -1,21 +1,19 @@
 """Code that places plain canonical boxes refuses layouts with strided pieces, by name.
 
 gpt-oss experts under Megatron (``linear_fc1`` = ``gate_up_proj`` de-interleaved and
-transposed) are strided pieces: conversion handles them; weight-sync planning, its
-lower bound and checkpoint plans refuse such a layout with the tensors and a remedy,
-before any work.
+transposed) are strided pieces: conversion handles them, and so does weight-sync
+planning, in the lifted basis (``tests/laws/test_strided_transfer.py``); checkpoint
+plans refuse such a layout with the tensors and a remedy, before any work.
 """
 
 import pytest
 
 from areal_fn import ParallelDims, fsdp2_layout, inference_layout, megatron_layout
-from areal_fn.errors import CheckpointError, PlanError
+from areal_fn.errors import CheckpointError
 from areal_fn.model.spec import model_from_hf_config
 from areal_fn.plans.checkpoint_manifest import make_manifest, optimizer_spec
 from areal_fn.plans.checkpoint_read import plan_load
 from areal_fn.plans.checkpoint_write import plan_save
-from areal_fn.plans.transfer import plan_rank_transfers, plan_transfers
-from areal_fn.plans.transfer_bound import transfer_lower_bound
 from tests.laws.test_strided_pieces import TINY_GPT_OSS
 
 MODEL = model_from_hf_config(TINY_GPT_OSS)
@@ -28,24 +26,6 @@ def test_the_layouts_say_which_are_strided():
     assert STRIDED.is_strided
     assert not fsdp2_layout(MODEL, ParallelDims(dp=2)).is_strided
     assert not inference_layout(MODEL, ParallelDims(tp=2)).is_strided
-
-
-@pytest.mark.parametrize("strided_side", ["src", "dst"])
-def test_weight_sync_planning_refuses_them(strided_side):
-    plain = inference_layout(MODEL, ParallelDims(tp=2))
-    src, dst = (STRIDED, plain) if strided_side == "src" else (plain, STRIDED)
-    for plan in (
-        lambda: plan_transfers(src, dst),
-        lambda: plan_rank_transfers(src, dst, 0),
-    ):
-        with pytest.raises(
-            PlanError,
-            match=r"weight-sync planning does not handle strided or transposed pieces yet; "
-            r"this megatron layout " + NAMES + r".*sync from or to a layout without them",
-        ):
-            plan()
-    with pytest.raises(PlanError, match=r"the transfer lower bound does not handle strided"):
-        transfer_lower_bound(src, dst)
 
 
 def test_checkpoint_plans_refuse_them():

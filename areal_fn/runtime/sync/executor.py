@@ -57,7 +57,7 @@ import torch
 
 from areal_fn.errors import PlanError
 from areal_fn.plans.transfer import BucketPlan, Transfer
-from areal_fn.plans.transfer_apply import copy_box
+from areal_fn.plans.transfer_apply import copy_box, with_views
 from areal_fn.runtime.sync.group import SyncError, SyncGroup, Transport, _fail, open_store
 from areal_fn.runtime.sync.messages import (
     _Arrival,
@@ -140,6 +140,9 @@ def _send_and_receive(
     seq = _begin(group, version)
     try:
         _check_in_group(plan, group)
+        # views share storage with the caller's tensors: committing writes them in place
+        src_tensors = with_views(plan.src_views, src_tensors, "source")
+        dst_tensors = with_views(plan.dst_views, dst_tensors, "destination")
         steps, covered, device = _prepare(plan, me, src_tensors, dst_tensors, wire_dtype)
         shadows = _shadows(group, covered, dst_tensors)
     except PlanError as e:

@@ -1,0 +1,368 @@
+"""Lifting: layouts with strided pieces restated as plain ones, by views of the tensors.
+
+A gpt-oss expert under Megatron-Core holds ``gate_up_proj [E, H, 2I]`` de-interleaved
+and transposed: ``linear_fc1 = [W[e][:, ::2].T; W[e][:, 1::2].T]``, two strided pieces
+(:mod:`areal_fn.sharding.strided`). In the *lifted basis* of that canonical tensor,
+``[E, H, I, 2]`` (column ``2u + g`` is unit ``u``, phase ``g``: a row-major reshape, the
+same elements in the same order), the two pieces together are the plain box
+``[e, :, :, :]``, and ``linear_fc1`` seen through ``fc1.unflatten(0, (2, I))``, moved and
+permuted into ``[1, H, I, 2]`` (views: no copy), holds that box element for element.
+
+:func:`lift_layouts` restates layouts that way. Every canonical tensor that some strided
+piece takes with a step gets its lifted shape, in every layout given, so that they still
+describe one model. Every logical tensor made of strided pieces becomes the view of it
+that holds one plain box. Every logical tensor that holds a lifted canonical tensor
+plainly (FSDP2's and the inference engines' ``gate_up_proj``) has the dim split the same
+way (``unflatten``: a view), its sharding kept. The lifted layouts are plain, so the
+transfer and checkpoint planners place them unchanged; a :class:`LocalView` per tensor
+name says how to view the real local tensor, and :func:`apply_view` applies it.
+
+A layout that cannot be lifted so is refused with a :class:`~areal_fn.errors.LayoutError`
+naming the tensor and the rule: strided pieces of a tensor must together fill a plain
+box of one canonical tensor (all phases of a step, stacked along one logical dim), a
+tensor holding them must not be sharded, and a plain piece or shard of a lifted
+canonical tensor must hold whole units of the step.
+"""
+
+from collections.abc import Iterable, Mapping
+
+import attrs
+import torch
+
+from areal_fn.errors import LayoutError
+from areal_fn.layouts.layout import FusionPiece, Layout, LogicalTensor
+from areal_fn.model.tensor_spec import TensorSpec
+from areal_fn.sharding.box import Box
+from areal_fn.sharding.placement import Placement, Replicate, Shard, StridedShard
+from areal_fn.sharding.sharding import Sharding, local_pieces
+from areal_fn.sharding.strided import counts, view_shape
+from areal_fn.typecheck import beartype
+
+__all__ = ["LiftedLayout", "LocalView", "apply_view", "lift_layouts", "lifted_shape"]
+
+#: canonical name -> the step of each of its dims (1: not lifted)
+Factors = Mapping[str, tuple[int, ...]]
+
+
+def _ops(value: Iterable[tuple[str, Iterable[int]]]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    return tuple((str(op), tuple(int(a) for a in args)) for op, args in value)
+
+
+_KNOWN_OPS = ("unflatten", "movedim", "reshape", "permute")
+
+
+@attrs.frozen(kw_only=True)
+class LocalView:
+    """How to see a local tensor in the lifted basis: torch view operations, in order.
+
+    ``("unflatten", (dim, a, b))``, ``("movedim", (src, dst))``, ``("reshape", shape)``,
+    ``("permute", perm)``; each returns a view of the tensor (no copy), so writing into
+    the result writes the tensor.
+    """
+
+    ops: tuple[tuple[str, tuple[int, ...]], ...] = attrs.field(converter=_ops)
+
+    def __attrs_post_init__(self) -> None:
+        bad = [op for op, _ in self.ops if op not in _KNOWN_OPS]
+        if bad:
+            raise LayoutError(f"LocalView ops {bad} are not among {list(_KNOWN_OPS)}")
+
+    def __str__(self) -> str:
+        return ".".join(f"{op}{args}" for op, args in self.ops) or "identity"
+
+
+@beartype
+def apply_view(view: LocalView, tensor: torch.Tensor, name: str = "tensor") -> torch.Tensor:
+    """``tensor`` seen through ``view`` (a view of it: writes go to ``tensor``)."""
+    t = tensor
+    try:
+        for op, args in view.ops:
+            if op == "unflatten":
+                t = t.unflatten(args[0], args[1:])
+            elif op == "movedim":
+                t = t.movedim(args[0], args[1])
+            elif op == "permute":
+                t = t.permute(args)
+            else:
+                t = t.view(args)
+    except RuntimeError as e:
+        raise LayoutError(
+            f"{name} of shape {tuple(tensor.shape)} cannot be viewed as {view} ({e}); pass the "
+            "tensor the layout describes"
+        ) from None
+    return t
+
+
+@attrs.frozen(kw_only=True)
+class LiftedLayout:
+    """``layout`` in the lifted basis; ``views``: (tensor name, view) of every tensor whose
+    local form is a view of the real one; ``factors``: (canonical name, step per dim)."""
+
+    layout: Layout
+    views: tuple[tuple[str, LocalView], ...] = ()
+    factors: tuple[tuple[str, tuple[int, ...]], ...] = ()
+
+
+def lifted_shape(shape: tuple[int, ...], steps: tuple[int, ...]) -> tuple[int, ...]:
+    """``shape`` with every dim of step ``s > 1`` split into ``(n // s, s)``."""
+    out: list[int] = []
+    for n, s in zip(shape, steps, strict=True):
+        out.extend((n // s, s) if s > 1 else (n,))
+    return tuple(out)
+
+
+def _lifted_ranges(
+    ranges: tuple[tuple[int, int], ...], steps: tuple[int, ...]
+) -> tuple[tuple[int, int], ...] | None:
+    """A plain box's ranges in the lifted basis, or None when one cuts inside a unit."""
+    out: list[tuple[int, int]] = []
+    for (lo, hi), s in zip(ranges, steps, strict=True):
+        if s == 1:
+            out.append((lo, hi))
+        elif lo % s or hi % s:
+            return None
+        else:
+            out.extend(((lo // s, hi // s), (0, s)))
+    return tuple(out)
+
+
+def _factors(layouts: Iterable[Layout]) -> dict[str, tuple[int, ...]]:
+    found: dict[str, tuple[int, ...]] = {}
+    for layout in layouts:
+        for t in layout.tensors:
+            for f in t.fusion:
+                if f.view is None or all(s == 1 for s in f.view.step):
+                    continue
+                known = found.setdefault(f.canonical, f.view.step)
+                if known != f.view.step:
+                    raise LayoutError(
+                        f"{t.name}: its piece of {f.canonical!r} takes steps {f.view.step}, "
+                        f"another piece steps {known}; lifting needs one step per dim of a "
+                        "canonical tensor"
+                    )
+    return found
+
+
+def _inverse(perm: tuple[int, ...]) -> tuple[int, ...]:
+    inv = [0] * len(perm)
+    for i, p in enumerate(perm):
+        inv[p] = i
+    return tuple(inv)
+
+
+def _refuse(t: LogicalTensor, rule: str) -> LayoutError:
+    return LayoutError(
+        f"{t.name}: its strided pieces cannot be lifted to a plain box: {rule}; transfer and "
+        "checkpoint plans place strided pieces that together fill a plain box of one "
+        "canonical tensor (gpt-oss experts under Megatron-Core)"
+    )
+
+
+def _lift_strided(t: LogicalTensor, factors: Factors) -> tuple[LogicalTensor, LocalView]:
+    """The view of ``t`` (all pieces strided) that holds one plain lifted box."""
+    if any(f.view is None for f in t.fusion) or len({f.canonical for f in t.fusion}) != 1:
+        raise _refuse(t, "it mixes strided and plain pieces or several canonical tensors")
+    if len({f.view for f in t.fusion}) != 1:
+        raise _refuse(t, "its pieces take different steps or orders")
+    if not all(isinstance(p, Replicate) for p in t.sharding.placements):
+        raise _refuse(t, f"it is sharded {t.sharding.placements_str}, not replicated")
+    first = t.fusion[0]
+    view, name = first.view, first.canonical
+    assert view is not None  # checked above
+    steps = factors.get(name, (1,) * len(view.step))
+    strided = [d for d, s in enumerate(view.step) if s > 1]
+    if [d for d, s in enumerate(steps) if s > 1] != strided:
+        raise _refuse(t, f"it takes {name!r} with steps {view.step}, the layouts lift {steps}")
+    perm_back = _inverse(view.perm)
+    if not strided:
+        if len(t.fusion) != 1 or first.logical_box != Box.full(t.shape):
+            raise _refuse(t, "a transposed piece must fill its tensor alone")
+        region = first.canonical_region
+        ops: tuple[tuple[str, tuple[int, ...]], ...] = (
+            ("reshape", view_shape(region, view)),
+            ("permute", perm_back),
+        )
+        return _with_piece(t, name, region.ranges), LocalView(ops=ops)
+    if len(strided) > 1:
+        raise _refuse(t, f"it takes steps on more than one dim ({view.step})")
+    c = strided[0]
+    s = view.step[c]
+    by_phase = {f.canonical_region.ranges[c][0] % s: f for f in t.fusion}
+    if sorted(by_phase) != list(range(s)) or len(t.fusion) != s:
+        raise _refuse(t, f"its {len(t.fusion)} pieces are not the {s} phases of step {s}")
+    regions = [by_phase[g].canonical_region for g in range(s)]
+    n = counts(regions[0], view)
+    if any(counts(r, view) != n for r in regions) or any(
+        r.ranges[:c] + r.ranges[c + 1 :] != regions[0].ranges[:c] + regions[0].ranges[c + 1 :]
+        or r.ranges[c][0] // s != regions[0].ranges[c][0] // s
+        for r in regions
+    ):
+        raise _refuse(t, "its phases cover different units")
+    boxes = [by_phase[g].logical_box for g in range(s)]
+    differ = [d for d in range(len(t.shape)) if len({b.ranges[d] for b in boxes}) > 1]
+    m = t.shape[differ[0]] // s if len(differ) == 1 else 0
+    dim = differ[0] if differ else -1
+    if (
+        len(differ) != 1
+        or t.shape[dim] != s * m
+        or any(b.ranges[dim] != (g * m, (g + 1) * m) for g, b in enumerate(boxes))
+        or any(
+            b.ranges[d] != (0, t.shape[d]) for b in boxes for d in range(len(t.shape)) if d != dim
+        )
+    ):
+        raise _refuse(t, f"its phases are not stacked in order along one dim of {t.shape}")
+    ops = (
+        ("unflatten", (dim, s, m)),
+        ("movedim", (dim, 0)),
+        ("reshape", (s, *view_shape(regions[0], view))),
+        ("permute", (0, *(1 + p for p in perm_back))),
+        ("movedim", (0, c + 1)),
+    )
+    u0 = regions[0].ranges[c][0] // s
+    ranges = regions[0].ranges
+    lifted = (*ranges[:c], (u0, u0 + n[c]), (0, s), *ranges[c + 1 :])
+    return _with_piece(t, name, lifted), LocalView(ops=ops)
+
+
+def _with_piece(t: LogicalTensor, name: str, ranges: tuple[tuple[int, int], ...]) -> LogicalTensor:
+    box = Box(ranges=ranges)
+    return LogicalTensor(
+        name=t.name,
+        shape=box.shape,
+        dtype=t.dtype,
+        fusion=(FusionPiece(canonical=name, canonical_box=box, logical_box=Box.full(box.shape)),),
+        sharding=Sharding(mesh=t.sharding.mesh, placements=t.sharding.placements),
+        present=t.present,
+    )
+
+
+def _moved(p: Placement, splits: dict[int, int]) -> Placement:
+    if isinstance(p, Shard | StridedShard):
+        dim = p.dim + sum(1 for d in splits if d < p.dim)
+        return Shard(dim) if isinstance(p, Shard) else StridedShard(dim, p.split_factor)
+    return p
+
+
+def _lift_plain(t: LogicalTensor, factors: Factors) -> tuple[LogicalTensor, LocalView | None]:
+    """``t`` with the dims that hold a lifted canonical dim split (a view), or ``t``."""
+    splits: dict[int, int] = {}
+    for f in t.fusion:
+        if f.canonical not in factors:
+            continue
+        k = f.logical_box.ndim - f.canonical_region.ndim
+        for d, s in enumerate(factors[f.canonical]):
+            if s > 1 and splits.setdefault(d + k, s) != s:
+                raise LayoutError(
+                    f"{t.name}: its dim {d + k} holds lifted canonical dims of steps "
+                    f"{splits[d + k]} and {s}; a tensor can be lifted by one step per dim"
+                )
+    if not splits:
+        return t, None
+    others = sorted({f.canonical for f in t.fusion if f.canonical not in factors})
+    if others:
+        raise LayoutError(
+            f"{t.name}: it fuses lifted canonical tensors with {others}; lifting splits whole "
+            "dims, so a tensor holding a strided-step canonical tensor must hold no other"
+        )
+    logical_steps = tuple(splits.get(d, 1) for d in range(len(t.shape)))
+    pieces = []
+    for f in t.fusion:
+        cbox = _lifted_ranges(f.canonical_region.ranges, factors[f.canonical])
+        lbox = _lifted_ranges(f.logical_box.ranges, logical_steps)
+        if cbox is None or lbox is None:
+            raise LayoutError(
+                f"{t.name}: its piece {f.canonical_region} of {f.canonical!r} cuts inside units "
+                f"of steps {factors[f.canonical]}; lifting needs whole units"
+            )
+        pieces.append(
+            FusionPiece(
+                canonical=f.canonical, canonical_box=Box(ranges=cbox), logical_box=Box(ranges=lbox)
+            )
+        )
+    shape = lifted_shape(t.shape, logical_steps)
+    if any(n % s for n, s in zip(t.shape, logical_steps, strict=True)):
+        raise LayoutError(f"{t.name}: shape {t.shape} holds no whole units of {logical_steps}")
+    sharding = Sharding(
+        mesh=t.sharding.mesh, placements=tuple(_moved(p, splits) for p in t.sharding.placements)
+    )
+    for rank in range(t.sharding.mesh.size):
+        want = [
+            (_lifted_ranges(g.ranges, logical_steps), _lifted_ranges(loc.ranges, logical_steps))
+            for g, loc in local_pieces(t.shape, t.sharding, rank)
+        ]
+        got = [(g.ranges, loc.ranges) for g, loc in local_pieces(shape, sharding, rank)]
+        if want != got:
+            raise LayoutError(
+                f"{t.name}: its sharding {t.sharding.placements_str} cuts inside units of "
+                f"{logical_steps} on rank {rank}; lifting needs shards of whole units (pick "
+                "sizes that divide the units evenly)"
+            )
+    lifted = LogicalTensor(
+        name=t.name,
+        shape=shape,
+        dtype=t.dtype,
+        fusion=tuple(pieces),
+        sharding=sharding,
+        present=t.present,
+    )
+    position = 0
+    ops = []
+    for d in range(len(t.shape)):
+        if d in splits:
+            ops.append(("unflatten", (position, -1, splits[d])))
+            position += 1
+        position += 1
+    return lifted, LocalView(ops=tuple(ops))
+
+
+def _lift(layout: Layout, factors: Factors) -> LiftedLayout:
+    tensors: list[LogicalTensor] = []
+    views: dict[str, LocalView] = {}
+    for t in layout.tensors:
+        if t.is_strided:
+            lifted, view = _lift_strided(t, factors)
+        else:
+            lifted, maybe = _lift_plain(t, factors)
+            if maybe is None:
+                tensors.append(t)
+                continue
+            view = maybe
+        if views.setdefault(t.name, view) != view:
+            raise LayoutError(
+                f"{t.name}: tensors of this name are viewed as {views[t.name]} and as {view}; "
+                "lifting needs one view per tensor name"
+            )
+        tensors.append(lifted)
+    for c in layout.canonical:
+        if c.name in factors and any(n % s for n, s in zip(c.shape, factors[c.name], strict=True)):
+            raise LayoutError(
+                f"canonical {c.name!r} of shape {c.shape} holds no whole units of steps "
+                f"{factors[c.name]}"
+            )
+    canonical = tuple(
+        TensorSpec(name=c.name, shape=lifted_shape(c.shape, factors[c.name]), dtype=c.dtype)
+        if c.name in factors
+        else c
+        for c in layout.canonical
+    )
+    out = attrs.evolve(layout, canonical=canonical, tensors=tuple(tensors))
+    return LiftedLayout(
+        layout=out,
+        views=tuple(sorted(views.items())),
+        factors=tuple(
+            sorted((n, s) for n, s in factors.items() if n in {c.name for c in canonical})
+        ),
+    )
+
+
+@beartype
+def lift_layouts(*layouts: Layout) -> tuple[LiftedLayout, ...]:
+    """Each layout in the lifted basis of all of them (see the module docstring); a layout
+    untouched by lifting comes back as it is, with no views."""
+    if not any(layout.is_strided for layout in layouts):
+        return tuple(LiftedLayout(layout=layout) for layout in layouts)
+    factors = _factors(layouts)
+    return tuple(
+        _lift(layout, factors) if factors or layout.is_strided else LiftedLayout(layout=layout)
+        for layout in layouts
+    )
