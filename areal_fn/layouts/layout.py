@@ -53,8 +53,8 @@ def _strided_box(name: str, box: Box | None, view: View) -> Box:
     raise LayoutError(
         f"the piece of {name!r} at {box} is strided/transposed (view {view}: a gpt-oss expert "
         "of a Megatron layout); this code reads plain canonical boxes only. Conversion "
-        "(areal_fn.plans.convert) handles such pieces; transfer and checkpoint plans over "
-        "this layout need the piece's canonical_region and view (areal_fn.sharding.strided)"
+        "(areal_fn.plans.convert) handles such pieces; code that places boxes lifts the "
+        "layout first (areal_fn.layouts.lift), as transfer and checkpoint plans do"
     )
 
 

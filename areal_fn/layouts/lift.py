@@ -38,7 +38,15 @@ from areal_fn.sharding.sharding import Sharding, local_pieces
 from areal_fn.sharding.strided import counts, view_shape
 from areal_fn.typecheck import beartype
 
-__all__ = ["LiftedLayout", "LocalView", "apply_view", "lift_layouts", "lifted_shape"]
+__all__ = [
+    "LiftedLayout",
+    "LocalView",
+    "apply_view",
+    "lift_box",
+    "lift_layouts",
+    "lifted_shape",
+    "unlift_box",
+]
 
 #: canonical name -> the step of each of its dims (1: not lifted)
 Factors = Mapping[str, tuple[int, ...]]
@@ -124,6 +132,31 @@ def _lifted_ranges(
         else:
             out.extend(((lo // s, hi // s), (0, s)))
     return tuple(out)
+
+
+def lift_box(box: Box, steps: tuple[int, ...]) -> Box | None:
+    """A plain canonical ``box`` in the lifted basis of ``steps`` (each range of a dim of
+    step ``s`` becomes units and all ``s`` phases), or None when it cuts inside a unit."""
+    ranges = _lifted_ranges(box.ranges, steps)
+    return None if ranges is None else Box._trusted(ranges)
+
+
+def unlift_box(box: Box, steps: tuple[int, ...]) -> Box | None:
+    """The plain canonical box of a lifted ``box`` (the inverse of :func:`lift_box`), or
+    None when it holds only some phases of its units (a strided region)."""
+    out: list[tuple[int, int]] = []
+    i = 0
+    for s in steps:
+        if s == 1:
+            out.append(box.ranges[i])
+            i += 1
+            continue
+        (u0, u1), phases = box.ranges[i], box.ranges[i + 1]
+        if phases != (0, s):
+            return None
+        out.append((u0 * s, u1 * s))
+        i += 2
+    return Box._trusted(tuple(out))
 
 
 def _factors(layouts: Iterable[Layout]) -> dict[str, tuple[int, ...]]:

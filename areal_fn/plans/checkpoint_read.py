@@ -9,8 +9,9 @@ import attrs
 
 from areal_fn.errors import CheckpointError
 from areal_fn.layouts.layout import Layout
+from areal_fn.layouts.lift import LocalView, lift_box, unlift_box
 from areal_fn.plans.checkpoint_manifest import CheckpointManifest, check_model
-from areal_fn.plans.tensor_check import refuse_strided
+from areal_fn.plans.checkpoint_write import lifted_for_checkpoint
 from areal_fn.sharding.box import Box
 from areal_fn.typecheck import beartype
 
@@ -39,11 +40,17 @@ class PadPiece:
 
 @attrs.frozen(kw_only=True)
 class LoadPlan:
-    """What one rank reads: every non-padding local element exactly once."""
+    """What one rank reads: every non-padding local element exactly once.
+
+    ``views``: for a layout with strided pieces, the view of each local tensor that the
+    reads' and padding's ``local_box`` index (:mod:`areal_fn.layouts.lift`); ``box``
+    and ``chunk`` stay plain canonical boxes.
+    """
 
     rank: int
     reads: tuple[ReadPiece, ...]
     padding: tuple[PadPiece, ...]
+    views: tuple[tuple[str, LocalView], ...] = ()
 
     def canonicals(self, tensor: str) -> tuple[str, ...]:
         """Canonical tensors feeding local ``tensor``, in read order, once each."""
@@ -61,37 +68,47 @@ def plan_load(manifest: CheckpointManifest, layout: Layout, rank: int) -> LoadPl
     """The reads that fill ``rank``'s local tensors of ``layout`` from the checkpoint.
 
     Raises ``CheckpointError`` when the checkpoint holds other canonical tensors than
-    the layout's model (missing, extra, mis-shaped).
+    the layout's model (missing, extra, mis-shaped). A layout with strided pieces is
+    planned in its lifted basis: the reads then index views of its local tensors
+    (``LoadPlan.views``), and a stored chunk must hold whole units of the steps.
     """
-    refuse_strided(
-        layout,
-        "checkpoint planning",
-        "load into a layout without them (FSDP2), or read the canonical tensors and convert "
-        "them (to_megatron_into)",
-        CheckpointError,
-    )
     check_model(manifest, layout.canonical)
-    chunks = {
-        t.name: sorted((c.box for c in t.chunks), key=lambda b: b.ranges) for t in manifest.tensors
-    }
+    lifted = lifted_for_checkpoint(layout)
+    steps = dict(lifted.factors)
+    chunks: dict[str, list[tuple[Box, Box]]] = {}  # canonical -> (lifted chunk, chunk)
+    for t in manifest.tensors:
+        for c in sorted((c.box for c in t.chunks), key=lambda b: b.ranges):
+            up = lift_box(c, steps[t.name]) if t.name in steps else c
+            if up is None:
+                raise CheckpointError(
+                    f"{t.name}: stored chunk {c} cuts inside the units of steps "
+                    f"{steps[t.name]} that this layout's strided pieces take; load it into a "
+                    "layout without strided pieces (FSDP2), or read the canonical tensors and "
+                    "convert them (to_megatron_into)"
+                )
+            chunks.setdefault(t.name, []).append((up, c))
     reads: list[ReadPiece] = []
     padding: list[PadPiece] = []
-    for lt in layout.local_tensors(rank):
+    for lt in lifted.layout.local_tensors(rank):
         for p in lt.pieces:
             if p.canonical is None or p.canonical_box is None:
                 padding.append(PadPiece(tensor=lt.name, local_box=p.local_box))
                 continue
-            for chunk in chunks[p.canonical]:
-                inter = chunk.intersect(p.canonical_box) if chunk.ndim else chunk
+            for up, chunk in chunks.get(p.canonical, ()):
+                inter = up.intersect(p.canonical_box) if up.ndim else up
                 if inter is None:
                     continue
+                # both boxes hold whole units, so their intersection does
+                box = unlift_box(inter, steps[p.canonical]) if p.canonical in steps else inter
+                if box is None:
+                    raise CheckpointError(f"{p.canonical}{inter} holds part of a lifted unit")
                 reads.append(
                     ReadPiece(
                         canonical=p.canonical,
-                        box=inter,
+                        box=box,
                         chunk=chunk,
                         tensor=lt.name,
                         local_box=p.local_of(inter),
                     )
                 )
-    return LoadPlan(rank=rank, reads=tuple(reads), padding=tuple(padding))
+    return LoadPlan(rank=rank, reads=tuple(reads), padding=tuple(padding), views=lifted.views)

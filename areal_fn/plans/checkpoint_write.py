@@ -13,10 +13,10 @@ from typing import Literal
 
 import attrs
 
-from areal_fn.errors import CheckpointError
+from areal_fn.errors import CheckpointError, LayoutError
 from areal_fn.layouts.layout import Layout, LayoutKind
+from areal_fn.layouts.lift import LiftedLayout, LocalView, lift_layouts, unlift_box
 from areal_fn.model.tensor_spec import DTYPE_BYTES, TensorSpec
-from areal_fn.plans.tensor_check import refuse_strided
 from areal_fn.sharding.box import Box
 from areal_fn.typecheck import beartype
 
@@ -63,12 +63,18 @@ def _check_ranks(inst: "WritePlan", _attr: object, ranks: tuple[RankWrites, ...]
 
 @attrs.frozen(kw_only=True)
 class WritePlan:
-    """Which rank writes which canonical box; every element exactly once."""
+    """Which rank writes which canonical box; every element exactly once.
+
+    ``views``: for a layout with strided pieces (gpt-oss experts under Megatron-Core),
+    the view of each local tensor that its pieces' ``local_box`` index
+    (:mod:`areal_fn.layouts.lift`); the boxes written stay plain canonical boxes.
+    """
 
     kind: LayoutKind = attrs.field(converter=LayoutKind)
     world_size: int
     canonical: tuple[TensorSpec, ...]
     ranks: tuple[RankWrites, ...] = attrs.field(validator=_check_ranks)
+    views: tuple[tuple[str, LocalView], ...] = ()
 
     def for_rank(self, rank: int) -> tuple[WritePiece, ...]:
         if not 0 <= rank < self.world_size:
@@ -142,15 +148,44 @@ def plan_save(layout: Layout, *, dedup: Dedup = "balanced") -> WritePlan:
     """Every rank's writes under ``layout``: each canonical element exactly once.
 
     Raises ``CheckpointError`` when some canonical element is held by no rank (the
-    layout cannot save a whole model).
+    layout cannot save a whole model). A layout with strided pieces is planned in its
+    lifted basis (:func:`lifted_for_checkpoint`): each piece then reads a view of its
+    local tensor (``WritePlan.views``) and writes a plain canonical box.
     """
-    refuse_strided(
-        layout,
-        "checkpoint planning",
-        "save from a layout without them (FSDP2), or export the canonical tensors (to_hf, "
-        "write_hf_checkpoint)",
-        CheckpointError,
+    lifted = lifted_for_checkpoint(layout)
+    plan = _plan_save(lifted.layout, dedup)
+    if not lifted.views:
+        return plan
+    steps = dict(lifted.factors)
+    ranks = []
+    for rw in plan.ranks:
+        pieces = []
+        for p in rw.pieces:
+            box = unlift_box(p.box, steps[p.canonical]) if p.canonical in steps else p.box
+            if box is None:  # lifted holders are whole units, so their cells are too
+                raise CheckpointError(f"{p.canonical}{p.box} holds part of a lifted unit")
+            pieces.append(attrs.evolve(p, box=box))
+        ranks.append(RankWrites(rank=rw.rank, pieces=tuple(pieces)))
+    return WritePlan(
+        kind=layout.kind,
+        world_size=layout.world_size,
+        canonical=layout.canonical,
+        ranks=tuple(ranks),
+        views=lifted.views,
     )
+
+
+def lifted_for_checkpoint(layout: Layout) -> LiftedLayout:
+    """``layout`` in its lifted basis (itself when it has no strided pieces); a layout
+    that cannot be lifted is a ``CheckpointError``."""
+    try:
+        (lifted,) = lift_layouts(layout)
+    except LayoutError as e:
+        raise CheckpointError(f"checkpoint planning: {e}") from None
+    return lifted
+
+
+def _plan_save(layout: Layout, dedup: Dedup) -> WritePlan:
     holders: dict[str, list[_Holder]] = {c.name: [] for c in layout.canonical}
     for r in range(layout.world_size):
         for lt in layout.local_tensors(r):

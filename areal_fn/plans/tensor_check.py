@@ -129,20 +129,3 @@ def check_local_tensors(
         raise error(
             f"local states do not match the {layout.kind} layout: " + joined(problems, sep="; ")
         )
-
-
-def strided_tensors(layout: Layout) -> list[str]:
-    """The layout tensors with a strided or transposed fusion piece (gpt-oss experts under
-    Megatron: ``linear_fc1`` holds ``gate_up_proj`` de-interleaved and transposed)."""
-    return [t.name for t in layout.tensors if t.is_strided]
-
-
-def refuse_strided(layout: Layout, what: str, remedy: str, error: type[Exception]) -> None:
-    """Raise ``error`` when ``layout`` has strided pieces, which ``what`` cannot place."""
-    names = strided_tensors(layout)
-    if names:
-        raise error(
-            f"{what} does not handle strided or transposed pieces yet; this {layout.kind.value} "
-            f"layout holds {len(names)} tensor(s) made of them ({listing(names)}: gpt-oss "
-            f"experts, whose checkpoint tensors interleave gate and up); {remedy}"
-        )

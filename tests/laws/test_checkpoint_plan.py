@@ -12,7 +12,6 @@
 
 import json
 
-import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -117,9 +116,8 @@ def test_every_element_is_written_once_by_a_holder_real_models(data):
         if tp > 1 and dp > 2 and model.vocab_size % tp:
             dp = 2
         layout = fsdp2_layout(model, ParallelDims(dp=dp, tp=tp))
-    if layout.is_strided:  # gpt-oss experts under Megatron: refused, named
-        with pytest.raises(CheckpointError, match=r"checkpoint planning does not handle strided"):
-            plan_save(layout)
+    if layout.is_strided:  # gpt-oss experts under Megatron: tests/laws/test_strided_checkpoint.py
+        assert plan_save(layout).views
         return
     check_save(layout, data.draw(st.sampled_from(["balanced", "first"])))
 

@@ -138,8 +138,8 @@ def test_a_strided_piece_has_no_plain_box() -> None:
         r"the piece of 'w' at \[0:1, 0:4, 1:8\] is strided/transposed \(view "
         r"step\(1, 1, 2\)perm\(0, 2, 1\): a gpt-oss expert of a Megatron layout\); this code "
         r"reads plain canonical boxes only\. Conversion \(areal_fn\.plans\.convert\) handles "
-        r"such pieces; transfer and checkpoint plans over this layout need the piece's "
-        r"canonical_region and view \(areal_fn\.sharding\.strided\)$"
+        r"such pieces; code that places boxes lifts the layout first "
+        r"\(areal_fn\.layouts\.lift\), as transfer and checkpoint plans do$"
     )
     with pytest.raises(LayoutError, match=message):
         _ = piece.canonical_box

@@ -9,7 +9,7 @@ import re
 import struct
 import warnings
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,8 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.futures import Future
 
-from areal_fn.errors import CheckpointError, SpecError
+from areal_fn.errors import CheckpointError, LayoutError, SpecError
+from areal_fn.layouts.lift import LocalView, apply_view
 from areal_fn.sharding.box import Box
 
 #: what to do about a damaged file of a checkpoint
@@ -73,11 +74,14 @@ class _SavePlanner(DefaultSavePlanner):
 class _LoadPlanner(LoadPlanner):
     """Reads exactly the given items into the given destination views."""
 
-    def __init__(self, items: list[ReadItem], dests: list[torch.Tensor], source: str) -> None:
+    def __init__(
+        self, items: list[ReadItem], dests: "Sequence[torch.Tensor | _Reshaped]", source: str
+    ) -> None:
         self._items = items
         self._dests = dests
         self._source = source
         self.blobs: dict[str, bytes] = {}
+        self._buffers: dict[int, torch.Tensor] = {}  # by destination: a _Reshaped's buffer
 
     def set_up_planner(
         self, state_dict: Any, metadata: "Metadata | None" = None, is_coordinator: bool = False
@@ -109,10 +113,20 @@ class _LoadPlanner(LoadPlanner):
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         i = read_item.dest_index.index
         assert i is not None
-        return self._dests[i]
+        dest = self._dests[i]
+        if isinstance(dest, _Reshaped):  # read into a buffer, copied in at commit
+            buf = torch.empty(dest.shape, dtype=dest.dtype, device=dest.region.device)
+            self._buffers[i] = buf
+            return buf
+        return dest
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        pass
+        i = read_item.dest_index.index
+        buf = self._buffers.pop(i, None) if i is not None else None
+        if buf is not None:
+            dest = self._dests[i]  # type: ignore[index]
+            assert isinstance(dest, _Reshaped)
+            dest.region.copy_(buf.view(dest.region.shape))
 
 
 class _Window:
@@ -382,8 +396,41 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _piece_view(t: torch.Tensor, local_box: Box, box: Box) -> torch.Tensor:
-    return t[local_box.slices()].view(box.shape)
+class _Reshaped:
+    """A local region whose elements, row-major, are a canonical box of another shape,
+    and that no view of that shape reaches (a lifted, permuted view of a strided
+    parameter): saved through a copy made when written, loaded through a buffer."""
+
+    def __init__(self, region: torch.Tensor, shape: tuple[int, ...]) -> None:
+        self.region, self.shape, self.dtype = region, shape, region.dtype
+
+    def copy(self) -> torch.Tensor:
+        """The region's elements in the box's shape, in memory of their own."""
+        return _owned(self.region.reshape(self.shape))
+
+
+def _piece_view(t: torch.Tensor, local_box: Box, box: Box) -> "torch.Tensor | _Reshaped":
+    region = t[local_box.slices()]
+    if region.shape == box.shape:
+        return region
+    try:
+        return region.view(box.shape)
+    except RuntimeError:  # the region is a permuted view: not viewable in the box's shape
+        return _Reshaped(region, box.shape)
+
+
+def _viewed(
+    views: Mapping[str, LocalView], name: str, tensor: torch.Tensor, what: str
+) -> torch.Tensor:
+    """Local tensor ``name`` seen through its view in ``views``, if it has one (a layout
+    with strided pieces: :class:`~areal_fn.plans.checkpoint_write.WritePlan.views`)."""
+    view = views.get(name)
+    if view is None:
+        return tensor
+    try:
+        return apply_view(view, tensor, f"{what} {name!r}")
+    except LayoutError as e:
+        raise CheckpointError(str(e)) from None
 
 
 @contextmanager

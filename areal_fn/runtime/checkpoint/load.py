@@ -40,7 +40,9 @@ from areal_fn.runtime.checkpoint.dcp import (
     _from_bytes,
     _LoadPlanner,
     _piece_view,
+    _Reshaped,
     _single_process_dcp,
+    _viewed,
     dcp_error,
 )
 from areal_fn.runtime.checkpoint.files import (
@@ -145,7 +147,7 @@ def _read_plan(
 ) -> _ReadPlan:
     """Read items for every piece, scalar and wanted extra (LR scheduler, RNG state)."""
     items: list[ReadItem] = []
-    dests: list[torch.Tensor] = []
+    dests: list[torch.Tensor | _Reshaped] = []
     scalars: dict[int, _Scalars] = {}
     for r, plan in op.plans.items():
         scalars[r] = {}
@@ -189,11 +191,14 @@ def _fill(
                 dcp.load({}, storage_reader=reader, planner=rp.planner, no_dist=True)
             for r, plan in op.plans.items():
                 st = states[r]
+                views = dict(plan.views)
                 for pad in plan.padding:
                     reader.touched = True
-                    st.params[pad.tensor][pad.local_box.slices()].zero_()
+                    param = _viewed(views, pad.tensor, st.params[pad.tensor], "parameter")
+                    param[pad.local_box.slices()].zero_()
                     for m in opt.moments:
-                        st.optim[pad.tensor][m][pad.local_box.slices()].zero_()
+                        state = _viewed(views, pad.tensor, st.optim[pad.tensor][m], f"{m} of")
+                        state[pad.local_box.slices()].zero_()
                 reader.touched = True
                 _set_scalars(st, opt, rp.scalars[r], str(op.folder))
         except (Exception, CheckpointException) as e:  # DCP wraps what it raises in a BaseException
@@ -230,10 +235,10 @@ def _read_items(
     st: RankState,
     opt: OptimizerSpec,
     items: list[ReadItem],
-    dests: list[torch.Tensor],
+    dests: list[torch.Tensor | _Reshaped],
     scalars: dict[tuple[str, str, str], torch.Tensor],
 ) -> None:
-    def add(key: str, box: Box, chunk: Box, dest: torch.Tensor) -> None:
+    def add(key: str, box: Box, chunk: Box, dest: "torch.Tensor | _Reshaped") -> None:
         items.append(
             ReadItem(
                 type=LoadItemType.TENSOR,
@@ -248,10 +253,13 @@ def _read_items(
         )
         dests.append(dest)
 
+    views = dict(plan.views)
     for rp in plan.reads:
-        add(rp.canonical, rp.box, rp.chunk, _piece_view(st.params[rp.tensor], rp.local_box, rp.box))
+        param = _viewed(views, rp.tensor, st.params[rp.tensor], "parameter")
+        add(rp.canonical, rp.box, rp.chunk, _piece_view(param, rp.local_box, rp.box))
         for m in opt.moments:
-            view = _piece_view(st.optim[rp.tensor][m], rp.local_box, rp.box)
+            state = _viewed(views, rp.tensor, st.optim[rp.tensor][m], f"{m} of")
+            view = _piece_view(state, rp.local_box, rp.box)
             add(optim_key(rp.canonical, m), rp.box, rp.chunk, view)
         for s in opt.scalars:
             k = (rp.tensor, rp.canonical, s)

@@ -43,9 +43,11 @@ from areal_fn.runtime.checkpoint.dcp import (
     _identity,
     _owned,
     _piece_view,
+    _Reshaped,
     _SavePlanner,
     _single_process_dcp,
     _to_bytes,
+    _viewed,
     _write_item,
     dcp_error,
 )
@@ -232,22 +234,29 @@ def _stage(
     data: dict[MetadataIndex, Callable[[], Any]] = {}
     dtypes: _Dtypes = {}
 
-    def add(key: str, box: Box, shape: tuple[int, ...], src: torch.Tensor) -> None:
+    def add(key: str, box: Box, shape: tuple[int, ...], src: "torch.Tensor | _Reshaped") -> None:
         item = _write_item(key, box, shape, src.dtype)
         items.append(item)
         if copy:  # off the training path: later updates of src do not reach the checkpoint
-            owned = src.detach().to("cpu", copy=True).contiguous()
+            owned = (
+                src.copy()
+                if isinstance(src, _Reshaped)
+                else src.detach().to("cpu", copy=True).contiguous()
+            )
             data[item.index] = functools.partial(_identity, owned)
+        elif isinstance(src, _Reshaped):  # copied when written, one piece at a time
+            data[item.index] = src.copy
         else:
             data[item.index] = functools.partial(_owned, src)
 
+    views = dict(plan.views)
     for r, st in sorted(states.items()):
         for p in plan.for_rank(r):
-            src = st.params[p.tensor]
+            src = _viewed(views, p.tensor, st.params[p.tensor], "parameter")
             add(p.canonical, p.box, shapes[p.canonical], _piece_view(src, p.local_box, p.box))
             sdt = []
             for m in opt.moments:
-                t = st.optim[p.tensor][m]
+                t = _viewed(views, p.tensor, st.optim[p.tensor][m], f"{m} of")
                 add(
                     optim_key(p.canonical, m),
                     p.box,
