@@ -285,6 +285,14 @@ def _add_suggest_arguments(plan: argparse.ArgumentParser) -> None:
         "bf16 or fp16 (fp32)",
     )
     sg.add_argument(
+        "--ep-dispatch",
+        default="alltoall",
+        metavar="NAME",
+        help="MoE token dispatcher the EP all-to-all is scored for: alltoall (Megatron's "
+        "default: one copy per token and expert) or deepep (Megatron's flex dispatcher: one "
+        "copy per destination node across nodes, fanned out over NVLink) (alltoall)",
+    )
+    sg.add_argument(
         "--memory-margin",
         type=float,
         default=0.1,

@@ -63,8 +63,24 @@ all-gather, all-to-all) or twice that (all-reduce).
   * cb``, ``kv' = max(kv/tp, cp*head_dim) * tp`` (q, k, v and the attention output
   all-to-all'ed forward, their gradients backward, the forward again with recompute;
   KV heads repeated up to ``cp`` per TP rank).
-- EP (exposed): ``m * M_r * (4 + 2*rc) * (ep-1)/ep * T/(cp*tp) * k * h * cb`` (token
-  dispatch and combine all-to-alls, forward and backward; balanced routing).
+- EP (exposed): ``m * M_r * (4 + 2*rc) * T/(cp*tp) * h * cb`` bytes per copy of a
+  token (dispatch and combine all-to-alls, forward and backward, again forward with
+  recompute) times the expected copies per token, split between the node's links and
+  the network; the two run concurrently, so the term is ``max(intra bytes /
+  intra_node_bandwidth, inter bytes / inter_node_bandwidth)`` on the slowest EP rank
+  (:func:`~areal_fn.plans.advisor_score.ep_token_copies`). EP ranks are ``etp`` apart:
+  ``q = ep`` share a node when ``ep*etp <= devices_per_node``, else ``q =
+  devices_per_node // etp``. Copies under balanced uniform routing (``E/ep`` experts per
+  rank, ``k`` distinct experts per token; with group-limited routing, ``topk_group``
+  of the ``n_group`` groups drawn uniformly first; a set of ``x`` experts gets none of
+  the picks with chance ``C(E-x, k)/C(E, k)``, or its average over the kept groups).
+  ``Hardware.ep_dispatch``: ``alltoall`` (Megatron-Core's default dispatcher, the
+  default): ``k`` copies per token, ``k*(q-1)/ep`` in the node and ``k*(ep-q)/ep``
+  across (``k*(ep-1)/ep`` in all); ``deepep`` (DeepEP, Megatron's ``flex``): one copy per
+  distinct other rank hit in the node, one per distinct remote node hit (to the rank at
+  the same local index there), and the NVLink fan-out each rank relays for the other
+  nodes (the distinct ranks a remote token hits in its node, the relay excepted). It
+  sends fewer bytes across nodes than ``alltoall``, though it may send more in all.
 - PP (exposed): ``m * 2 * vpp * T/(cp*tp) * h * cb`` (activations forward, their
   gradients backward, at every virtual-stage boundary).
 - DP, Megatron (distributed optimizer: gradient reduce-scatter plus parameter

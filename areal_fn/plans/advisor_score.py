@@ -8,6 +8,7 @@ every communication (:class:`CommTerm`: TP, CP, EP, PP, DP or FSDP), on a
 wall time.
 """
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -20,8 +21,14 @@ from areal_fn.plans.activations import ActivationModel
 from areal_fn.plans.census import CensusIndex, RankShare
 from areal_fn.plans.memory import PrecisionPolicy
 from areal_fn.strategy.allocation import Backend, ParallelDims
+from areal_fn.typecheck import beartype
 
-__all__ = ["CommEstimate", "CommTerm", "Hardware"]
+__all__ = ["EP_DISPATCHES", "CommEstimate", "CommTerm", "EpSplit", "Hardware", "ep_token_copies"]
+
+#: Token dispatchers the EP term models (:attr:`Hardware.ep_dispatch`): Megatron-Core's
+#: default ``alltoall`` (one copy per token and expert) and DeepEP (Megatron's ``flex``
+#: dispatcher: one copy per destination rank in the node, one per destination node across).
+EP_DISPATCHES = ("alltoall", "deepep")
 
 
 def _positive(inst: object, attr: "attrs.Attribute[float]", value: object) -> None:
@@ -34,24 +41,50 @@ def _positive_int(inst: object, attr: "attrs.Attribute[int]", value: object) -> 
         raise SpecError(f"{type(inst).__name__}.{attr.name}={value!r} must be an int >= 1")
 
 
+def _dispatcher(inst: object, attr: "attrs.Attribute[str]", value: object) -> None:
+    if value not in EP_DISPATCHES:
+        raise SpecError(
+            f"{type(inst).__name__}.{attr.name}={value!r} is not a token dispatcher the score "
+            f"models; use one of {', '.join(repr(d) for d in EP_DISPATCHES)}"
+        )
+
+
 @attrs.frozen(kw_only=True)
 class Hardware:
     """What the score assumes of a device and its links (defaults: an 8-GPU H100-class
     node: NVLink within the node, one 400 Gb/s NIC per GPU across nodes, about 40% of
     the bf16 peak and 60% of the HBM bandwidth sustained). Bandwidths in bytes/s,
-    ``flops`` in FLOP/s."""
+    ``flops`` in FLOP/s. ``ep_dispatch``: the MoE token dispatcher the EP term assumes,
+    one of :data:`EP_DISPATCHES` (default ``alltoall``, Megatron-Core's default)."""
 
     devices_per_node: int = attrs.field(default=8, validator=_positive_int)
     intra_node_bandwidth: float = attrs.field(default=300e9, validator=_positive)
     inter_node_bandwidth: float = attrs.field(default=40e9, validator=_positive)
     flops: float = attrs.field(default=400e12, validator=_positive)
     memory_bandwidth: float = attrs.field(default=2.0e12, validator=_positive)
+    ep_dispatch: str = attrs.field(default="alltoall", validator=_dispatcher)
+
+
+@attrs.frozen(kw_only=True)
+class EpSplit:
+    """Where the bytes of an EP term go: ``intra_bytes`` over the node's links (to the
+    EP peers in the rank's node and, with ``deepep``, the NVLink fan-out the rank relays
+    for tokens from other nodes), ``inter_bytes`` across nodes. The EP group lies on
+    ``nodes`` nodes, ``per_node`` of its ranks on each (the last may hold fewer)."""
+
+    dispatch: str
+    nodes: int
+    per_node: int
+    intra_bytes: int
+    inter_bytes: int
 
 
 @attrs.frozen(kw_only=True)
 class CommTerm:
     """One kind of communication: bytes one rank sends per step, over ``group`` ranks
-    ``intra`` or ``inter`` node, taking ``seconds``, of which ``exposed`` are not hidden."""
+    ``intra`` or ``inter`` node (``inter`` when any part crosses nodes), taking
+    ``seconds``, of which ``exposed`` are not hidden. ``split`` (EP only): the bytes per
+    link and the dispatcher assumed."""
 
     kind: str
     group: int
@@ -59,10 +92,24 @@ class CommTerm:
     bytes: int
     seconds: float
     exposed: float
+    split: EpSplit | None = None
 
     def __str__(self) -> str:
         hidden = self.seconds - self.exposed
         tail = f", {hidden:.2f} s hidden" if hidden > 5e-3 else ""
+        sp = self.split
+        if sp is not None and sp.nodes > 1:
+            return (
+                f"{self.kind} {self.exposed:.2f} s ({self.bytes / 1e9:.1f} GB/rank over "
+                f"{self.group} ranks on {sp.nodes} nodes of {sp.per_node}: "
+                f"{sp.intra_bytes / 1e9:.1f} GB in-node, {sp.inter_bytes / 1e9:.1f} GB "
+                f"inter-node, {sp.dispatch}{tail})"
+            )
+        if sp is not None:
+            return (
+                f"{self.kind} {self.exposed:.2f} s ({self.bytes / 1e9:.1f} GB/rank over "
+                f"{self.group} ranks, {self.link}-node, {sp.dispatch}{tail})"
+            )
         return (
             f"{self.kind} {self.exposed:.2f} s ({self.bytes / 1e9:.1f} GB/rank over "
             f"{self.group} ranks, {self.link}-node{tail})"
@@ -171,6 +218,136 @@ def _term(
     )
 
 
+def _p_miss(experts: int, k: int, groups: int, group_topk: int, lo: int, hi: int) -> float:
+    """P(none of a token's ``k`` experts is in ``[lo, hi)``) under balanced uniform routing:
+    ``group_topk`` of ``groups`` equal groups drawn uniformly, then ``k`` distinct experts
+    uniformly among theirs (one group: ``C(E-x, k) / C(E, k)`` for ``x = hi - lo``). Exact:
+    the chance over the groups' total overlap ``X`` with the range (counted over group
+    subsets), each term ``C(M-X, k) / C(M, k)`` with ``M`` experts in the kept groups."""
+    size = experts // groups
+    pool = size * group_topk
+    ways: list[dict[int, int]] = [{0: 1}] + [{} for _ in range(group_topk)]
+    for g in range(groups):
+        c = max(0, min(hi, (g + 1) * size) - max(lo, g * size))
+        for t in range(min(g, group_topk - 1), -1, -1):
+            for x, n in ways[t].items():
+                ways[t + 1][x + c] = ways[t + 1].get(x + c, 0) + n
+    miss = sum(n * math.comb(pool - x, k) for x, n in ways[group_topk].items())
+    return miss / (math.comb(groups, group_topk) * math.comb(pool, k))
+
+
+@functools.cache
+def _copies(
+    experts: int, k: int, groups: int, group_topk: int, ep: int, per_node: int, dispatch: str
+) -> tuple[tuple[float, float], ...]:
+    per = experts // ep
+    nodes = [range(j, min(j + per_node, ep)) for j in range(0, ep, per_node)]
+    rank = [1 - _p_miss(experts, k, groups, group_topk, r * per, (r + 1) * per) for r in range(ep)]
+    node = [1 - _p_miss(experts, k, groups, group_topk, b[0] * per, b.stop * per) for b in nodes]
+    out = []
+    for a in range(ep):
+        own, loc = a // per_node, a % per_node
+        home = nodes[own]
+        if dispatch == "alltoall":
+            out.append((k * (len(home) - 1) / ep, k * (ep - len(home)) / ep))
+            continue
+        intra = [rank[r] for r in home if r != a]
+        inter = []
+        for b, there in enumerate(nodes):
+            if b != own:  # one copy to the node's relay, fanned out over NVLink
+                inter.append(node[b])
+                intra += [rank[r] for r in there if r != there[loc % len(there)]]
+        out.append((math.fsum(intra), math.fsum(inter)))
+    return tuple(out)
+
+
+@beartype
+def ep_token_copies(
+    *,
+    experts: int,
+    k: int,
+    ep: int,
+    per_node: int,
+    dispatch: str,
+    groups: int = 1,
+    group_topk: int = 1,
+) -> tuple[tuple[float, float], ...]:
+    """Expected copies of one token that EP rank ``i`` sends in one all-to-all, as
+    ``(over the node's links, across nodes)`` per rank, under balanced uniform routing
+    (``experts`` evenly on ``ep`` ranks, ``per_node`` consecutive EP ranks per node, ``k``
+    distinct experts per token; group-limited routing: ``group_topk`` of ``groups``
+    equal groups first). ``alltoall``: one copy per (token, expert) off the rank.
+    ``deepep``: one per distinct destination rank in the node, one per distinct remote
+    node (to its relay, the rank at the same local index, modulo a smaller last node),
+    plus the NVLink fan-out there: the token's distinct ranks in that node other than the
+    relay. The fan-out is counted on the rank whose token causes it: with equal nodes
+    the ranks relay, on average, as many copies for others as their own tokens cause.
+    Groups are drawn uniformly (balanced routing); the counts are exact expectations
+    (``math.comb``)."""
+    counts = {"experts": experts, "k": k, "ep": ep, "per_node": per_node}
+    counts |= {"groups": groups, "group_topk": group_topk}
+    if dispatch not in EP_DISPATCHES:
+        problem = f"dispatch={dispatch!r} is not a dispatcher; use one of {EP_DISPATCHES}"
+    elif min(counts.values()) < 1:
+        bad = ", ".join(f"{n}={v}" for n, v in counts.items() if v < 1)
+        problem = f"{bad}: every count must be >= 1"
+    elif experts % ep or experts % groups:
+        problem = (
+            f"ep={ep} and groups={groups} must divide experts={experts} (experts lie evenly "
+            f"on the ranks and in the groups); use divisors of {experts}"
+        )
+    elif per_node > ep:
+        problem = f"per_node={per_node} exceeds ep={ep}; use per_node <= ep"
+    elif group_topk > groups or k > experts // groups * group_topk:
+        problem = (
+            f"k={k} experts do not fit in the top group_topk={group_topk} of groups={groups} "
+            f"groups of {experts // groups}; use group_topk <= groups and k <= "
+            f"{experts // groups} * group_topk"
+        )
+    else:
+        return _copies(experts, k, groups, group_topk, ep, per_node, dispatch)
+    raise SpecError(f"ep_token_copies: {problem}")
+
+
+def _ep_term(w: _Workload, dims: ParallelDims, per_copy: float) -> CommTerm:
+    """The EP term: ``per_copy`` bytes per copy of every token, the copies split by
+    :func:`ep_token_copies` between the node's links and the network; the two run
+    concurrently, so the term takes the longer of the two, on the slowest EP rank."""
+    model, hw, ep = w.model, w.hw, dims.ep
+    inside = ep * dims.etp <= hw.devices_per_node
+    q = ep if inside else max(1, hw.devices_per_node // dims.etp)
+    pairs = _copies(
+        model.num_experts,
+        model.num_experts_per_tok,
+        model.router_groups,
+        model.router_group_topk,
+        ep,
+        q,
+        hw.ep_dispatch,
+    )
+
+    def seconds(pair: tuple[float, float]) -> float:
+        intra, inter = pair
+        return max(
+            intra * per_copy / hw.intra_node_bandwidth, inter * per_copy / hw.inter_node_bandwidth
+        )
+
+    worst = max(dict.fromkeys(pairs), key=seconds)
+    intra_b, inter_b = round(worst[0] * per_copy), round(worst[1] * per_copy)
+    t = seconds(worst)
+    split = EpSplit(
+        dispatch=hw.ep_dispatch,
+        nodes=-(-ep // q),
+        per_node=q,
+        intra_bytes=intra_b,
+        inter_bytes=inter_b,
+    )
+    link = "intra" if inside else "inter"
+    return CommTerm(
+        kind="EP", group=ep, link=link, bytes=intra_b + inter_b, seconds=t, exposed=t, split=split
+    )
+
+
 def _stage_terms(
     w: _Workload, backend: Backend, dims: ParallelDims, share: RankShare, t_mb: float
 ) -> list[CommTerm]:
@@ -198,9 +375,7 @@ def _stage_terms(
         vol = m * lr * (2 + rc) * (cp - 1) / cp * tokens / cp * (2 * q / tp + 2 * kv_rank) * cb
         terms.append(_term(hw, "SP", cp, tp * cp, vol))
     if ep > 1:
-        k = model.num_experts_per_tok
-        vol = m * moe_r * (4 + 2 * rc) * (ep - 1) / ep * tokens / (cp * tp) * k * h * cb
-        terms.append(_term(hw, "EP", ep, ep * dims.etp, vol))
+        terms.append(_ep_term(w, dims, m * moe_r * (4 + 2 * rc) * tokens / (cp * tp) * h * cb))
     if pp > 1:
         terms.append(_term(hw, "PP", pp, n, m * 2 * dims.vpp * tokens / (cp * tp) * h * cb))
     moved = DTYPE_BYTES[w.policy.grad_dtype] + DTYPE_BYTES[w.policy.param_dtype]

@@ -10,6 +10,7 @@ from areal_fn.layouts.inference import inference_layout
 from areal_fn.layouts.megatron import megatron_layout
 from areal_fn.model.spec import ModelSpec, model_from_hf_config
 from areal_fn.plans.advisor import Hardware, suggest_strategy
+from areal_fn.plans.advisor_score import ep_token_copies
 from areal_fn.plans.census import Census, TensorGroup, fsdp2_census, megatron_census
 from areal_fn.plans.memory import (
     GIB,
@@ -196,6 +197,42 @@ CASES = [
         "bandwidth not positive",
         lambda: Hardware(inter_node_bandwidth=0.0),
         r"Hardware.inter_node_bandwidth=0.0 must be a finite number > 0",
+    ),
+    (
+        "unknown EP dispatcher",
+        lambda: Hardware(ep_dispatch="flex"),
+        r"Hardware.ep_dispatch='flex' is not a token dispatcher the score models; use one of "
+        r"'alltoall', 'deepep'",
+    ),
+    (
+        "EP copies: experts not even on the ranks",
+        lambda: ep_token_copies(experts=12, k=2, ep=8, per_node=8, dispatch="alltoall"),
+        r"ep_token_copies: ep=8 and groups=1 must divide experts=12 \(experts lie evenly on "
+        r"the ranks and in the groups\); use divisors of 12",
+    ),
+    (
+        "EP copies: more picks than the kept groups hold",
+        lambda: ep_token_copies(
+            experts=16, k=5, ep=4, per_node=2, dispatch="deepep", groups=4, group_topk=1
+        ),
+        r"ep_token_copies: k=5 experts do not fit in the top group_topk=1 of groups=4 groups "
+        r"of 4; use group_topk <= groups and k <= 4 \* group_topk",
+    ),
+    (
+        "EP copies: a count of zero",
+        lambda: ep_token_copies(experts=16, k=0, ep=4, per_node=2, dispatch="deepep"),
+        r"ep_token_copies: k=0: every count must be >= 1",
+    ),
+    (
+        "EP copies: more ranks per node than in the group",
+        lambda: ep_token_copies(experts=16, k=2, ep=4, per_node=8, dispatch="deepep"),
+        r"ep_token_copies: per_node=8 exceeds ep=4; use per_node <= ep",
+    ),
+    (
+        "EP copies: unknown dispatcher",
+        lambda: ep_token_copies(experts=16, k=2, ep=4, per_node=2, dispatch="flex"),
+        r"ep_token_copies: dispatch='flex' is not a dispatcher; use one of \('alltoall', "
+        r"'deepep'\)",
     ),
     (
         "nothing fits",

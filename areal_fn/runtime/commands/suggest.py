@@ -2,9 +2,10 @@
 
 The assumptions of the estimate are printed first, each with the flag that sets it:
 sequence length, micro-batch, global batch, recompute, GPUs per node, optimizer
-offload, the dtypes of gradients, master weights and Adam moments, and the margin of
-device memory kept free for what the estimate leaves out (CUDA context, NCCL
-communication buffers, allocator fragmentation).
+offload, the dtypes of gradients, master weights and Adam moments, the MoE token
+dispatcher the EP all-to-all is scored for, and the margin of device memory kept free
+for what the estimate leaves out (CUDA context, NCCL communication buffers, allocator
+fragmentation).
 """
 
 import argparse
@@ -15,6 +16,7 @@ import attrs
 from areal_fn.errors import SpecError
 from areal_fn.model.spec import ModelSpec
 from areal_fn.plans.advisor import Hardware, Suggestion, suggest_strategy
+from areal_fn.plans.advisor_score import EP_DISPATCHES
 from areal_fn.plans.memory import ActivationModel, PrecisionPolicy
 from areal_fn.runtime.commands.output import emit_json, human, parse_size
 
@@ -93,6 +95,11 @@ def _assumptions(args: argparse.Namespace, device_bytes: int) -> dict[str, Any]:
     ):
         if value < 1:
             raise SpecError(f"{flag} {value} must be >= 1")
+    if args.ep_dispatch not in EP_DISPATCHES:
+        raise SpecError(
+            f"--ep-dispatch {args.ep_dispatch!r} is not a token dispatcher the score models; "
+            f"use one of {', '.join(EP_DISPATCHES)}"
+        )
     margin_bytes = device_bytes - int(device_bytes * (1 - margin))
     return {
         "seq_len": seq_len_of(args),
@@ -105,11 +112,19 @@ def _assumptions(args: argparse.Namespace, device_bytes: int) -> dict[str, Any]:
         "grad_dtype": args.grad_dtype,
         "master_dtype": args.master_dtype,
         "adam_dtype": args.adam_dtype,
+        "ep_dispatch": args.ep_dispatch,
         "memory_margin": margin,
         "margin_bytes": margin_bytes,
         "usable_bytes": device_bytes - margin_bytes,
         "left_out": list(LEFT_OUT),
     }
+
+
+#: How the assumptions line words each ``--ep-dispatch``.
+_DISPATCH_WORDS = {
+    "alltoall": "alltoall dispatcher, one copy per token and expert",
+    "deepep": "deepep dispatcher, one copy per destination rank in a node and per node across",
+}
 
 
 def _assumption_lines(a: dict[str, Any], device_bytes: int) -> list[str]:
@@ -125,6 +140,7 @@ def _assumption_lines(a: dict[str, Any], device_bytes: int) -> list[str]:
         f"(--optimizer-offload)",
         f"  precision: {a['policy']} (--grad-dtype {a['grad_dtype']}, --master-dtype "
         f"{a['master_dtype']}, --adam-dtype {a['adam_dtype']})",
+        f"  EP all-to-all: {_DISPATCH_WORDS[a['ep_dispatch']]} (--ep-dispatch {a['ep_dispatch']})",
         f"  margin: {a['memory_margin']:.0%} of {device_bytes:,} bytes ({human(a['margin_bytes'])})"
         f" kept free for what the estimate leaves out ({', '.join(a['left_out'])}); a "
         f"strategy fits when its estimate is at most {a['usable_bytes']:,} bytes "
@@ -167,7 +183,7 @@ def cmd_suggest(console: Any, model: ModelSpec, args: argparse.Namespace) -> int
         top=args.top,
         global_batch_size=a["global_batch"],
         memory_margin=a["memory_margin"],
-        hardware=Hardware(devices_per_node=a["gpus_per_node"]),
+        hardware=Hardware(devices_per_node=a["gpus_per_node"], ep_dispatch=a["ep_dispatch"]),
         optimizer_offload=a["optimizer_offload"],
     )
     if args.json:
