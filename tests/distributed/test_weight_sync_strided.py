@@ -18,33 +18,34 @@ import torch.distributed as dist
 from areal_fn.layouts.inference import inference_layout
 from areal_fn.layouts.layout import Layout
 from areal_fn.layouts.megatron import megatron_layout
-from areal_fn.model.spec import model_from_hf_config
+from areal_fn.model.spec import ModelSpec, model_from_hf_config
 from areal_fn.plans.convert import to_megatron
 from areal_fn.plans.transfer import bucket, plan_rank_transfers, plan_transfers
 from areal_fn.runtime.sync.executor import SyncGroup, SyncReport, send_and_receive
 from areal_fn.strategy.allocation import ParallelDims
 from tests.distributed.test_weight_sync import run_ranks, same
 
-GPT_OSS = model_from_hf_config(
-    {
-        "model_type": "gpt_oss",
-        "hidden_size": 16,
-        "intermediate_size": 8,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 4,
-        "vocab_size": 40,
-        "num_local_experts": 4,
-        "num_experts_per_tok": 2,
-        "torch_dtype": "float32",
-    }
-)
+CONFIG = {
+    "model_type": "gpt_oss",
+    "hidden_size": 16,
+    "intermediate_size": 8,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 4,
+    "vocab_size": 40,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "torch_dtype": "float32",
+}
+GPT_OSS = model_from_hf_config(CONFIG)
+#: experts of 256 x 512 fp32 (512 KiB): boxes that big travel as operations of their own
+LARGE = model_from_hf_config({**CONFIG, "hidden_size": 256, "intermediate_size": 256})
 
 
-def canonical(seed: int) -> dict[str, torch.Tensor]:
+def canonical(model: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {t.name: torch.randn(t.shape, generator=g) for t in GPT_OSS.tensors}
+    return {t.name: torch.randn(t.shape, generator=g) for t in model.tensors}
 
 
 def tensors(layout: Layout, ranks: tuple[int, ...], rank: int, values) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
@@ -52,12 +53,21 @@ def tensors(layout: Layout, ranks: tuple[int, ...], rank: int, values) -> dict[s
 
 
 @pytest.mark.parametrize(
-    ("direction", "own_rows"),
-    [("to_inference", False), ("to_inference", True), ("to_megatron", False)],
+    ("direction", "own_rows", "large"),
+    [
+        ("to_inference", False, False),
+        ("to_inference", True, False),
+        ("to_megatron", False, False),
+        ("to_inference", False, True),
+        ("to_megatron", False, True),
+    ],
 )
-def test_gpt_oss_megatron_experts_sync_through_views(direction: str, own_rows: bool) -> None:
-    megatron = megatron_layout(GPT_OSS, ParallelDims(dp=2, ep=2, pp=2))
-    engine = inference_layout(GPT_OSS, ParallelDims(tp=2))
+def test_gpt_oss_megatron_experts_sync_through_views(
+    direction: str, own_rows: bool, large: bool
+) -> None:
+    model = LARGE if large else GPT_OSS
+    megatron = megatron_layout(model, ParallelDims(dp=2, ep=2, pp=2))
+    engine = inference_layout(model, ParallelDims(tp=2))
     if direction == "to_inference":
         src, dst, sr, dr = megatron, engine, (0, 1, 2, 3), (4, 5)
     else:
@@ -68,12 +78,12 @@ def test_gpt_oss_megatron_experts_sync_through_views(direction: str, own_rows: b
     plans = {
         r: bucket(
             plan_rank_transfers(src, dst, r, src_ranks=sr, dst_ranks=dr) if own_rows else plan,
-            2048,
+            64 << 20 if large else 2048,
             version=1,
         )
         for r in range(world)
     }
-    old, new = canonical(1), canonical(2)
+    old, new = canonical(model, 1), canonical(model, 2)
     lives = [tensors(dst, dr, r, old) for r in range(world)]
     storage = [{n: t.data_ptr() for n, t in live.items()} for live in lives]
 
