@@ -191,10 +191,38 @@ def _refuse(t: LogicalTensor, rule: str) -> LayoutError:
     )
 
 
-def _lift_strided(t: LogicalTensor, factors: Factors) -> tuple[LogicalTensor, LocalView]:
-    """The view of ``t`` (all pieces strided) that holds one plain lifted box."""
+#: (lifted box ranges, view) of a strided tensor, by its geometry
+_Memo = dict[tuple[object, ...], tuple[tuple[tuple[int, int], ...], LocalView]]
+
+
+def _lift_strided(
+    t: LogicalTensor, factors: Factors, memo: _Memo
+) -> tuple[LogicalTensor, LocalView]:
+    """The view of ``t`` (all pieces strided) that holds one plain lifted box; tensors of
+    equal geometry (a layer's experts) are worked out once (``memo``)."""
     if any(f.view is None for f in t.fusion) or len({f.canonical for f in t.fusion}) != 1:
         raise _refuse(t, "it mixes strided and plain pieces or several canonical tensors")
+    name = t.fusion[0].canonical
+    key = (
+        t.shape,
+        t.sharding.placements,
+        factors.get(name),
+        tuple(
+            (f.canonical_region.ranges, f.view.step, f.view.perm, f.logical_box.ranges)
+            for f in t.fusion
+            if f.view is not None
+        ),
+    )
+    got = memo.get(key)
+    if got is None:
+        got = memo[key] = _strided_geometry(t, factors)
+    ranges, view = got
+    return _with_piece(t, name, ranges), view
+
+
+def _strided_geometry(
+    t: LogicalTensor, factors: Factors
+) -> tuple[tuple[tuple[int, int], ...], LocalView]:
     if len({f.view for f in t.fusion}) != 1:
         raise _refuse(t, "its pieces take different steps or orders")
     if not all(isinstance(p, Replicate) for p in t.sharding.placements):
@@ -215,7 +243,7 @@ def _lift_strided(t: LogicalTensor, factors: Factors) -> tuple[LogicalTensor, Lo
             ("reshape", view_shape(region, view)),
             ("permute", perm_back),
         )
-        return _with_piece(t, name, region.ranges), LocalView(ops=ops)
+        return region.ranges, LocalView(ops=ops)
     if len(strided) > 1:
         raise _refuse(t, f"it takes steps on more than one dim ({view.step})")
     c = strided[0]
@@ -253,20 +281,30 @@ def _lift_strided(t: LogicalTensor, factors: Factors) -> tuple[LogicalTensor, Lo
     )
     u0 = regions[0].ranges[c][0] // s
     ranges = regions[0].ranges
-    lifted = (*ranges[:c], (u0, u0 + n[c]), (0, s), *ranges[c + 1 :])
-    return _with_piece(t, name, lifted), LocalView(ops=ops)
+    return (*ranges[:c], (u0, u0 + n[c]), (0, s), *ranges[c + 1 :]), LocalView(ops=ops)
+
+
+_NEW = object.__new__
+_SET = object.__setattr__
 
 
 def _with_piece(t: LogicalTensor, name: str, ranges: tuple[tuple[int, int], ...]) -> LogicalTensor:
-    box = Box(ranges=ranges)
-    return LogicalTensor(
-        name=t.name,
-        shape=box.shape,
-        dtype=t.dtype,
-        fusion=(FusionPiece(canonical=name, canonical_box=box, logical_box=Box.full(box.shape)),),
-        sharding=Sharding(mesh=t.sharding.mesh, placements=t.sharding.placements),
-        present=t.present,
-    )
+    """``t`` as one plain piece of lifted box ``ranges`` filling it. Built without
+    re-validation: the box fills the tensor, the sharding (replicated) fits any shape and
+    the presence is ``t``'s own."""
+    box = Box._trusted(ranges)
+    piece = FusionPiece(canonical=name, canonical_box=box, logical_box=Box.full(box.shape))
+    out = _NEW(LogicalTensor)
+    for field, value in (
+        ("name", t.name),
+        ("shape", box.shape),
+        ("dtype", t.dtype),
+        ("fusion", (piece,)),
+        ("sharding", t.sharding),
+        ("present", t.present),
+    ):
+        _SET(out, field, value)
+    return out
 
 
 def _moved(p: Placement, splits: dict[int, int]) -> Placement:
@@ -351,9 +389,10 @@ def _lift_plain(t: LogicalTensor, factors: Factors) -> tuple[LogicalTensor, Loca
 def _lift(layout: Layout, factors: Factors) -> LiftedLayout:
     tensors: list[LogicalTensor] = []
     views: dict[str, LocalView] = {}
+    memo: _Memo = {}
     for t in layout.tensors:
         if t.is_strided:
-            lifted, view = _lift_strided(t, factors)
+            lifted, view = _lift_strided(t, factors, memo)
         else:
             lifted, maybe = _lift_plain(t, factors)
             if maybe is None:

@@ -16,7 +16,14 @@ from hypothesis import strategies as st
 from areal_fn import ParallelDims, fsdp2_layout, inference_layout, megatron_layout
 from areal_fn.errors import LayoutError, PlanError
 from areal_fn.layouts.layout import FusionPiece, Layout, LogicalTensor
-from areal_fn.layouts.lift import LocalView, apply_view, lift_layouts
+from areal_fn.layouts.lift import (
+    LocalView,
+    apply_view,
+    lift_box,
+    lift_layouts,
+    lifted_shape,
+    unlift_box,
+)
 from areal_fn.model.spec import ModelSpec, model_from_hf_config
 from areal_fn.model.tensor_spec import TensorSpec
 from areal_fn.plans.convert import to_megatron
@@ -215,3 +222,41 @@ def test_a_plain_shard_that_cuts_inside_units_is_refused() -> None:
     ok = _layout(_one("w", (4, 6), (whole,), (Shard(0),)))
     plan = plan_transfers(strided, ok)
     assert dict(plan.dst_views)["w"] == LocalView(ops=(("unflatten", (1, -1, 2)),))
+
+
+@st.composite
+def aligned_boxes(draw: st.DrawFn) -> tuple[tuple[int, ...], tuple[int, ...], Box]:
+    """A shape, a step per dim dividing it, and a box of whole units."""
+    ndim = draw(st.integers(1, 3))
+    steps = tuple(draw(st.sampled_from([1, 2, 3])) for _ in range(ndim))
+    units = tuple(draw(st.integers(1, 4)) for _ in range(ndim))
+    ranges = []
+    for n in units:
+        lo = draw(st.integers(0, n - 1))
+        ranges.append((lo, draw(st.integers(lo + 1, n))))
+    shape = tuple(u * s for u, s in zip(units, steps, strict=True))
+    box = Box(ranges=tuple((lo * s, hi * s) for (lo, hi), s in zip(ranges, steps, strict=True)))
+    return shape, steps, box
+
+
+@given(aligned_boxes())
+def test_a_lifted_box_holds_the_same_elements_in_the_same_order(case) -> None:  # type: ignore[no-untyped-def]
+    shape, steps, box = case
+    t = torch.arange(torch.Size(shape).numel()).reshape(shape)
+    up = lift_box(box, steps)
+    assert up is not None and unlift_box(up, steps) == box
+    lifted = t.view(lifted_shape(shape, steps))
+    assert torch.equal(lifted[up.slices()].reshape(-1), t[box.slices()].reshape(-1))
+    # a box that cuts inside a unit of a dim of step > 1 has no lifted form, and a lifted
+    # box that takes some phases only (a strided region) no plain one
+    i = 0
+    for s in steps:
+        if s > 1:
+            some = (*up.ranges[: i + 1], (0, 1), *up.ranges[i + 2 :])
+            assert unlift_box(Box(ranges=some), steps) is None
+        i += 2 if s > 1 else 1
+    for d, s in enumerate(steps):
+        if s > 1:
+            lo, hi = box.ranges[d]
+            cut = Box(ranges=(*box.ranges[:d], (lo, hi - 1), *box.ranges[d + 1 :]))
+            assert lift_box(cut, steps) is None
