@@ -24,6 +24,7 @@ tensor holding them must not be sharded, and a plain piece or shard of a lifted
 canonical tensor must hold whole units of the step.
 """
 
+import functools
 from collections.abc import Iterable, Mapping
 
 import attrs
@@ -293,11 +294,12 @@ def _with_piece(t: LogicalTensor, name: str, ranges: tuple[tuple[int, int], ...]
     re-validation: the box fills the tensor, the sharding (replicated) fits any shape and
     the presence is ``t``'s own."""
     box = Box._trusted(ranges)
-    piece = FusionPiece(canonical=name, canonical_box=box, logical_box=Box.full(box.shape))
+    shape = tuple(hi - lo for lo, hi in ranges)
+    piece = FusionPiece(canonical=name, canonical_box=box, logical_box=Box.full(shape))
     out = _NEW(LogicalTensor)
     for field, value in (
         ("name", t.name),
-        ("shape", box.shape),
+        ("shape", shape),
         ("dtype", t.dtype),
         ("fusion", (piece,)),
         ("sharding", t.sharding),
@@ -356,18 +358,13 @@ def _lift_plain(t: LogicalTensor, factors: Factors) -> tuple[LogicalTensor, Loca
     sharding = Sharding(
         mesh=t.sharding.mesh, placements=tuple(_moved(p, splits) for p in t.sharding.placements)
     )
-    for rank in range(t.sharding.mesh.size):
-        want = [
-            (_lifted_ranges(g.ranges, logical_steps), _lifted_ranges(loc.ranges, logical_steps))
-            for g, loc in local_pieces(t.shape, t.sharding, rank)
-        ]
-        got = [(g.ranges, loc.ranges) for g, loc in local_pieces(shape, sharding, rank)]
-        if want != got:
-            raise LayoutError(
-                f"{t.name}: its sharding {t.sharding.placements_str} cuts inside units of "
-                f"{logical_steps} on rank {rank}; lifting needs shards of whole units (pick "
-                "sizes that divide the units evenly)"
-            )
+    bad = _first_cut_rank(t.shape, t.sharding, logical_steps, shape, sharding)
+    if bad is not None:
+        raise LayoutError(
+            f"{t.name}: its sharding {t.sharding.placements_str} cuts inside units of "
+            f"{logical_steps} on rank {bad}; lifting needs shards of whole units (pick "
+            "sizes that divide the units evenly)"
+        )
     lifted = LogicalTensor(
         name=t.name,
         shape=shape,
@@ -384,6 +381,27 @@ def _lift_plain(t: LogicalTensor, factors: Factors) -> tuple[LogicalTensor, Loca
             position += 1
         position += 1
     return lifted, LocalView(ops=tuple(ops))
+
+
+@functools.lru_cache(maxsize=4096)
+def _first_cut_rank(
+    shape: tuple[int, ...],
+    sharding: Sharding,
+    steps: tuple[int, ...],
+    lifted: tuple[int, ...],
+    lifted_sharding: Sharding,
+) -> int | None:
+    """The first rank whose shards of ``shape`` under ``sharding`` are not, lifted by
+    ``steps``, its shards of ``lifted`` under ``lifted_sharding`` (None: every rank's are)."""
+    for rank in range(sharding.mesh.size):
+        want = [
+            (_lifted_ranges(g.ranges, steps), _lifted_ranges(loc.ranges, steps))
+            for g, loc in local_pieces(shape, sharding, rank)
+        ]
+        got = [(g.ranges, loc.ranges) for g, loc in local_pieces(lifted, lifted_sharding, rank)]
+        if want != got:
+            return rank
+    return None
 
 
 def _lift(layout: Layout, factors: Factors) -> LiftedLayout:

@@ -54,10 +54,6 @@ def _intersect(a: Ranges, b: Ranges) -> Ranges | None:
     return tuple(out)
 
 
-def _contains(outer: Ranges, inner: Ranges) -> bool:
-    return all(a0 <= b0 and b1 <= a1 for (a0, a1), (b0, b1) in zip(outer, inner, strict=True))
-
-
 def _numel(r: Ranges) -> int:
     n = 1
     for lo, hi in r:
@@ -253,6 +249,8 @@ class _Template:
                     lst.append(w)
         self.clock = clock
         del self._overlaps
+        #: the merged runs of a row's cells, by (cell, holder) assignment
+        self.merged: dict[tuple, list[tuple[Ranges, int]]] = {}
 
     def _row(
         self,
@@ -291,8 +289,7 @@ class _Template:
         counters[key] = m + 1
         if grid is None:
             grid = found[3] = []
-            for cell in _cells([inter for _, inter in cands], want):
-                opts = tuple(n for n, inter in cands if _contains(inter, cell))
+            for cell, opts in _cells_with_holders(cands, want):
                 if not opts:
                     name = dst.layout.tensors[t].name
                     raise PlanError(
@@ -309,19 +306,39 @@ class _Template:
         return (1, m, tuple(cells), options, ())
 
 
-def _cells(boxes: list[Ranges], outer: Ranges) -> Iterable[Ranges]:
+def _cells_with_holders(
+    cands: list[tuple[int, Ranges]], outer: Ranges
+) -> list[tuple[Ranges, tuple[int, ...]]]:
+    """``outer`` cut along the boundaries of the candidates' boxes (``(holder, box)``
+    pairs, boxes inside ``outer``): every cell, in row-major order, with the holders
+    whose box contains it, ascending. Each candidate visits the cells it covers, so the
+    work is the cells each holder covers, not cells times holders (a layer's 128
+    experts, each one cell of a destination shard)."""
     cuts = []
     for d, (lo, hi) in enumerate(outer):
         pts = {lo, hi}
-        for b in boxes:
+        for _, b in cands:
             blo, bhi = b[d]
             if lo < blo < hi:
                 pts.add(blo)
             if lo < bhi < hi:
                 pts.add(bhi)
         cuts.append(sorted(pts))
-    for idx in itertools.product(*(range(len(c) - 1) for c in cuts)):
-        yield tuple((c[i], c[i + 1]) for c, i in zip(cuts, idx, strict=True))
+    counts = [len(c) - 1 for c in cuts]
+    strides = [1] * len(counts)
+    for d in reversed(range(len(counts) - 1)):
+        strides[d] = strides[d + 1] * counts[d + 1]
+    where = [{x: i for i, x in enumerate(c)} for c in cuts]
+    opts: list[list[int]] = [[] for _ in range(math.prod(counts))]
+    for n, box in cands:  # a box's ends are cut points: it covers whole cells
+        spans = [range(w[lo], w[hi]) for w, (lo, hi) in zip(where, box, strict=True)]
+        for idx in itertools.product(*spans):
+            opts[sum(i * st for i, st in zip(idx, strides, strict=True))].append(n)
+    cells = itertools.product(*(range(k) for k in counts))
+    return [
+        (tuple((c[i], c[i + 1]) for c, i in zip(cuts, idx, strict=True)), tuple(o))
+        for idx, o in zip(cells, opts, strict=True)
+    ]
 
 
 def _merge_runs(cells: list[tuple[Ranges, int]]) -> list[tuple[Ranges, int]]:
@@ -452,7 +469,7 @@ class Planner:
         src, dst = self.src, self.dst
         d_t, s_t = list(dst.members[c]), list(src.members[c])
         d_tensors, s_tensors = dst.layout.tensors, src.layout.tensors
-        holders, rows, add = tpl.holders, tpl.rows, out.append
+        holders, rows, add, merged = tpl.holders, tpl.rows, out.append, tpl.merged
         d_granks, d_pids, s_granks, s_pids = dst.granks, dst.pids, src.granks, src.pids
         for w in wants:
             e, k, cbox, lbox, nbytes, off, kind, m, a, options, boxes = rows[w]
@@ -479,11 +496,14 @@ class Planner:
                     )
                 continue
             off += base
-            chosen = [
+            chosen = tuple(
                 (cell, f if f >= 0 else opts[(m + q + pos) % len(opts)])
                 for q, (cell, f, opts) in enumerate(a)
-            ]
-            for box, n in _merge_runs(chosen):
+            )
+            runs = merged.get(chosen)
+            if runs is None:  # replicas of a destination get the same cells and holders
+                runs = merged[chosen] = _merge_runs(list(chosen))
+            for box, n in runs:
                 he, hk, hc, hl = holders[n]
                 s, part = s_granks[s_pids[s_t[he]]][hk], _numel(box) * size
                 if keep is None or keep == s or keep == g:
