@@ -5,7 +5,11 @@ Cases (layouts built once, untimed), trainer ranks first, then the inference ran
 - Qwen3-235B-A22B, Megatron ``d8p8t4e32`` (256 ranks, 94 layers split evenly over 8
   stages) -> SGLang ``t8`` x 8 replicas (64 ranks);
 - DeepSeek-V3, Megatron ``d8p8t8e64`` (512 ranks, 61 layers over 8 stages) -> SGLang
-  ``t8`` x 8 replicas (64 ranks).
+  ``t8`` x 8 replicas (64 ranks);
+- gpt-oss-120b, Megatron ``d8p4t2e16`` (64 ranks, 36 layers over 4 stages; its experts
+  are strided pieces, planned in the lifted basis) -> SGLang ``t8`` x 8 replicas (64
+  ranks): after only, the planner before refused strided pieces. The time of lifting
+  the two layouts (part of every call) is printed apart.
 
 Times are CPU seconds of this process (``time.process_time``: one core), best of
 ``REPEATS`` for the rank plans (the first call is printed too):
@@ -37,6 +41,7 @@ if str(ROOT) not in sys.path:
 
 from areal_fn.layouts.inference import inference_layout  # noqa: E402
 from areal_fn.layouts.layout import Layout  # noqa: E402
+from areal_fn.layouts.lift import lift_layouts  # noqa: E402
 from areal_fn.layouts.megatron import megatron_layout  # noqa: E402
 from areal_fn.model.spec import model_from_hf_config  # noqa: E402
 from areal_fn.pipeline.partition import split_evenly  # noqa: E402
@@ -52,6 +57,7 @@ CASES = (
 )
 INFER = ParallelDims(dp=8, tp=8)
 GOALS = {"rank": 1.0, "world": 10.0}
+STRIDED = ("gpt-oss-120b", "d8p4t2e16", ParallelDims(dp=8, pp=4, tp=2, ep=16))
 
 
 def _cpu(fn: Callable[[], Any], repeats: int = 1) -> tuple[float, Any, float]:
@@ -152,9 +158,40 @@ def _case(name: str, label: str, dims: ParallelDims) -> None:
     )
 
 
+def _strided_case(name: str, label: str, dims: ParallelDims) -> None:
+    src, dst, _ = _layouts(name, dims)
+    n_src, n_dst = src.world_size, dst.world_size
+    sr, dr = range(n_src), range(n_src, n_src + n_dst)
+    strided = sum(t.is_strided for t in src.tensors)
+    print(
+        f"{name} ({len(src.canonical)} canonical tensors, {strided} strided Megatron tensors): "
+        f"megatron {label} ({n_src} ranks) -> sglang t{INFER.tp} x {INFER.dp} ({n_dst} ranks)"
+    )
+    lift_s, _, _ = _cpu(lambda: lift_layouts(src, dst), REPEATS)
+    print(f"  lifting both layouts: {lift_s:.2f} s (inside every call below)")
+    plans = {}
+    for label2, rank in ((f"destination rank {n_src}", n_src), ("source rank 0", 0)):
+        s, plans[rank], first = _cpu(
+            lambda rank=rank: plan_rank_transfers(src, dst, rank, src_ranks=sr, dst_ranks=dr),
+            REPEATS,
+        )
+        print(
+            f"  {label2}: {s:.2f} s (first call {first:.2f} s), {len(plans[rank].transfers)} "
+            f"transfers; goal < {GOALS['rank']:.0f} s: {'met' if s < GOALS['rank'] else 'NOT met'}"
+        )
+    world_s, world, _ = _cpu(lambda: plan_transfers(src, dst, src_ranks=sr, dst_ranks=dr))
+    same = all(p.transfers == world.for_rank(r) for r, p in plans.items())
+    print(
+        f"  whole plan {world_s:.2f} s, {len(world.transfers)} transfers; goal < "
+        f"{GOALS['world']:.0f} s: {'met' if world_s < GOALS['world'] else 'NOT met'}; "
+        f"rank plans = their rows of the whole plan: {same}"
+    )
+
+
 def run() -> None:
     for name, label, dims in CASES:
         _case(name, label, dims)
+    _strided_case(*STRIDED)
 
 
 if __name__ == "__main__":

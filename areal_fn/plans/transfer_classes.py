@@ -249,8 +249,9 @@ class _Template:
                     lst.append(w)
         self.clock = clock
         del self._overlaps
-        #: the merged runs of a row's cells, by (cell, holder) assignment
-        self.merged: dict[tuple, list[tuple[Ranges, int]]] = {}
+        #: a row's transfers, by its (cell, holder) assignment and its local box: (box,
+        #: holder, source local box, destination local box, bytes) per merged run
+        self.merged: dict[tuple, list[tuple[Box, int, Box, Box, int]]] = {}
 
     def _row(
         self,
@@ -500,23 +501,33 @@ class Planner:
                 (cell, f if f >= 0 else opts[(m + q + pos) % len(opts)])
                 for q, (cell, f, opts) in enumerate(a)
             )
-            runs = merged.get(chosen)
+            key = (chosen, lbox.ranges)
+            runs = merged.get(key)
             if runs is None:  # replicas of a destination get the same cells and holders
-                runs = merged[chosen] = _merge_runs(list(chosen))
-            for box, n in runs:
-                he, hk, hc, hl = holders[n]
-                s, part = s_granks[s_pids[s_t[he]]][hk], _numel(box) * size
+                runs = merged[key] = [
+                    (
+                        Box._trusted(box),
+                        n,
+                        local_of(holders[n][2], holders[n][3], box),
+                        local_of(cbox, lbox, box),
+                        _numel(box) * size,
+                    )
+                    for box, n in _merge_runs(list(chosen))
+                ]
+            for box, n, src_box, dst_box, part in runs:
+                he, hk = holders[n][:2]
+                s = s_granks[s_pids[s_t[he]]][hk]
                 if keep is None or keep == s or keep == g:
                     add(
                         trusted_transfer(
                             s,
                             g,
                             c,
-                            Box._trusted(box),
+                            box,
                             s_tensors[s_t[he]].name,
-                            local_of(hc, hl, box),
+                            src_box,
                             d_name,
-                            local_of(cbox, lbox, box),
+                            dst_box,
                             part,
                             off,
                         )
