@@ -8,6 +8,7 @@ computes the same one. Pure: no files, no ranks, no clock.
 """
 
 import itertools
+import math
 from collections.abc import Sequence
 from typing import Literal
 
@@ -118,6 +119,23 @@ def _cuts(boxes: Sequence[Box], outer: Box) -> list[list[int]]:
     return out
 
 
+def _holders_by_cell(cuts: list[list[int]], boxes: Sequence[Box]) -> list[list[int]]:
+    """For every cell of the grid ``cuts`` (row-major), the indices of ``boxes`` that
+    contain it, ascending. Each box visits the cells it covers (its ends are cut points),
+    so the work is the cells each box covers, not cells times boxes."""
+    counts = [len(c) - 1 for c in cuts]
+    strides = [1] * len(counts)
+    for d in reversed(range(len(counts) - 1)):
+        strides[d] = strides[d + 1] * counts[d + 1]
+    where = [{x: i for i, x in enumerate(c)} for c in cuts]
+    out: list[list[int]] = [[] for _ in range(math.prod(counts))]
+    for i, box in enumerate(boxes):
+        spans = [range(w[lo], w[hi]) for w, (lo, hi) in zip(where, box.ranges, strict=True)]
+        for idx in itertools.product(*spans):
+            out[sum(k * st for k, st in zip(idx, strides, strict=True))].append(i)
+    return out
+
+
 def _merge(cells: list[tuple[Box, int]]) -> list[tuple[Box, int]]:
     """Merge adjacent cells given to the same holder into larger boxes, dim by dim."""
     if not cells:
@@ -203,9 +221,11 @@ def _plan_save(layout: Layout, dedup: Dedup) -> WritePlan:
             continue
         cuts = _cuts([h.cbox for h in hs], full)
         cells: list[tuple[Box, int]] = []
-        for idx in itertools.product(*(range(len(c) - 1) for c in cuts)):
+        holding = _holders_by_cell(cuts, [h.cbox for h in hs])
+        for idx, options in zip(
+            itertools.product(*(range(len(c) - 1) for c in cuts)), holding, strict=True
+        ):
             cell = Box(ranges=tuple((c[k], c[k + 1]) for c, k in zip(cuts, idx, strict=True)))
-            options = [i for i, h in enumerate(hs) if h.cbox.contains(cell)]
             if not options:
                 raise CheckpointError(
                     f"{spec.name}{cell} is held by no rank of the {layout.kind} layout "
