@@ -9,12 +9,13 @@ plan's reference semantics bitwise, casts work, the staging memory a group keeps
 carries successive versions, and a forged or altered message changes nothing.
 """
 
+import mmap
 from collections.abc import Iterator
 
 import pytest
 import torch
 
-from areal_fn.runtime.sync import messages
+from areal_fn.runtime.sync import messages, staging
 from areal_fn.runtime.sync.executor import SyncError, SyncGroup, SyncReport, send_and_receive
 from tests.distributed.test_weight_sync import (
     _assert_unchanged,
@@ -80,17 +81,23 @@ def test_a_cast_on_the_way_is_packed_and_received_in_place(direct) -> None:  # t
     assert sum(n for s, n, _ in direct if not s) > 0  # bf16 shadows: received in place
 
 
-def test_one_group_and_its_staging_memory_carry_successive_versions(direct) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("mapped_min", [staging.MAPPED_MIN, 1], ids=["heap", "mapped"])
+def test_one_group_and_its_staging_memory_carry_successive_versions(
+    direct, monkeypatch, mapped_min
+) -> None:  # type: ignore[no-untyped-def]
+    """Kept while asked to; handed back by a sync that does not keep it (the default):
+    plain buffers freed, mapped ones kept with their pages given to the kernel. A sync
+    after the kernel took those pages (``MADV_DONTNEED``: they come back zeroed) is still
+    exact."""
+    monkeypatch.setattr(staging, "MAPPED_MIN", mapped_min)
     case = split_case()
-    values = [canonical(64 + v) for v in range(3)]
+    values = [canonical(64 + v) for v in range(4)]
     lives = [case.live(r, values[0]) for r in range(case.world)]
 
     def body(rank, store):  # type: ignore[no-untyped-def]
-        from areal_fn.runtime.sync.messages import _BUFFERS
-
         group = SyncGroup.from_store(store, members=range(case.world), rank=rank, timeout_s=10)
-        kept = []
-        for v, keep in ((1, True), (2, True), (1, False)):
+        held = []
+        for v, keep in ((1, True), (2, True), (1, False), (3, False)):
             send_and_receive(
                 case.buckets,
                 src_tensors=case.sources(rank, values[v]),
@@ -99,11 +106,20 @@ def test_one_group_and_its_staging_memory_carry_successive_versions(direct) -> N
                 keep_staging=keep,
             )
             assert same(lives[rank], case.reference(values[0], values[v])[rank]), (rank, v)
-            kept.append(group in _BUFFERS)
-        return kept
+            b = staging._BUFFERS[group]
+            held.append(len(b._flat) + len(b._shadows))
+            if not keep:  # the kernel takes every page handed back
+                for m in b._maps.values():
+                    m.madvise(mmap.MADV_DONTNEED)
+        return held
 
-    # kept while asked to, freed by a sync that does not keep it (the default)
-    assert run_ranks(case.world, body) == [[True, True, False]] * case.world
+    held = run_ranks(case.world, body)
+    for rank, counts in enumerate(held):
+        assert counts[0] == counts[1] > 0, (rank, counts)
+        if mapped_min > 1:  # this model's buffers are all under 1 MiB: freed
+            assert counts[2:] == [0, 0], (rank, counts)
+        else:  # every buffer is mapped: kept
+            assert counts[2:] == counts[:2], (rank, counts)
 
 
 def test_a_forged_message_is_refused_with_boxes_in_place(direct) -> None:  # type: ignore[no-untyped-def]

@@ -25,8 +25,8 @@ bucket have started it, so ``timeout_s`` bounds one bucket's exchange
 (:mod:`areal_fn.runtime.sync.progress`).
 
 **Atomicity.** Received boxes are staged in shadow buffers (one copy of the tensors
-this rank receives; freed when the sync ends, or kept by the group for the next sync
-with ``keep_staging=True``). After its last bucket a
+this rank receives; handed back when the sync ends, or kept by the group for the next
+sync with ``keep_staging=True``: :mod:`areal_fn.runtime.sync.staging`). After its last bucket a
 rank votes on the store and waits until every member has voted; then one
 ``compare_set`` on the store decides, for everyone, ``commit`` or ``abort``. Only
 after ``commit`` does a rank copy its shadows into its live tensors. A rank that
@@ -59,16 +59,9 @@ from areal_fn.errors import PlanError
 from areal_fn.plans.transfer import BucketPlan, Transfer
 from areal_fn.plans.transfer_apply import copy_box, with_views
 from areal_fn.runtime.sync.group import SyncError, SyncGroup, Transport, _fail, open_store
-from areal_fn.runtime.sync.messages import (
-    _Arrival,
-    _buffers,
-    _exchange,
-    _Message,
-    _message,
-    _Sealed,
-    release_staging,
-)
+from areal_fn.runtime.sync.messages import _Arrival, _exchange, _Message, _message, _Sealed
 from areal_fn.runtime.sync.progress import _Progress
+from areal_fn.runtime.sync.staging import _buffers, release_staging
 from areal_fn.sharding.box import Box
 from areal_fn.typecheck import beartype
 
@@ -114,7 +107,10 @@ def send_and_receive(
     this rank takes part in (progress, fault injection). ``keep_staging``: the group
     keeps this sync's staging memory for the next one (message buffers and one shadow
     per received tensor: a copy of what this rank receives, held while the group
-    lives; reused memory is faster to fill); by default it is freed when the sync ends.
+    lives; reused memory is faster to fill); by default it is handed back when the sync
+    ends: large CPU buffers keep their mappings with their pages given to the kernel
+    (``MADV_FREE``: taken when memory is needed, else reused without page faults), the
+    rest is freed (:mod:`areal_fn.runtime.sync.staging`).
 
     Raises :class:`~areal_fn.errors.PlanError` when this rank's tensors do not fit the
     plan and :class:`SyncError` when the sync fails; either way no live tensor

@@ -30,7 +30,6 @@ and seals the next bucket's messages while the current one is in flight.
 
 import hmac
 import time
-import weakref
 import zlib
 from collections.abc import Mapping, Sequence
 from typing import NoReturn
@@ -43,6 +42,7 @@ from areal_fn.plans.transfer import Transfer
 from areal_fn.plans.transfer_apply import pack_boxes, unpack_boxes
 from areal_fn.runtime.sync.auth import TAG_BYTES, message_tag, payload_view
 from areal_fn.runtime.sync.group import SyncError, SyncGroup, _fail, _td
+from areal_fn.runtime.sync.staging import _buffers
 
 MAGIC = 0x5A5F_57E1_6875  # marks a weight-sync message
 HEADER_WORDS = 6  # magic, version, bucket, payload bytes, plan digest, dtype digest
@@ -346,48 +346,6 @@ def _pack(
             dtypes=[m.dtypes[i] for i in keep],
         )
     return buf
-
-
-class _Buffers:
-    """Staging memory a group keeps from sync to sync: message buffers (by role, peer
-    and slot) and shadows (by destination tensor). Reused memory is already mapped, so
-    packing into it and receiving into it cost no page faults (on this machine's CPUs
-    copying into fresh memory runs at a fifth of the speed)."""
-
-    def __init__(self) -> None:
-        self._flat: dict[tuple[str, int, int], torch.Tensor] = {}
-        self._shadows: dict[str, torch.Tensor] = {}
-
-    def flat(self, key: tuple[str, int, int], size: int, device: torch.device) -> torch.Tensor:
-        buf = self._flat.get(key)
-        if buf is None or buf.numel() < size or buf.device != device:
-            buf = self._flat[key] = torch.empty(size, dtype=torch.uint8, device=device)
-        return buf[:size]
-
-    def shadow(self, name: str, live: torch.Tensor, *, whole: bool) -> torch.Tensor:
-        """The shadow of live tensor ``name``: a copy of it unless the sync rewrites it whole."""
-        s = self._shadows.get(name)
-        if s is None or (s.shape, s.dtype, s.device) != (live.shape, live.dtype, live.device):
-            s = self._shadows[name] = torch.empty_like(live)
-        if not whole:
-            s.copy_(live.detach())
-        return s
-
-
-_BUFFERS: "weakref.WeakKeyDictionary[SyncGroup, _Buffers]" = weakref.WeakKeyDictionary()
-
-
-def release_staging(group: SyncGroup) -> None:
-    """Free the staging memory ``group`` keeps (it is made again by the next sync)."""
-    _BUFFERS.pop(group, None)
-
-
-def _buffers(group: SyncGroup) -> _Buffers:
-    """The staging memory of ``group`` (freed with the group)."""
-    got = _BUFFERS.get(group)
-    if got is None:
-        got = _BUFFERS[group] = _Buffers()
-    return got
 
 
 def _tag(
