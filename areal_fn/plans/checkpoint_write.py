@@ -7,9 +7,6 @@ holder in rank order. The plan is a function of the layout alone, so every rank
 computes the same one. Pure: no files, no ranks, no clock.
 """
 
-import itertools
-import math
-from collections.abc import Sequence
 from typing import Literal
 
 import attrs
@@ -19,6 +16,7 @@ from areal_fn.layouts.layout import Layout, LayoutKind
 from areal_fn.layouts.lift import LiftedLayout, LocalView, lift_layouts, unlift_box
 from areal_fn.model.tensor_spec import DTYPE_BYTES, TensorSpec
 from areal_fn.sharding.box import Box
+from areal_fn.sharding.grid import grid_cells, grid_cuts, holders_by_cell, merge_runs
 from areal_fn.typecheck import beartype
 
 Dedup = Literal["balanced", "first"]
@@ -109,58 +107,6 @@ class _Holder:
     dtype: str
 
 
-def _cuts(boxes: Sequence[Box], outer: Box) -> list[list[int]]:
-    out = []
-    for d, (lo, hi) in enumerate(outer.ranges):
-        pts = {lo, hi}
-        for b in boxes:
-            pts.update(x for x in b.ranges[d] if lo < x < hi)
-        out.append(sorted(pts))
-    return out
-
-
-def _holders_by_cell(cuts: list[list[int]], boxes: Sequence[Box]) -> list[list[int]]:
-    """For every cell of the grid ``cuts`` (row-major), the indices of ``boxes`` that
-    contain it, ascending. Each box visits the cells it covers (its ends are cut points),
-    so the work is the cells each box covers, not cells times boxes."""
-    counts = [len(c) - 1 for c in cuts]
-    strides = [1] * len(counts)
-    for d in reversed(range(len(counts) - 1)):
-        strides[d] = strides[d + 1] * counts[d + 1]
-    where = [{x: i for i, x in enumerate(c)} for c in cuts]
-    out: list[list[int]] = [[] for _ in range(math.prod(counts))]
-    for i, box in enumerate(boxes):
-        spans = [range(w[lo], w[hi]) for w, (lo, hi) in zip(where, box.ranges, strict=True)]
-        for idx in itertools.product(*spans):
-            out[sum(k * st for k, st in zip(idx, strides, strict=True))].append(i)
-    return out
-
-
-def _merge(cells: list[tuple[Box, int]]) -> list[tuple[Box, int]]:
-    """Merge adjacent cells given to the same holder into larger boxes, dim by dim."""
-    if not cells:
-        return cells
-    for d in reversed(range(cells[0][0].ndim)):
-        groups: dict[tuple[object, ...], list[tuple[Box, int]]] = {}
-        for box, h in cells:
-            groups.setdefault((h, box.ranges[:d], box.ranges[d + 1 :]), []).append((box, h))
-        merged: list[tuple[Box, int]] = []
-        for items in groups.values():
-            items.sort(key=lambda x: x[0].ranges[d])
-            cur = items[0]
-            for nxt in items[1:]:
-                if cur[0].ranges[d][1] == nxt[0].ranges[d][0]:
-                    r = list(cur[0].ranges)
-                    r[d] = (cur[0].ranges[d][0], nxt[0].ranges[d][1])
-                    cur = (Box(ranges=tuple(r)), cur[1])
-                else:
-                    merged.append(cur)
-                    cur = nxt
-            merged.append(cur)
-        cells = merged
-    return sorted(cells, key=lambda x: x[0].ranges)
-
-
 @beartype
 def plan_save(layout: Layout, *, dedup: Dedup = "balanced") -> WritePlan:
     """Every rank's writes under ``layout``: each canonical element exactly once.
@@ -219,13 +165,11 @@ def _plan_save(layout: Layout, dedup: Dedup) -> WritePlan:
         full = Box.full(spec.shape)
         if full.is_empty:
             continue
-        cuts = _cuts([h.cbox for h in hs], full)
+        boxes = [h.cbox.ranges for h in hs]
+        cuts = grid_cuts(boxes, full.ranges)
         cells: list[tuple[Box, int]] = []
-        holding = _holders_by_cell(cuts, [h.cbox for h in hs])
-        for idx, options in zip(
-            itertools.product(*(range(len(c) - 1) for c in cuts)), holding, strict=True
-        ):
-            cell = Box(ranges=tuple((c[k], c[k + 1]) for c, k in zip(cuts, idx, strict=True)))
+        for ranges, options in zip(grid_cells(cuts), holders_by_cell(cuts, boxes), strict=True):
+            cell = Box._trusted(ranges)
             if not options:
                 raise CheckpointError(
                     f"{spec.name}{cell} is held by no rank of the {layout.kind} layout "
@@ -238,7 +182,8 @@ def _plan_save(layout: Layout, dedup: Dedup) -> WritePlan:
                 choice = min(options, key=lambda i: (written[hs[i].rank], hs[i].rank, i))
             written[hs[choice].rank] += cell.numel * DTYPE_BYTES[hs[choice].dtype]
             cells.append((cell, choice))
-        for box, i in _merge(cells):
+        for ranges, i in merge_runs([(c.ranges, i) for c, i in cells]):
+            box = Box._trusted(ranges)
             h = hs[i]
             k = h.lbox.ndim - box.ndim
             inner = box.shift(

@@ -37,6 +37,7 @@ from areal_fn.layouts.layout import Layout, LogicalTensor, _local_template
 from areal_fn.model.tensor_spec import DTYPE_BYTES
 from areal_fn.plans.transfer_records import Transfer, trusted_transfer
 from areal_fn.sharding.box import Box
+from areal_fn.sharding.grid import grid_cells, grid_cuts, holders_by_cell, merge_runs
 from areal_fn.sharding.placement import Shard, StridedShard
 
 Ranges = tuple[tuple[int, int], ...]
@@ -312,61 +313,14 @@ def _cells_with_holders(
 ) -> list[tuple[Ranges, tuple[int, ...]]]:
     """``outer`` cut along the boundaries of the candidates' boxes (``(holder, box)``
     pairs, boxes inside ``outer``): every cell, in row-major order, with the holders
-    whose box contains it, ascending. Each candidate visits the cells it covers, so the
-    work is the cells each holder covers, not cells times holders (a layer's 128
-    experts, each one cell of a destination shard)."""
-    cuts = []
-    for d, (lo, hi) in enumerate(outer):
-        pts = {lo, hi}
-        for _, b in cands:
-            blo, bhi = b[d]
-            if lo < blo < hi:
-                pts.add(blo)
-            if lo < bhi < hi:
-                pts.add(bhi)
-        cuts.append(sorted(pts))
-    counts = [len(c) - 1 for c in cuts]
-    strides = [1] * len(counts)
-    for d in reversed(range(len(counts) - 1)):
-        strides[d] = strides[d + 1] * counts[d + 1]
-    where = [{x: i for i, x in enumerate(c)} for c in cuts]
-    opts: list[list[int]] = [[] for _ in range(math.prod(counts))]
-    for n, box in cands:  # a box's ends are cut points: it covers whole cells
-        spans = [range(w[lo], w[hi]) for w, (lo, hi) in zip(where, box, strict=True)]
-        for idx in itertools.product(*spans):
-            opts[sum(i * st for i, st in zip(idx, strides, strict=True))].append(n)
-    cells = itertools.product(*(range(k) for k in counts))
+    whose box contains it, ascending (:mod:`areal_fn.sharding.grid`)."""
+    boxes = [b for _, b in cands]
+    cuts = grid_cuts(boxes, outer)
+    holding = holders_by_cell(cuts, boxes)
     return [
-        (tuple((c[i], c[i + 1]) for c, i in zip(cuts, idx, strict=True)), tuple(o))
-        for idx, o in zip(cells, opts, strict=True)
+        (cell, tuple(cands[i][0] for i in held))
+        for cell, held in zip(grid_cells(cuts), holding, strict=True)
     ]
-
-
-def _merge_runs(cells: list[tuple[Ranges, int]]) -> list[tuple[Ranges, int]]:
-    """Merge grid cells assigned to the same holder into larger boxes (dim by dim)."""
-    if not cells:
-        return cells
-    ndim = len(cells[0][0])
-    for d in reversed(range(ndim)):
-        groups: dict[tuple, list[tuple[Ranges, int]]] = {}
-        for box, h in cells:
-            groups.setdefault((h, box[:d] + box[d + 1 :]), []).append((box, h))
-        merged: list[tuple[Ranges, int]] = []
-        for items in groups.values():
-            items.sort(key=lambda x: x[0][d])
-            cur = items[0]
-            for nxt in items[1:]:
-                if cur[0][d][1] == nxt[0][d][0]:
-                    r = list(cur[0])
-                    r[d] = (cur[0][d][0], nxt[0][d][1])
-                    cur = (tuple(r), cur[1])
-                else:
-                    merged.append(cur)
-                    cur = nxt
-            merged.append(cur)
-        cells = merged
-    cells.sort(key=lambda x: x[0])
-    return cells
 
 
 class Planner:
@@ -512,7 +466,7 @@ class Planner:
                         local_of(cbox, lbox, box),
                         _numel(box) * size,
                     )
-                    for box, n in _merge_runs(list(chosen))
+                    for box, n in merge_runs(list(chosen))
                 ]
             for box, n, src_box, dst_box, part in runs:
                 he, hk = holders[n][:2]
