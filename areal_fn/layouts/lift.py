@@ -47,6 +47,7 @@ __all__ = [
     "lift_layouts",
     "lifted_shape",
     "unlift_box",
+    "viewed",
 ]
 
 #: canonical name -> the step of each of its dims (1: not lifted)
@@ -100,6 +101,24 @@ def apply_view(view: LocalView, tensor: torch.Tensor, name: str = "tensor") -> t
             "tensor the layout describes"
         ) from None
     return t
+
+
+def viewed(
+    views: Mapping[str, LocalView],
+    name: str,
+    tensor: torch.Tensor,
+    what: str,
+    error: type[Exception] = LayoutError,
+) -> torch.Tensor:
+    """Local tensor ``name`` through its view in ``views``, if it has one; a tensor the
+    view does not fit raises ``error`` (``what`` names it: "source tensor", ...)."""
+    view = views.get(name)
+    if view is None:
+        return tensor
+    try:
+        return apply_view(view, tensor, f"{what} {name!r}")
+    except LayoutError as e:
+        raise error(str(e)) from None
 
 
 @attrs.frozen(kw_only=True)

@@ -16,8 +16,8 @@ import torch
 from jaxtyping import UInt8
 from torch import Tensor
 
-from areal_fn.errors import LayoutError, PlanError
-from areal_fn.layouts.lift import LocalView, apply_view
+from areal_fn.errors import PlanError
+from areal_fn.layouts.lift import LocalView, viewed
 from areal_fn.plans.transfer import Transfer
 
 #: a flat byte buffer that boxes are packed into
@@ -47,22 +47,11 @@ def apply_transfers(
             raise PlanError(
                 f"transfer {t} names a tensor or rank that is not present: {e}"
             ) from None
-        s = viewed(views["source"], t.src_tensor, s, "source")
-        d = viewed(views["destination"], t.dst_tensor, d, "destination")
+        s = viewed(views["source"], t.src_tensor, s, "source tensor", PlanError)
+        d = viewed(views["destination"], t.dst_tensor, d, "destination tensor", PlanError)
         copy_box(s, d, t)
         total += t.nbytes
     return total
-
-
-def viewed(views: Mapping[str, LocalView], name: str, tensor: Tensor, role: str) -> Tensor:
-    """``tensor`` (the local tensor ``name``) through its view in ``views``, if it has one."""
-    view = views.get(name)
-    if view is None:
-        return tensor
-    try:
-        return apply_view(view, tensor, f"{role} tensor {name!r}")
-    except LayoutError as e:
-        raise PlanError(str(e)) from None
 
 
 def with_views(
@@ -70,7 +59,9 @@ def with_views(
 ) -> dict[str, Tensor]:
     """Every tensor of ``tensors`` through its view, if it has one (by name)."""
     by_name = dict(views)
-    return {name: viewed(by_name, name, t, role) for name, t in tensors.items()}
+    return {
+        name: viewed(by_name, name, t, f"{role} tensor", PlanError) for name, t in tensors.items()
+    }
 
 
 def copy_box(src: Tensor, dst: Tensor, transfer: Transfer) -> None:

@@ -27,22 +27,11 @@ from tests.distributed.checkpoint_worker_util import (
     state_diff,
     truth,
 )
+from tests.distributed.test_weight_sync_strided import CONFIG
 
-SPEC = model_from_hf_config(
-    {
-        "model_type": "gpt_oss",
-        "hidden_size": 16,
-        "intermediate_size": 8,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 4,
-        "vocab_size": 200,  # Megatron pads it to 256: padding rows on the last TP rank
-        "num_local_experts": 4,
-        "num_experts_per_tok": 2,
-        "torch_dtype": "bfloat16",
-    }
-)
+#: the sync tests' tiny gpt-oss, in bf16, with a vocabulary Megatron pads (200 -> 256):
+#: padding rows on the last TP rank
+SPEC = model_from_hf_config({**CONFIG, "vocab_size": 200, "torch_dtype": "bfloat16"})
 SALT = 5
 TRUTH = truth(SPEC, SALT)
 

@@ -37,8 +37,8 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.futures import Future
 
-from areal_fn.errors import CheckpointError, LayoutError, SpecError
-from areal_fn.layouts.lift import LocalView, apply_view
+from areal_fn.errors import CheckpointError, SpecError
+from areal_fn.layouts.lift import LocalView, viewed
 from areal_fn.sharding.box import Box
 
 #: what to do about a damaged file of a checkpoint
@@ -424,13 +424,7 @@ def _viewed(
 ) -> torch.Tensor:
     """Local tensor ``name`` seen through its view in ``views``, if it has one (a layout
     with strided pieces: :class:`~areal_fn.plans.checkpoint_write.WritePlan.views`)."""
-    view = views.get(name)
-    if view is None:
-        return tensor
-    try:
-        return apply_view(view, tensor, f"{what} {name!r}")
-    except LayoutError as e:
-        raise CheckpointError(str(e)) from None
+    return viewed(views, name, tensor, what, CheckpointError)
 
 
 @contextmanager
