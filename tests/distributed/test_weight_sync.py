@@ -660,12 +660,16 @@ def test_forged_votes_neither_commit_nor_abort() -> None:
     old, new = canonical(56), canonical(57)
     lives = [case.live(r, old) for r in range(5)]
 
-    def body(rank: int, store: dist.Store, *, fail: bool) -> Any:
+    def body(rank: int, store: dist.Store, *, fail: bool, posted: threading.Event) -> Any:
         # 5 threads of one process: on a loaded CI machine one can wait seconds for the GIL
         group = SyncGroup.from_store(store, members=range(5), rank=rank, timeout_s=40)
         if rank == 0:
             _post_forgeries(store, f"{group.name}/{group.generation}", range(5), decision=False)
-        group.store.wait([f"{group.name}/{group.generation}/sync0/votes"])
+            posted.set()
+        # every member starts after the forgeries are on the store (an event, not a wait
+        # on the store: a HashStore.wait begun before the store.add that makes the key
+        # was seen to miss it)
+        assert posted.wait(40)
 
         def hook(b: int) -> None:
             if fail and rank == 2 and b > 0:
@@ -680,12 +684,13 @@ def test_forged_votes_neither_commit_nor_abort() -> None:
             on_bucket=hook,
         )
 
-    results = run_ranks(5, lambda r, st: body(r, st, fail=True), timeout_s=120)
+    first, second = threading.Event(), threading.Event()
+    results = run_ranks(5, lambda r, st: body(r, st, fail=True, posted=first), timeout_s=120)
     assert isinstance(results[2], ValueError)
     assert all(isinstance(results[r], SyncError) for r in (0, 1, 3, 4)), results
     assert "progress sink is full" in str(results[4])
     _assert_unchanged(case, lives, old)
-    results = run_ranks(5, lambda r, st: body(r, st, fail=False), timeout_s=120)  # no failure
+    results = run_ranks(5, lambda r, st: body(r, st, fail=False, posted=second), timeout_s=120)
     assert all(isinstance(r, SyncReport) for r in results), results
     want = case.reference(old, new)
     for rank in case.dst_ranks:
