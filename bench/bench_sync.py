@@ -12,7 +12,7 @@ transport also each round's ratio and their median):
   :func:`~areal_fn.runtime.sync.executor.send_and_receive`: each inference rank receives
   exactly its shard, from both trainer ranks at once, staged and committed atomically
   (``keep_staging=True``: the group keeps its staging memory from sync to sync; the row
-  **planned_fresh** is the default, which frees it after each sync);
+  **planned_fresh** is the default, which hands it back after each sync);
 - **gather + broadcast** (the scheme AReaL ships): for every parameter, the trainer
   ranks all-gather it (``DTensor.full_tensor()``), rank 0 broadcasts the full tensor to
   the inference ranks (one ``broadcast`` per tensor over a group of rank 0 and the
@@ -355,9 +355,10 @@ def _sync_part() -> None:
         f"planned {pl[0] / pl[1] / 1e9:.2f} GB/s = {bare[1] / pl[1]:.2f}x of it, best against "
         f"best; per round {', '.join(f'{r:.2f}' for r in per_round)}x, median {median:.2f}x "
         f"(goal >= {GOAL_OF_BARE}x on the median: "
-        f"{'met' if median >= GOAL_OF_BARE else 'NOT met'}); planned with its staging freed "
-        f"after each sync (the default, keep_staging=False): {bare[1] / rows['planned_fresh'][1]:.2f}x "
-        f"best against best, median {median_fresh:.2f}x"
+        f"{'met' if median >= GOAL_OF_BARE else 'NOT met'}); planned with its staging handed "
+        f"back after each sync (the default, keep_staging=False): "
+        f"{bare[1] / rows['planned_fresh'][1]:.2f}x best against best, median "
+        f"{median_fresh:.2f}x (goal: {'met' if median_fresh >= GOAL_OF_BARE else 'NOT met'})"
     )
 
 
