@@ -38,6 +38,7 @@ from tests.distributed.checkpoint_worker_util import (  # noqa: E402
     model,
     rank_state,
     state_diff,
+    step_value,
     truth,
 )
 
@@ -266,3 +267,36 @@ def test_without_hf_files_the_export_says_what_it_lacks(saved, tmp_path, capsys)
         "config.json",
         "model.safetensors",
     ]
+
+
+def test_a_shard_that_is_all_padding_gets_its_optimizer_step(tmp_path):
+    """vocab 40 under megatron:t2 pads the embedding to 256 rows: TP rank 1's shard holds
+    padding only, so no read of its own carries Adam's step; it is read from the
+    canonical tensor the embedding holds on rank 0."""
+    spec = model(vocab_size=40)
+    truth_small = truth(spec, SALT)
+    src = layout(spec, "fsdp:d1")
+    save_checkpoint(
+        tmp_path / "root",
+        layout=src,
+        states={0: rank_state(src, 0, truth_small, SALT)},
+        model=spec,
+        allocation="fsdp:d1",
+        step=SALT,
+        optimizer="adam",
+    )
+    dst = layout(spec, "megatron:t2")
+    states = {r: blank_state(dst, r) for r in range(dst.world_size)}
+    load_checkpoint(tmp_path / "root", layout=dst, states=states, optimizer="adam")
+    padded = [
+        (r, lt.name)
+        for r in range(dst.world_size)
+        for lt in dst.local_tensors(r)
+        if all(p.canonical is None for p in lt.pieces)
+    ]
+    assert padded  # the case this test is about
+    for r, st in states.items():
+        for name, opt in st.optim.items():
+            assert opt["step"].item() == step_value(SALT), (r, name)
+    for r, name in padded:
+        assert not states[r].params[name].any() and not states[r].optim[name]["exp_avg"].any()

@@ -152,6 +152,7 @@ def _read_plan(
     for r, plan in op.plans.items():
         scalars[r] = {}
         _read_items(plan, states[r], opt, items, dests, scalars[r])
+        _read_padding_scalars(layout, plan, states[r], opt, items, dests, scalars[r])
     # RNG states are per process: restored when each process loads one rank of a world
     # as large as the one that saved.
     own = (
@@ -239,19 +240,7 @@ def _read_items(
     scalars: dict[tuple[str, str, str], torch.Tensor],
 ) -> None:
     def add(key: str, box: Box, chunk: Box, dest: "torch.Tensor | _Reshaped") -> None:
-        items.append(
-            ReadItem(
-                type=LoadItemType.TENSOR,
-                dest_index=MetadataIndex(key, box.start, index=len(dests)),
-                dest_offsets=torch.Size([0] * box.ndim),
-                storage_index=MetadataIndex(key, chunk.start),
-                storage_offsets=torch.Size(
-                    b - c for b, c in zip(box.start, chunk.start, strict=True)
-                ),
-                lengths=torch.Size(box.shape),
-            )
-        )
-        dests.append(dest)
+        _add_read(items, dests, key, box, chunk, dest)
 
     views = dict(plan.views)
     for rp in plan.reads:
@@ -266,6 +255,59 @@ def _read_items(
             if k not in scalars:
                 scalars[k] = torch.empty((), dtype=st.optim[rp.tensor][s].dtype)
                 add(optim_key(rp.canonical, s), Box(ranges=()), Box(ranges=()), scalars[k])
+
+
+def _read_padding_scalars(
+    layout: Layout,
+    plan: PieceLoadPlan,
+    st: RankState,
+    opt: OptimizerSpec,
+    items: list[ReadItem],
+    dests: list[torch.Tensor | _Reshaped],
+    scalars: dict[tuple[str, str, str], torch.Tensor],
+) -> None:
+    """The optimizer's scalars (Adam's ``step``) of local tensors that are all padding on
+    this rank (a vocabulary shard past the last token): no read carries them, so they are
+    read from the canonical tensor the logical tensor holds elsewhere."""
+    if not opt.scalars:
+        return
+    read = {rp.tensor for rp in plan.reads}
+    for name in dict.fromkeys(pad.tensor for pad in plan.padding):
+        if name in read:
+            continue
+        held = [
+            t for t in layout.tensors if t.name == name and t.is_present(plan.rank) and t.fusion
+        ]
+        if not held:
+            continue
+        canonical = held[0].fusion[0].canonical
+        for s in opt.scalars:
+            k = (name, canonical, s)
+            scalars[k] = torch.empty((), dtype=st.optim[name][s].dtype)
+            scalar = Box(ranges=())
+            _add_read(items, dests, optim_key(canonical, s), scalar, scalar, scalars[k])
+
+
+def _add_read(
+    items: list[ReadItem],
+    dests: list[torch.Tensor | _Reshaped],
+    key: str,
+    box: Box,
+    chunk: Box,
+    dest: "torch.Tensor | _Reshaped",
+) -> None:
+    """A read of ``box`` of stored entry ``key`` (inside stored chunk ``chunk``) into ``dest``."""
+    items.append(
+        ReadItem(
+            type=LoadItemType.TENSOR,
+            dest_index=MetadataIndex(key, box.start, index=len(dests)),
+            dest_offsets=torch.Size([0] * box.ndim),
+            storage_index=MetadataIndex(key, chunk.start),
+            storage_offsets=torch.Size(b - c for b, c in zip(box.start, chunk.start, strict=True)),
+            lengths=torch.Size(box.shape),
+        )
+    )
+    dests.append(dest)
 
 
 def _check_dtypes(
