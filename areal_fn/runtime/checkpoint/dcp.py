@@ -365,6 +365,29 @@ class _ChunkReader(FileSystemReader):
             planner.commit_tensor(req, dest)
 
 
+def _read_into(
+    items: list[ReadItem],
+    dests: "list[torch.Tensor | _Reshaped]",
+    key: str,
+    box: Box,
+    chunk: Box,
+    dest: "torch.Tensor | _Reshaped",
+) -> None:
+    """Append the read of ``box`` of stored entry ``key`` (inside its stored chunk
+    ``chunk``) into ``dest`` (a view of the box, or a :class:`_Reshaped` region)."""
+    items.append(
+        ReadItem(
+            type=LoadItemType.TENSOR,
+            dest_index=MetadataIndex(key, box.start, index=len(dests)),
+            dest_offsets=torch.Size([0] * box.ndim),
+            storage_index=MetadataIndex(key, chunk.start),
+            storage_offsets=torch.Size(b - c for b, c in zip(box.start, chunk.start, strict=True)),
+            lengths=torch.Size(box.shape),
+        )
+    )
+    dests.append(dest)
+
+
 def _write_item(key: str, box: Box, shape: tuple[int, ...], dtype: torch.dtype) -> WriteItem:
     offsets = torch.Size(box.start)
     return WriteItem(

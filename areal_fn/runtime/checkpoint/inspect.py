@@ -5,11 +5,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import (
-    MetadataIndex,
-)
 from torch.distributed.checkpoint.planner import (
-    LoadItemType,
     LoadPlan,
     ReadItem,
 )
@@ -23,7 +19,7 @@ from areal_fn.plans.checkpoint import (
     optim_key,
 )
 from areal_fn.plans.checkpoint_keyed import KEY_ENV, check_keyed_digest
-from areal_fn.runtime.checkpoint.dcp import _ChunkReader, _LoadPlanner
+from areal_fn.runtime.checkpoint.dcp import _ChunkReader, _LoadPlanner, _read_into, _Reshaped
 from areal_fn.runtime.checkpoint.files import (
     _check_sizes,
     _latest_name,
@@ -50,24 +46,11 @@ def _read_box(
     """``box`` of the stored tensor ``key`` (stored as ``chunks``), read through ``storage``."""
     out = torch.empty(box.shape, dtype=dtype)
     items: list[ReadItem] = []
-    dests: list[torch.Tensor] = []
+    dests: list[torch.Tensor | _Reshaped] = []
     for chunk in chunks:
         inter = chunk.intersect(box)
-        if inter is None:
-            continue
-        items.append(
-            ReadItem(
-                type=LoadItemType.TENSOR,
-                dest_index=MetadataIndex(key, inter.start, index=len(dests)),
-                dest_offsets=torch.Size([0] * box.ndim),
-                storage_index=MetadataIndex(key, chunk.start),
-                storage_offsets=torch.Size(
-                    a - b for a, b in zip(inter.start, chunk.start, strict=True)
-                ),
-                lengths=torch.Size(inter.shape),
-            )
-        )
-        dests.append(out[inter.relative_to(box).slices()])
+        if inter is not None:
+            _read_into(items, dests, key, inter, chunk, out[inter.relative_to(box).slices()])
     storage.read_data(LoadPlan(items), _LoadPlanner(items, dests, source)).wait()
     return out
 

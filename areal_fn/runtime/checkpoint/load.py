@@ -40,6 +40,7 @@ from areal_fn.runtime.checkpoint.dcp import (
     _from_bytes,
     _LoadPlanner,
     _piece_view,
+    _read_into,
     _Reshaped,
     _single_process_dcp,
     _viewed,
@@ -239,22 +240,22 @@ def _read_items(
     dests: list[torch.Tensor | _Reshaped],
     scalars: dict[tuple[str, str, str], torch.Tensor],
 ) -> None:
-    def add(key: str, box: Box, chunk: Box, dest: "torch.Tensor | _Reshaped") -> None:
-        _add_read(items, dests, key, box, chunk, dest)
-
     views = dict(plan.views)
     for rp in plan.reads:
         param = _viewed(views, rp.tensor, st.params[rp.tensor], "parameter")
-        add(rp.canonical, rp.box, rp.chunk, _piece_view(param, rp.local_box, rp.box))
+        _read_into(
+            items, dests, rp.canonical, rp.box, rp.chunk, _piece_view(param, rp.local_box, rp.box)
+        )
         for m in opt.moments:
             state = _viewed(views, rp.tensor, st.optim[rp.tensor][m], f"{m} of")
             view = _piece_view(state, rp.local_box, rp.box)
-            add(optim_key(rp.canonical, m), rp.box, rp.chunk, view)
+            _read_into(items, dests, optim_key(rp.canonical, m), rp.box, rp.chunk, view)
         for s in opt.scalars:
             k = (rp.tensor, rp.canonical, s)
             if k not in scalars:
                 scalars[k] = torch.empty((), dtype=st.optim[rp.tensor][s].dtype)
-                add(optim_key(rp.canonical, s), Box(ranges=()), Box(ranges=()), scalars[k])
+                scalar = Box(ranges=())
+                _read_into(items, dests, optim_key(rp.canonical, s), scalar, scalar, scalars[k])
 
 
 def _read_padding_scalars(
@@ -285,29 +286,7 @@ def _read_padding_scalars(
             k = (name, canonical, s)
             scalars[k] = torch.empty((), dtype=st.optim[name][s].dtype)
             scalar = Box(ranges=())
-            _add_read(items, dests, optim_key(canonical, s), scalar, scalar, scalars[k])
-
-
-def _add_read(
-    items: list[ReadItem],
-    dests: list[torch.Tensor | _Reshaped],
-    key: str,
-    box: Box,
-    chunk: Box,
-    dest: "torch.Tensor | _Reshaped",
-) -> None:
-    """A read of ``box`` of stored entry ``key`` (inside stored chunk ``chunk``) into ``dest``."""
-    items.append(
-        ReadItem(
-            type=LoadItemType.TENSOR,
-            dest_index=MetadataIndex(key, box.start, index=len(dests)),
-            dest_offsets=torch.Size([0] * box.ndim),
-            storage_index=MetadataIndex(key, chunk.start),
-            storage_offsets=torch.Size(b - c for b, c in zip(box.start, chunk.start, strict=True)),
-            lengths=torch.Size(box.shape),
-        )
-    )
-    dests.append(dest)
+            _read_into(items, dests, optim_key(canonical, s), scalar, scalar, scalars[k])
 
 
 def _check_dtypes(
