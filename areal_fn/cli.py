@@ -23,10 +23,10 @@ if TYPE_CHECKING:
     pass
 
 
-def _model(arg: str) -> ModelSpec:
+def _model(arg: str, *, mtp: bool = False) -> ModelSpec:
     """A config path, a directory holding one, or an embedded name (``areal-fn models``):
     the one resolver :func:`~areal_fn.model.spec.model_from_hf_config` uses."""
-    return model_from_hf_config(arg)
+    return model_from_hf_config(arg, mtp=mtp)
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -65,7 +65,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from areal_fn.runtime.commands.suggest import cmd_suggest
 
     console = text_console()
-    model = _model(args.config)
+    model = _model(args.config, mtp=args.mtp)
+    if args.suggest and model.mtp_layers:
+        raise SpecError(
+            f"--mtp: {args.config} has {model.mtp_layers} multi-token-prediction layer(s), and "
+            f"--suggest ranks training strategies (fsdp, megatron), which do not hold them; "
+            f"leave out --mtp"
+        )
     if args.suggest:
         return cmd_suggest(console, model, args)
     if args.allocation is None:
@@ -204,6 +210,12 @@ def _add_plan_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
         help="allocation string, e.g. 'megatron:d2p2t2' or 'sglang:d4t2+fsdp:d8'",
     )
     plan.add_argument("--json", action="store_true", help="print one JSON document (docs/cli.md)")
+    plan.add_argument(
+        "--mtp",
+        action="store_true",
+        help="hold the config's multi-token-prediction layers (num_nextn_predict_layers) as "
+        "tensors: inference components carry them, fsdp and megatron refuse them",
+    )
     plan.add_argument(
         "--tensors", type=int, default=0, help="also list the placements of the first N tensors"
     )

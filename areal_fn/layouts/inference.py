@@ -23,6 +23,10 @@ names. Rules (both engines):
   likewise (``Shard(1)``), ``down_proj [E, I, H]`` by rows (``Shard(1)``);
   ``down_proj_bias`` and the router (weight and bias) replicated.
 - norms, q/k norms and the MoE router are replicated.
+- multi-token-prediction layers (:mod:`areal_fn.model.mtp`) on the last stage: their
+  decoder layer by the rules above, ``embed_tokens`` and ``shared_head.head`` like the
+  main embedding, ``enorm``, ``hnorm``, ``shared_head.norm`` and ``eh_proj``
+  replicated (both engines build ``eh_proj`` as an unsharded linear).
 - pipeline stages (``p``): layer ``i`` on stage ``s`` by an even split, the first
   ``L % pp`` stages one layer longer; embeddings on stage 0, final norm and head on the
   last.
@@ -67,7 +71,7 @@ def layer_stage(layer: int, num_layers: int, pp: int) -> int:
 
 
 #: Weight names (suffixes) by their ``tp`` placement.
-_VOCAB = ("embed_tokens.weight", "lm_head.weight")
+_VOCAB = ("embed_tokens.weight", "lm_head.weight", "shared_head.head.weight")
 _KV = ("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")
 _COLUMN = (
     "q_proj.weight",
@@ -118,6 +122,8 @@ def _stage(name: str, model: ModelSpec, pp: int) -> int:
     """The pipeline stage holding canonical tensor ``name``: its layer's, else the
     first (embeddings) or the last (final norm, head)."""
     layer = layer_of(name)
+    if layer is not None and layer >= model.num_layers:
+        return pp - 1  # a multi-token-prediction layer: after the last decoder layer
     if layer is not None:
         return layer_stage(layer, model.num_layers, pp)
     if name.startswith("model.embed_tokens"):

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from areal_fn.errors import SpecError, UnsupportedConfigError
 from areal_fn.model.families import FAMILIES, MODEL_TYPE_ALIASES, Family, family
 from areal_fn.model.mla import mla_fields
+from areal_fn.model.mtp import MTP_KEY
 from areal_fn.model.tensor_spec import dtype_name
 
 __all__ = ["ROPE_TYPES"]
@@ -309,8 +310,9 @@ def _clamped_swiglu(c: _Config) -> dict[str, object]:
     return {k: c.number(k, c.get(k)) for k in ("swiglu_alpha", "swiglu_limit")}
 
 
-def _spec_fields(raw: Mapping[str, object]) -> dict[str, object]:
-    """The :class:`~areal_fn.model.spec.ModelSpec` fields of one config dict."""
+def _spec_fields(raw: Mapping[str, object], *, mtp: bool = False) -> dict[str, object]:
+    """The :class:`~areal_fn.model.spec.ModelSpec` fields of one config dict (``mtp``:
+    with the multi-token-prediction layers the config declares)."""
     model_type = raw.get("model_type")
     if not isinstance(model_type, str):
         raise SpecError(
@@ -378,6 +380,8 @@ def _spec_fields(raw: Mapping[str, object]) -> dict[str, object]:
         )
     else:
         fields["moe_layers"] = (False,) * layers
+    if mtp and fam.mtp:
+        fields["mtp_layers"] = c.integer(MTP_KEY, minimum=0)
     return fields
 
 

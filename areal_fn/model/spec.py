@@ -31,6 +31,7 @@ from areal_fn.model.families.mapping import CONDITIONS, Dim, layer_tensors
 from areal_fn.model.hf_config import ROPE_TYPES as ROPE_TYPES
 from areal_fn.model.hf_config import _positive_float, _rope_pairs, _spec_fields
 from areal_fn.model.mla import mla_config
+from areal_fn.model.mtp import MTP_KEY, mtp_shapes
 from areal_fn.model.routing import ROUTER_SCORES as ROUTER_SCORES
 from areal_fn.model.spec_rules import check_model
 from areal_fn.model.tensor_spec import TensorSpec, dtype_name
@@ -121,6 +122,8 @@ class ModelSpec:
     tokens only (empty, and ``sliding_window`` 0, for families without them; gpt-oss
     always has a window, whether or not a layer slides). Clamped
     SwiGLU experts (gpt-oss): ``swiglu_alpha`` and ``swiglu_limit`` (``None`` elsewhere).
+    ``mtp_layers``: multi-token-prediction layers held as canonical tensors after the
+    others (:mod:`areal_fn.model.mtp`; 0 unless read with ``mtp=True``).
     """
 
     model_type: str = attrs.field(validator=_check_model_type)
@@ -164,6 +167,7 @@ class ModelSpec:
     sliding_layers: tuple[bool, ...] = attrs.field(default=(), converter=_sliding_bools)
     swiglu_alpha: float | None = attrs.field(default=None, converter=_optional_float)
     swiglu_limit: float | None = attrs.field(default=None, converter=_optional_float)
+    mtp_layers: int = attrs.field(default=0, validator=_nonneg)
 
     def __attrs_post_init__(self) -> None:
         check_model(self)
@@ -281,7 +285,7 @@ class ModelSpec:
         layers: list[list[TensorSpec]] = [[] for _ in range(self.num_layers)]
         for t in self.tensors:
             i = layer_of(t.name)
-            if i is not None:
+            if i is not None and i < self.num_layers:  # not an MTP layer
                 layers[i].append(t)
         return tuple(tuple(ts) for ts in layers)
 
@@ -354,29 +358,36 @@ class ModelSpec:
             ]
         if fam.clamped_swiglu:
             cfg["swiglu_alpha"], cfg["swiglu_limit"] = self.swiglu_alpha, self.swiglu_limit
+        if fam.mtp:
+            cfg[MTP_KEY] = self.mtp_layers
         return dict(sorted(cfg.items()))
 
 
 # -- canonical tensors ----------------------------------------------------------------
 
 
+def _moe_indices(spec: ModelSpec) -> list[int]:
+    """The index of every layer with routed experts, MTP layers included."""
+    mtp = range(spec.num_layers, spec.num_layers + spec.mtp_layers) if spec.family.moe else ()
+    return [i for i, m in enumerate(spec.moe_layers) if m] + list(mtp)
+
+
 def _per_expert_names(spec: ModelSpec) -> list[tuple[str, int]]:
     """Expert 0's canonical tensors in every MoE layer, with the layer index."""
     out = []
-    for i, moe in enumerate(spec.moe_layers):
-        if moe:
-            out += [
-                (f"model.layers.{i}." + r.name.format(e=0), i)
-                for r in spec.family.canonical
-                if r.expert
-            ]
+    for i in _moe_indices(spec):
+        out += [
+            (f"model.layers.{i}." + r.name.format(e=0), i)
+            for r in spec.family.canonical
+            if r.expert
+        ]
     return out
 
 
 def _stacked_names(spec: ModelSpec) -> list[str]:
     """The stacked expert tensors (every expert along dim 0) of every MoE layer."""
     rows = [r for r in spec.family.canonical if r.stacked]
-    return [f"model.layers.{i}.{r.name}" for i, m in enumerate(spec.moe_layers) if m for r in rows]
+    return [f"model.layers.{i}.{r.name}" for i in _moe_indices(spec) for r in rows]
 
 
 def dim_sizes(spec: ModelSpec) -> dict[Dim, int]:
@@ -428,7 +439,17 @@ def _canonical_shapes(spec: ModelSpec) -> list[tuple[str, tuple[int, ...], str |
     out.append(("model.norm.weight", (hid,), None))
     if not spec.tie_word_embeddings:
         out.append(("lm_head.weight", (spec.vocab_size, hid), None))
-    return out
+    return out + mtp_shapes(
+        table,
+        num_layers=spec.num_layers,
+        mtp_layers=spec.mtp_layers,
+        vocab=spec.vocab_size,
+        hidden=hid,
+        moe=spec.family.moe,
+        flags=flags,
+        sizes=sizes,
+        num_experts=spec.num_experts,
+    )
 
 
 # -- config.json -> ModelSpec ---------------------------------------------------------
@@ -453,8 +474,15 @@ def load_hf_config(path: str | os.PathLike[str]) -> dict[str, object]:
 
 
 @beartype
-def model_from_hf_config(config: str | os.PathLike[str] | Mapping[str, object]) -> ModelSpec:
+def model_from_hf_config(
+    config: str | os.PathLike[str] | Mapping[str, object], *, mtp: bool = False
+) -> ModelSpec:
     """The :class:`ModelSpec` of an HF ``config.json`` (a dict, a file, or a directory).
+
+    ``mtp=True`` adds the config's ``num_nextn_predict_layers`` multi-token-prediction
+    layers to the canonical tensors (DeepSeek-V3, GLM-4.5; :mod:`areal_fn.model.mtp`);
+    by default the spec is the model transformers builds, which has none. Then
+    ``model_from_hf_config(spec.hf_config(), mtp=spec.mtp_layers > 0) == spec``.
 
     Required keys missing, an unsupported ``model_type`` or inconsistent sizes raise a
     :class:`SpecError` naming the key, the value and the rule. Keys that would change what
@@ -467,17 +495,17 @@ def model_from_hf_config(config: str | os.PathLike[str] | Mapping[str, object]) 
     dropout rates (the engines train without dropout), router loss settings, ...
     """
     if isinstance(config, Mapping):
-        return _from_mapping(config)
+        return _from_mapping(config, mtp)
     source = str(config)
     data = load_hf_config(config)
     try:
-        return _from_mapping(data)
+        return _from_mapping(data, mtp)
     except SpecError as exc:
         raise type(exc)(f"{source}: {exc}") from None
 
 
-def _from_mapping(raw: Mapping[str, object]) -> ModelSpec:
-    return ModelSpec(**_spec_fields(raw))  # type: ignore[arg-type]
+def _from_mapping(raw: Mapping[str, object], mtp: bool) -> ModelSpec:
+    return ModelSpec(**_spec_fields(raw, mtp=mtp))  # type: ignore[arg-type]
 
 
 @beartype

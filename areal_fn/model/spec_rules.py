@@ -73,9 +73,22 @@ def _check_window_and_swiglu(spec: Any) -> None:
         )
 
 
+def _check_mtp(spec: Any) -> None:
+    """Multi-token-prediction layers only for the families that have them."""
+    if spec.mtp_layers and not spec.family.mtp:
+        from areal_fn.model.families import FAMILIES
+
+        have = sorted(f.model_type for f in FAMILIES.values() if f.mtp)
+        raise SpecError(
+            f"mtp_layers={spec.mtp_layers}: {spec.model_type} has no multi-token-prediction "
+            f"layers (families with them: {', '.join(have)}); use mtp_layers=0"
+        )
+
+
 def check_model(spec: Any) -> None:
     fam = spec.family
     _check_family_shape(spec)
+    _check_mtp(spec)
     _check_window_and_swiglu(spec)
     heads, kv = spec.num_attention_heads, spec.num_key_value_heads
     if heads % kv:

@@ -82,8 +82,10 @@ def _unexpected_hint(unexpected: Sequence[str], specs: tuple[TensorSpec, ...]) -
     if extra:
         hints.append(
             f"; layers {extra} are beyond num_hidden_layers (multi-token-prediction layers, "
-            "num_nextn_predict_layers, are not part of the model transformers builds): keep "
-            "them out of the checkpoint this model is read from"
+            "num_nextn_predict_layers, are not part of the model transformers builds): read "
+            "the model with model_from_hf_config(config, mtp=True) to hold them (inference "
+            "layouts carry them, fsdp and megatron refuse them), or keep them out of the "
+            "checkpoint this model is read from"
         )
     return "".join(hints)
 

@@ -1,8 +1,7 @@
 """The one rule of parallel degrees: which ``ParallelDims`` a layout of a model can hold.
 
-Every path that accepts or refuses degrees calls :func:`check_dims` (the FSDP2,
-Megatron and inference layouts, the censuses, :func:`~areal_fn.strategy.check.check_strategy`
-and so the ``areal-fn plan`` command, the advisor), and every remedy comes from
+Every path that accepts or refuses degrees calls :func:`check_dims` (the layouts, the
+censuses, ``check_strategy`` and so ``areal-fn plan``, the advisor); every remedy comes from
 :func:`valid_degrees`: the candidate values of the refused degree filtered through the
 same rules, the other degrees held. So a remedy lists only values that are accepted.
 
@@ -40,10 +39,11 @@ Rules by kind (``fsdp2``, ``megatron``, ``inference``, and the engines ``sglang`
   (``sglang/srt/models/llama.py``), so ``p`` must be 1; ``Qwen3MoeForCausalLM``
   always builds its own ``ParallelLMHead`` and never loads a tied embedding into it
   (``sglang/srt/models/qwen3_moe.py``). ``vllm`` holds what the ``inference`` layout
-  says for every supported family.
+  says for every supported family;
+- before all of them: FSDP2 and Megatron hold no multi-token-prediction layers
+  (:func:`~areal_fn.model.mtp.check_mtp`).
 
-``ep * etp`` dividing ``dp * tp * cp`` is :class:`~areal_fn.strategy.allocation.ParallelDims`'
-own check; a candidate that breaks it is not a remedy either.
+``ep * etp`` dividing ``dp * tp * cp`` is ParallelDims' own check, not a remedy either.
 """
 
 from collections.abc import Callable, Iterator
@@ -52,6 +52,7 @@ from typing import Literal
 import attrs
 
 from areal_fn.errors import LayoutError, SpecError
+from areal_fn.model.mtp import check_mtp
 from areal_fn.model.spec import ModelSpec
 from areal_fn.strategy.allocation import ParallelDims, divisors
 from areal_fn.strategy.rules_fixed import _FSDP2_FIXED, _INFERENCE_FIXED, _MEGATRON_FIXED
@@ -59,9 +60,8 @@ from areal_fn.typecheck import beartype
 
 __all__ = ["KINDS", "Kind", "Problem", "check_dims", "dims_problems", "valid_degrees"]
 
-#: What the rules are for: a layout kind (as :attr:`~areal_fn.layouts.layout.Layout.kind` names
-#: it), or one inference engine (the ``inference`` rules plus what its own model code
-#: cannot hold).
+#: What the rules are for: a layout kind (``Layout.kind``), or one inference engine (the
+#: ``inference`` rules plus what its own model code cannot hold).
 Kind = Literal["fsdp2", "megatron", "inference", "sglang", "vllm"]
 
 #: The engines' vocabulary padding (``DEFAULT_VOCAB_PADDING_SIZE``).
@@ -114,8 +114,7 @@ def _dense_experts(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None
             text=f"ep={d.ep} given for dense model {m.model_type} without experts; use ep=1 "
             "(expert parallelism splits experts only)",
         )
-    # etp is left alone: Megatron-Core builds dense models under any expert tensor
-    # parallel size (its default equals tp) and uses it for expert weights only
+    # etp is left alone: Megatron-Core builds dense models under any etp (default tp)
     return None
 
 
@@ -499,6 +498,7 @@ def check_dims(
 ) -> None:
     """Raise ``LayoutError`` for the first rule ``dims`` break, with the remedy: the
     values of the refused degree that pass (:func:`valid_degrees`)."""
+    check_mtp(mtp_layers=model.mtp_layers, num_layers=model.num_layers, kind=kind)
     o = _options(vocab_multiple, tp_embeddings, hsdp_replicas)
     for p in _problems(model, kind, dims, o):
         if p.fixed:

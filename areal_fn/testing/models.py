@@ -142,6 +142,7 @@ def _draw_moe(
         _maybe(draw, cfg, "n_shared_experts", st.integers(1, 2))
         _maybe(draw, cfg, "routed_scaling_factor", st.sampled_from([1.0, 2.5]))
         _maybe(draw, cfg, "norm_topk_prob", st.booleans())
+        _maybe(draw, cfg, "num_nextn_predict_layers", st.integers(0, 2))
     elif name == "mixtral":
         experts = draw(st.integers(1, max_experts))
         cfg["num_local_experts"] = experts
@@ -180,6 +181,9 @@ def gpt_oss_layer_types(draw: st.DrawFn, cfg: dict[str, object]) -> dict[str, ob
 
 
 @st.composite
-def model_specs(draw: st.DrawFn, family: str | None = None, **kwargs: int) -> ModelSpec:
-    """A :class:`ModelSpec` of a tiny config drawn by :func:`hf_configs`."""
-    return model_from_hf_config(draw(hf_configs(family, **kwargs)))
+def model_specs(
+    draw: st.DrawFn, family: str | None = None, *, mtp: bool = False, **kwargs: int
+) -> ModelSpec:
+    """A :class:`ModelSpec` of a tiny config drawn by :func:`hf_configs` (``mtp``: with
+    the multi-token-prediction layers the config declares)."""
+    return model_from_hf_config(draw(hf_configs(family, **kwargs)), mtp=mtp)

@@ -35,6 +35,7 @@ from areal_fn.sharding.mesh import Mesh
 from areal_fn.sharding.placement import Replicate, Shard
 from areal_fn.sharding.sharding import Sharding
 from areal_fn.sharding.strided import View
+from areal_fn.strategy.rules import dims_problems
 from areal_fn.testing.layouts import inference_dims_for, megatron_layouts_for
 from areal_fn.testing.models import model_specs
 from tests.laws.test_strided_pieces import TINY_GPT_OSS
@@ -47,8 +48,9 @@ def partners(draw: st.DrawFn, model: ModelSpec) -> Layout:
         return draw(megatron_layouts_for(model, max_world=8))
     if kind == "inference":
         return inference_layout(model, draw(inference_dims_for(model, max_world=8)))
-    tp = draw(st.sampled_from([d for d in (1, 2) if model.num_key_value_heads % d == 0]))
-    return fsdp2_layout(model, ParallelDims(dp=draw(st.integers(1, 3)), tp=tp))
+    dp = draw(st.integers(1, 3))
+    tps = [d for d in (1, 2) if not dims_problems(model, "fsdp2", ParallelDims(dp=dp, tp=d))]
+    return fsdp2_layout(model, ParallelDims(dp=dp, tp=draw(st.sampled_from(tps))))
 
 
 @st.composite

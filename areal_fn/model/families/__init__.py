@@ -167,6 +167,8 @@ class Family:
     - ``first_k_dense``: the config key naming how many leading layers are dense, every
       later layer MoE (DeepSeek/GLM's ``first_k_dense_replace``), or ``None`` when MoE
       layers follow ``decoder_sparse_step`` / ``mlp_only_layers``.
+    - ``mtp``: the config may declare multi-token-prediction layers
+      (``num_nextn_predict_layers``, :mod:`areal_fn.model.mtp`).
     - ``moe_keys``: ``(ModelSpec field, config key)`` of the routing fields the config
       gives (``("num_shared_experts", "n_shared_experts")``...).
     - ``mla``: multi-latent attention (DeepSeek-V3): the config gives ``q_lora_rank``,
@@ -212,6 +214,7 @@ class Family:
     partial_rotary: bool = False
     mla: bool = False
     first_k_dense: str | None = None
+    mtp: bool = False
     moe_keys: tuple[tuple[str, str], ...] = attrs.field(
         default=(), converter=lambda v: tuple((str(a), str(b)) for a, b in v)
     )

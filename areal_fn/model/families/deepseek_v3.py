@@ -18,9 +18,10 @@ embeddings to de-interleaved dims, which is what transformers computes with
 refuses ``rope_interleave=false``.
 
 Multi-token-prediction layers (``num_nextn_predict_layers``) are not part of the model
-transformers builds or ``save_pretrained`` writes, so they are not canonical tensors: a
-checkpoint that holds them (``model.layers.{num_hidden_layers}.*``) is refused by the
-strict readers, which list them as unexpected, not dropped.
+transformers builds or ``save_pretrained`` writes; they are canonical tensors when the
+spec is read with ``mtp=True`` (:mod:`areal_fn.model.mtp`), and otherwise a checkpoint
+that holds them (``model.layers.{num_hidden_layers}.*``) is refused by the strict
+readers, which list them as unexpected, not dropped.
 """
 
 from areal_fn.model.families import CORE_KEYS, STACKED_SWIGLU_EXPERTS, Family
@@ -129,6 +130,7 @@ FAMILY = Family(
         ("n_group", 8),
         ("topk_group", 4),
         ("first_k_dense_replace", 3),
+        ("num_nextn_predict_layers", 1),
         ("norm_topk_prob", True),
     ),
     bias_flags=(),
@@ -144,6 +146,7 @@ FAMILY = Family(
     moe=True,
     mla=True,
     first_k_dense="first_k_dense_replace",
+    mtp=True,
     key_sources=(("num_experts", "n_routed_experts"),),
     foreign_keys=DEEPSEEK_MOE_FOREIGN_KEYS,
     moe_keys=DEEPSEEK_MOE_KEYS,

@@ -8,9 +8,10 @@ routed experts ``mlp.experts.{e}.{gate,up,down}_proj`` of ``moe_intermediate_siz
 and ``mlp.shared_experts.{gate,up,down}_proj`` of ``n_shared_experts *
 moe_intermediate_size``. transformers 5 fuses the routed experts in memory as Qwen3-MoE
 does. Multi-token-prediction layers (``num_nextn_predict_layers``) are not part of the
-model transformers builds or ``save_pretrained`` writes, so they are not canonical
-tensors: a checkpoint that holds them (``model.layers.{num_hidden_layers}.*``) is
-refused by the strict readers, which list them as unexpected, not dropped.
+model transformers builds or ``save_pretrained`` writes; they are canonical tensors when
+the spec is read with ``mtp=True`` (:mod:`areal_fn.model.mtp`), and otherwise a
+checkpoint that holds them (``model.layers.{num_hidden_layers}.*``) is refused by the
+strict readers, which list them as unexpected, not dropped.
 """
 
 from areal_fn.model.families import STACKED_SWIGLU_EXPERTS, Family
@@ -158,6 +159,7 @@ FAMILY = Family(
         ("n_group", 1),
         ("topk_group", 1),
         ("first_k_dense_replace", 1),
+        ("num_nextn_predict_layers", 1),
         ("norm_topk_prob", True),
     ),
     bias_flags=(("attention_bias", ("qkv_bias",)), ("use_qk_norm", ("qk_norm",))),
@@ -170,6 +172,7 @@ FAMILY = Family(
     moe=True,
     partial_rotary=True,
     first_k_dense="first_k_dense_replace",
+    mtp=True,
     key_sources=(("num_experts", "n_routed_experts"),),
     foreign_keys=DEEPSEEK_MOE_FOREIGN_KEYS,
     moe_keys=DEEPSEEK_MOE_KEYS,

@@ -251,7 +251,9 @@ def cmd_plan(
     console.print(
         Text.assemble(
             (model.model_type, "bold"),
-            f" {model.num_layers} layers, {model.num_params:,} parameters; allocation ",
+            f" {model.num_layers} layers"
+            + (f" + {model.mtp_layers} multi-token-prediction" if model.mtp_layers else "")
+            + f", {model.num_params:,} parameters; allocation ",
             (str(alloc), "bold"),
             f" on {alloc.world_size} ranks",
         )

@@ -37,6 +37,7 @@ def model_json(model: ModelSpec, config: str) -> dict[str, Any]:
         "config": config,
         "model_type": model.model_type,
         "num_layers": model.num_layers,
+        "mtp_layers": model.mtp_layers,
         "num_params": model.num_params,
         "dtype": model.dtype,
     }

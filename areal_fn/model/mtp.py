@@ -1,0 +1,109 @@
+"""Multi-token-prediction (MTP) layers as canonical tensors (DeepSeek-V3, GLM-4.5).
+
+A DeepSeek-V3 or GLM-4.5 checkpoint holds, after its ``num_hidden_layers`` decoder
+layers, ``num_nextn_predict_layers`` MTP layers under the next layer indices
+(``model.layers.61.*`` in DeepSeek-V3, ``model.layers.92.*`` in GLM-4.5). transformers
+builds no module for them and ``save_pretrained`` does not write them, so they are
+canonical tensors only when asked for:
+:func:`~areal_fn.model.spec.model_from_hf_config` with ``mtp=True`` sets
+:attr:`~areal_fn.model.spec.ModelSpec.mtp_layers` to the config's
+``num_nextn_predict_layers``.
+
+MTP layer ``j`` (index ``i = num_layers + j``) holds, in this order:
+
+- ``model.layers.{i}.embed_tokens.weight`` ``[vocab, H]`` (its own copy of the
+  embedding, as the checkpoint stores it);
+- ``enorm.weight`` ``[H]`` and ``hnorm.weight`` ``[H]`` (the norms of the next token's
+  embedding and of the previous depth's hidden state);
+- ``eh_proj.weight`` ``[H, 2H]`` (the projection of their concatenation,
+  ``[enorm(e); hnorm(h)]``);
+- one decoder layer, the family's canonical table with routed experts (its index is
+  past ``first_k_dense_replace``);
+- ``shared_head.norm.weight`` ``[H]`` and ``shared_head.head.weight`` ``[vocab, H]``.
+
+They come after every other canonical tensor, layer by layer.
+
+What each layout does with them (:func:`mtp_refusal` words the refusals):
+
+- inference layouts (SGLang, vLLM) carry them: the decoder layer's tensors placed by the
+  same rules as a main layer's, ``embed_tokens`` and ``shared_head.head`` padded and
+  split over ``tp`` like the main embedding, the norms and ``eh_proj`` replicated, all
+  on the last pipeline stage;
+- the FSDP2 layout refuses them: it trains the transformers model, which has no MTP
+  layers;
+- the Megatron-Core layout refuses them: Megatron-Core's MTP block shares the main
+  model's embedding and output layer, so the checkpoint's own copies
+  (``embed_tokens``, ``shared_head.head``) have no parameter to go to.
+
+They are never dropped: a checkpoint that holds them is read by a spec with
+``mtp=True`` or refused by the strict readers as holding unexpected tensors.
+"""
+
+from collections.abc import Mapping
+
+from areal_fn.errors import LayoutError
+from areal_fn.model.families.mapping import Dim, HfTensor, layer_tensors
+
+#: The config key giving the number of MTP layers.
+MTP_KEY = "num_nextn_predict_layers"
+
+Shapes = list[tuple[str, tuple[int, ...], str | None]]
+
+
+def mtp_shapes(
+    table: tuple[HfTensor, ...],
+    *,
+    num_layers: int,
+    mtp_layers: int,
+    vocab: int,
+    hidden: int,
+    moe: bool,
+    flags: Mapping[str, object],
+    sizes: Mapping[Dim, int],
+    num_experts: int,
+) -> Shapes:
+    """The canonical ``(name, shape, dtype or None)`` of every MTP layer, in order."""
+    out: Shapes = []
+    for j in range(mtp_layers):
+        p = f"model.layers.{num_layers + j}."
+        out += [
+            (p + "embed_tokens.weight", (vocab, hidden), None),
+            (p + "enorm.weight", (hidden,), None),
+            (p + "hnorm.weight", (hidden,), None),
+            (p + "eh_proj.weight", (hidden, 2 * hidden), None),
+        ]
+        out += layer_tensors(table, p, moe=moe, flags=flags, sizes=sizes, num_experts=num_experts)
+        out += [
+            (p + "shared_head.norm.weight", (hidden,), None),
+            (p + "shared_head.head.weight", (vocab, hidden), None),
+        ]
+    return out
+
+
+def check_mtp(*, mtp_layers: int, num_layers: int, kind: str) -> None:
+    """Raise :func:`mtp_refusal`'s error when a ``kind`` layout (``fsdp2``, ``megatron``,
+    an inference kind) cannot hold ``mtp_layers`` MTP layers: the trainers cannot."""
+    if mtp_layers and kind in ("fsdp2", "megatron"):
+        backend = "fsdp" if kind == "fsdp2" else kind
+        raise mtp_refusal(mtp_layers=mtp_layers, num_layers=num_layers, backend=backend)
+
+
+def mtp_refusal(*, mtp_layers: int, num_layers: int, backend: str) -> LayoutError:
+    """The error of a trainer layout (``fsdp``, ``megatron``) asked to hold MTP layers."""
+    first, last = num_layers, num_layers + mtp_layers - 1
+    where = f"model.layers.{first}.*" + (f" .. model.layers.{last}.*" if last > first else "")
+    why = {
+        "fsdp": "the fsdp backend trains the transformers model, which has no MTP layers",
+        "megatron": (
+            "Megatron-Core's MTP block shares the main model's embedding and output layer, "
+            "so the checkpoint's own copies (embed_tokens, shared_head.head) have no "
+            "parameter to go to; the megatron layout does not hold MTP layers"
+        ),
+    }[backend]
+    return LayoutError(
+        f"the model has {mtp_layers} multi-token-prediction layer(s) ({where}, "
+        f"mtp_layers={mtp_layers}); {why}. Inference layouts (sglang, vllm) carry them. To "
+        f"train with {backend}, build the model without them (model_from_hf_config(config), "
+        f"mtp=False, the default; on the command line leave out --mtp) and read a checkpoint "
+        f"that does not hold {where}"
+    )
