@@ -377,6 +377,17 @@ def _add_convert_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser
         help="--to-hf of a torch_dist checkpoint holding optimizer state: convert the "
         "parameters alone (optimizer state is not carried)",
     )
+    conv.add_argument(
+        "--mtp",
+        action="store_true",
+        help="rank files of an inference allocation: carry the checkpoint's "
+        "multi-token-prediction layers (num_nextn_predict_layers); fsdp and megatron refuse them",
+    )
+    conv.add_argument(
+        "--drop-mtp",
+        action="store_true",
+        help="leave out the checkpoint's multi-token-prediction layers (listed as not carried)",
+    )
     conv.add_argument("--json", action="store_true", help="print one JSON document (docs/cli.md)")
     conv.set_defaults(func=cmd_convert)
 
@@ -392,6 +403,19 @@ CLI_WORDS = (
     ("pass verify", "pass --verify"),
     ("pass trust_pickle=True only", "pass --trust-pickle only"),
     ("pass drop_optimizer=True", "pass --drop-optimizer"),
+    (
+        "(model_from_hf_config(config), mtp=False, the default; on the command line leave out "
+        "--mtp)",
+        "(leave out --mtp)",
+    ),
+    ("model_from_hf_config(config, mtp=True)", "--mtp"),
+    (
+        "with drop_mtp=True (HfCheckpoint.check, convert_to_local, convert_to_torch_dist)",
+        "with --drop-mtp",
+    ),
+    ("pass drop_mtp=True", "pass --drop-mtp"),
+    ("drop drop_mtp=True", "drop --drop-mtp"),
+    ("drop_mtp=True: ", "--drop-mtp: "),
     (
         "a lighter policy (PrecisionPolicy.bf16_pure()), recompute=True, a smaller micro-batch "
         "or optimizer_offload=True",

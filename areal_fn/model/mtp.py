@@ -39,9 +39,11 @@ They are never dropped: a checkpoint that holds them is read by a spec with
 ``mtp=True`` or refused by the strict readers as holding unexpected tensors.
 """
 
-from collections.abc import Mapping
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
 
-from areal_fn.errors import LayoutError
+from areal_fn.errors import ConversionError, LayoutError
 from areal_fn.model.families.mapping import Dim, HfTensor, layer_tensors
 
 #: The config key giving the number of MTP layers.
@@ -78,6 +80,25 @@ def mtp_shapes(
             (p + "shared_head.head.weight", (vocab, hidden), None),
         ]
     return out
+
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def mtp_names(names: Iterable[str], model: Any) -> tuple[str, ...]:
+    """The names among ``names`` (a checkpoint's) of multi-token-prediction layers that
+    ``model`` (a :class:`~areal_fn.model.spec.ModelSpec`) does not hold: ``model.layers.{i}.*``
+    with ``i >= num_layers + mtp_layers``. ``ConversionError`` for a model whose family has
+    no MTP layers (such names are then not MTP layers: they stay unexpected tensors)."""
+    if not model.family.mtp:
+        raise ConversionError(
+            f"drop_mtp=True: {model.model_type} has no multi-token-prediction layers to leave "
+            f"out (families with them: deepseek_v3, glm4_moe); drop drop_mtp=True"
+        )
+    first = model.num_layers + model.mtp_layers
+    return tuple(
+        n for n in names if (m := _LAYER.match(n)) is not None and int(m.group(1)) >= first
+    )
 
 
 def check_mtp(*, mtp_layers: int, num_layers: int, kind: str) -> None:

@@ -51,7 +51,8 @@ CASES = [
         r"\(multi-token-prediction layers, num_nextn_predict_layers, are not part of the model "
         r"transformers builds\): read the model with model_from_hf_config\(config, "
         r"mtp=True\) to hold them \(inference layouts carry them, fsdp and megatron refuse "
-        r"them\), or keep them out of the checkpoint this model is read from$",
+        r"them\), or leave them out with drop_mtp=True \(HfCheckpoint\.check, "
+        r"convert_to_local, convert_to_torch_dist\)$",
     ),
 ]
 

@@ -25,7 +25,7 @@ from areal_fn.model.spec import ModelSpec, load_hf_config, model_from_hf_config
 from areal_fn.runtime.checkpoint.megatron import export_megatron_checkpoint, read_megatron_state
 from areal_fn.runtime.checkpoint.megatron_keys import LayerKeys, LayerSpec, default_layer_keys
 from areal_fn.runtime.checkpoint.metadata import METADATA
-from areal_fn.runtime.hf.convert import ConvertSummary, layout_of
+from areal_fn.runtime.hf.convert import ConvertSummary, carried_fields, layout_of
 from areal_fn.runtime.hf.files import read_hf_files
 from areal_fn.runtime.hf.io import HfCheckpoint, Tally, write_hf_checkpoint
 from areal_fn.runtime.replace_dir import replace_dir
@@ -80,6 +80,7 @@ def convert_to_torch_dist(
     layer_keys: LayerKeys | None = None,
     overwrite: bool = False,
     progress: Callable[[str], None] | None = None,
+    drop_mtp: bool = False,
 ) -> tuple[ConvertSummary, dict[str, object]]:
     """Write the HF checkpoint in ``src_hf_dir`` as a Megatron-Core ``torch_dist``
     checkpoint for ``allocation`` (one megatron component) at ``dst_dir``, atomically.
@@ -88,7 +89,8 @@ def convert_to_torch_dist(
     Megatron's size for its TP. ``layer_spec`` / ``layer_keys``: see
     :func:`~areal_fn.runtime.checkpoint.megatron.export_megatron_checkpoint`. Returns
     the summary and the options written (``vocab_size_padded``, ``layer_spec``,
-    ``layer_keys``).
+    ``layer_keys``). ``drop_mtp=True`` leaves out the checkpoint's multi-token-prediction
+    layers (Megatron's layout holds none), listed as not carried.
     """
     src, dst = Path(src_hf_dir), Path(dst_dir)
     start = time.perf_counter()
@@ -108,7 +110,7 @@ def convert_to_torch_dist(
             progress(name)
 
     with HfCheckpoint(src) as ckpt:
-        ckpt.check(model)
+        dropped = ckpt.check(model, drop_mtp=drop_mtp)
         hf = read_hf_files(src, weights=ckpt.files)
         dtypes = _dtypes(ckpt)
         dst.parent.mkdir(parents=True, exist_ok=True)
@@ -140,8 +142,7 @@ def convert_to_torch_dist(
         tensors=counted[0],
         bytes=counted[1],
         seconds=round(time.perf_counter() - start, 4),
-        carried=hf.names,
-        not_carried=tuple(f"{n} ({why})" for n, why in hf.skipped),
+        **carried_fields(hf, dropped),
     )
     return summary, {"vocab_size_padded": rows, "layer_spec": layer_spec, "layer_keys": keys}
 

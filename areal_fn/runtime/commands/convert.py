@@ -82,12 +82,12 @@ def _json(
     )
 
 
-def _total_local(src: str, allocation: str, ranks: list[int] | None) -> int:
+def _total_local(src: str, allocation: str, ranks: list[int] | None, mtp: bool) -> int:
     """Local tensors the conversion writes (the progress bar's total)."""
     from areal_fn.model.spec import model_from_hf_config
     from areal_fn.runtime.hf.convert import layout_of
 
-    layout, _ = layout_of(model_from_hf_config(src), allocation)
+    layout, _ = layout_of(model_from_hf_config(src, mtp=mtp), allocation)
     chosen = range(layout.world_size) if ranks is None else ranks
     return sum(len(layout.local_tensors(r)) for r in chosen if 0 <= r < layout.world_size)
 
@@ -140,6 +140,7 @@ def _format(args: argparse.Namespace) -> str:
             "--layer-spec names the Megatron layer spec of a torch_dist checkpoint; it needs "
             "--format torch_dist"
         )
+    _check_mtp_flags(args, fmt)
     if args.to_hf and fmt != "torch_dist" and (args.trust_pickle or args.drop_optimizer):
         raise ConversionError(
             "--trust-pickle and --drop-optimizer apply to a torch_dist SRC; rank files need "
@@ -187,12 +188,32 @@ def _torch_dist(args: argparse.Namespace, fmt: str) -> int:
                 layer_spec=args.layer_spec or "te",
                 overwrite=args.overwrite,
                 progress=tick,
+                drop_mtp=args.drop_mtp,
             )
     if args.json:
         _json(summary, "to-hf" if args.to_hf else "to-local", src, recorded, fmt, options)
     else:
         text_console().print(f"converted {summary}")
     return 0
+
+
+def _check_mtp_flags(args: argparse.Namespace, fmt: str) -> None:
+    """``--mtp`` and ``--drop-mtp``: one or the other, reading an HF checkpoint."""
+    if args.mtp and args.drop_mtp:
+        raise ConversionError(
+            "--mtp carries the multi-token-prediction layers and --drop-mtp leaves them out; "
+            "pass one of them"
+        )
+    if args.to_hf and (args.mtp or args.drop_mtp):
+        raise ConversionError(
+            "--mtp and --drop-mtp apply to reading an HF checkpoint; --to-hf writes the layers "
+            "the files hold (rank files record their multi-token-prediction layers): drop them"
+        )
+    if args.mtp and fmt == "torch_dist":
+        raise ConversionError(
+            "--mtp with --format torch_dist: Megatron-Core's layout holds no "
+            "multi-token-prediction layers; pass --drop-mtp to leave them out"
+        )
 
 
 def _allocation(args: argparse.Namespace) -> str:
@@ -224,9 +245,16 @@ def cmd_convert(args: argparse.Namespace) -> int:
     else:
         recorded = _allocation(args)
         ranks = None if args.rank is None else [args.rank]
-        with _bar("to per-rank files", _total_local(src, recorded, ranks)) as tick:
+        with _bar("to per-rank files", _total_local(src, recorded, ranks, args.mtp)) as tick:
             summary = convert_to_local(
-                src, recorded, dst, ranks=ranks, overwrite=args.overwrite, progress=tick
+                src,
+                recorded,
+                dst,
+                ranks=ranks,
+                overwrite=args.overwrite,
+                progress=tick,
+                mtp=args.mtp,
+                drop_mtp=args.drop_mtp,
             )
     if args.json:
         _json(summary, "to-hf" if args.to_hf else "to-local", src, recorded)

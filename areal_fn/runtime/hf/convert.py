@@ -7,10 +7,8 @@ non-weight files (generation config, tokenizer, ...: see
 :mod:`~areal_fn.runtime.hf.files`), byte for byte; this is what
 ``areal-fn convert SRC ALLOCATION DST`` does. :func:`convert_back` streams those
 files back into a sharded HF checkpoint with the same ``config.json`` and non-weight
-files: canonical tensors are
-built one at a time (:func:`~areal_fn.plans.convert.iter_to_hf`) from zero-copy
-memory-mapped views of the rank files and written atomically
-(:func:`~areal_fn.runtime.hf.io.write_hf_checkpoint`).
+files: canonical tensors are built one at a time (``iter_to_hf``) from zero-copy
+memory-mapped views of the rank files and written atomically (``write_hf_checkpoint``).
 
 Both are strict: every input is checked before anything is written, a mismatch raises
 :class:`~areal_fn.errors.ConversionError` listing what differs, and a failure leaves
@@ -93,10 +91,13 @@ class ConvertSummary:
         return text + rank_files.describe_checks(self.verified, self.unverified)
 
 
-def _carried(hf: HfFiles) -> dict[str, tuple[str, ...]]:
+def carried_fields(hf: HfFiles, dropped: Sequence[str] = ()) -> dict[str, tuple[str, ...]]:
+    """A summary's ``carried`` / ``not_carried``: files, and MTP layers ``dropped``."""
+    layers = sorted({".".join(n.split(".")[:3]) for n in dropped})
+    mtp = tuple(f"{p}.* (a multi-token-prediction layer, left out as asked)" for p in layers)
     return {
         "carried": hf.names,
-        "not_carried": tuple(f"{n} ({why})" for n, why in hf.skipped),
+        "not_carried": tuple(f"{n} ({why})" for n, why in hf.skipped) + mtp,
     }
 
 
@@ -178,6 +179,8 @@ def convert_to_local(
     dtype: torch.dtype | None = None,
     overwrite: bool = False,
     progress: Callable[[str], None] | None = None,
+    mtp: bool = False,
+    drop_mtp: bool = False,
 ) -> ConvertSummary:
     """Write ``rank{r:05d}.safetensors`` for ``ranks`` (default all) of ``target``.
 
@@ -188,17 +191,19 @@ def convert_to_local(
     converted elsewhere) each file is replaced atomically. ``config.json`` and the other
     non-weight files of ``src_hf_dir`` are copied next to the rank files unchanged; the
     summary lists them, and what was not carried (other weight files, subdirectories).
-    ``progress`` is called with each tensor name written.
+    ``progress`` is called with each tensor name written. ``mtp=True``: the model holds
+    the config's multi-token-prediction layers (``model_from_hf_config``);
+    ``drop_mtp=True``: the checkpoint's are left out, listed as not carried.
     """
     src, dst = Path(src_hf_dir), Path(dst_dir)
     start = time.perf_counter()
-    model = model_from_hf_config(src)
+    model = model_from_hf_config(src, mtp=mtp)
     layout, alloc = layout_of(model, target)
     chosen = _check_ranks(range(layout.world_size) if ranks is None else ranks, layout.world_size)
     _check_dest(dst, overwrite)
     tensors = nbytes = 0
     with HfCheckpoint(src) as ckpt:
-        ckpt.check(model)
+        dropped = ckpt.check(model, drop_mtp=drop_mtp)
         hf = read_hf_files(src, weights=ckpt.files)
         fresh = not dst.exists()
         dst.parent.mkdir(parents=True, exist_ok=True)
@@ -239,7 +244,7 @@ def convert_to_local(
         tensors=tensors,
         bytes=nbytes,
         seconds=round(time.perf_counter() - start, 4),
-        **_carried(hf),
+        **carried_fields(hf, dropped),
     )
 
 
@@ -272,6 +277,7 @@ def _rank_metadata(
         "rank": str(rank),
         "world_size": str(layout.world_size),
         "model_type": model.model_type,
+        **({"mtp_layers": str(model.mtp_layers)} if model.mtp_layers else {}),
     }
 
 
@@ -454,7 +460,8 @@ def convert_back(
     allocation recorded in the files). ``model`` defaults to ``src_dir/config.json``,
     which is copied to the checkpoint unchanged (otherwise ``model.hf_config()`` is
     written, and the summary says so), as are the other non-weight files of ``src_dir``
-    (tokenizer, generation config). Refused, before anything is written, with every mismatch listed: missing
+    (tokenizer, generation config); with the multi-token-prediction layers when the files
+    record them (``mtp_layers``). Refused, before anything is written, with every mismatch listed: missing
     or extra rank files, files written for another allocation, world size or model
     type, a tensor held in several dtypes, local tensors with other names or shapes.
     With ``check_replicas`` every replicated copy must agree bitwise. Every file's
@@ -465,19 +472,20 @@ def convert_back(
     start = time.perf_counter()
     files = _local_files(src)
     headers = {r: _header(p) for r, p in files.items()}
+    metadata = {h.path.name: dict(h.metadata) for h in headers.values()}
+    mtp = any(m.get("mtp_layers", "0") != "0" for m in metadata.values())  # written with them
     config: dict[str, object] | None = None
     if model is None:
         if not (src / CONFIG).is_file():
             raise ConversionError(f"{src} has no {CONFIG}; pass model= (a ModelSpec)")
         config = load_hf_config(src / CONFIG)
-        model = model_from_hf_config(config)
+        model = model_from_hf_config(config, mtp=mtp)
     elif (src / CONFIG).is_file():
         config = load_hf_config(src / CONFIG)
-        if model_from_hf_config(config).tensors != model.tensors:
+        if model_from_hf_config(config, mtp=mtp).tensors != model.tensors:
             raise ConversionError(
                 f"{src / CONFIG} describes another model than model=; drop model= or the file"
             )
-    metadata = {h.path.name: dict(h.metadata) for h in headers.values()}
     if target is None:
         target = rank_files.recorded_allocation(metadata, str(src))
     elif not isinstance(target, Layout):
@@ -505,7 +513,7 @@ def convert_back(
         tensors=tally.tensors,
         bytes=tally.bytes,
         seconds=round(time.perf_counter() - start, 4),
-        **_carried(hf),
+        **carried_fields(hf),
         verified=tuple(sorted(set(metadata) - set(unverified))),
         unverified=unverified,
     )

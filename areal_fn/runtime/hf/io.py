@@ -26,6 +26,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from areal_fn.errors import ConversionError
+from areal_fn.model.mtp import mtp_names
 from areal_fn.model.spec import ModelSpec
 from areal_fn.plans.convert import check_canonical
 from areal_fn.runtime.replace_dir import replace_dir
@@ -202,10 +203,21 @@ class HfCheckpoint:
     def read_full(self, name: str) -> torch.Tensor:
         return self._handle(self._file_of[name]).get_tensor(name)
 
-    def check(self, model: ModelSpec, *, allow_missing: bool = False) -> None:
-        """``ConversionError`` listing missing, extra and mis-shaped tensors against ``model``."""
-        fake = {n: torch.empty(self.shape(n), device="meta") for n in self.names}
+    def check(
+        self, model: ModelSpec, *, allow_missing: bool = False, drop_mtp: bool = False
+    ) -> tuple[str, ...]:
+        """``ConversionError`` listing missing, extra and mis-shaped tensors against ``model``.
+
+        ``drop_mtp=True`` leaves out the tensors of the multi-token-prediction layers
+        (``model.layers.{i}.*``, ``i >= num_layers``, of a family that has them) that a
+        ``model`` without them does not read, and returns their names; without it (the
+        default) they are refused as unexpected."""
+        dropped = mtp_names(self.names, model) if drop_mtp else ()
+        fake = {
+            n: torch.empty(self.shape(n), device="meta") for n in self.names if n not in dropped
+        }
         check_canonical(fake, model.tensors, allow_missing=allow_missing)
+        return dropped
 
     def close(self) -> None:
         self._handles.clear()
