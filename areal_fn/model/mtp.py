@@ -125,6 +125,7 @@ def mtp_refusal(*, mtp_layers: int, num_layers: int, backend: str) -> LayoutErro
         f"the model has {mtp_layers} multi-token-prediction layer(s) ({where}, "
         f"mtp_layers={mtp_layers}); {why}. Inference layouts (sglang, vllm) carry them. To "
         f"train with {backend}, build the model without them (model_from_hf_config(config), "
-        f"mtp=False, the default; on the command line leave out --mtp) and read a checkpoint "
-        f"that does not hold {where}"
+        f"mtp=False, the default; on the command line leave out --mtp) and read the checkpoint "
+        f"with drop_mtp=True (HfCheckpoint.check, convert_to_local, convert_to_torch_dist), "
+        f"which leaves {where} out"
     )
