@@ -66,6 +66,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     console = text_console()
     model = _model(args.config, mtp=args.mtp)
+    if args.mtp and not model.mtp_layers:
+        raise SpecError(
+            f"--mtp: {args.config} ({model.model_type}) declares no multi-token-prediction "
+            f"layers (num_nextn_predict_layers); leave out --mtp"
+        )
     if args.suggest and model.mtp_layers:
         raise SpecError(
             f"--mtp: {args.config} has {model.mtp_layers} multi-token-prediction layer(s), and "

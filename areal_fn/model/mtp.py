@@ -82,6 +82,13 @@ def mtp_shapes(
     return out
 
 
+def mtp_families() -> list[str]:
+    """The ``model_type`` of every family that may have MTP layers."""
+    from areal_fn.model.families import FAMILIES
+
+    return sorted(f.model_type for f in FAMILIES.values() if f.mtp)
+
+
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -93,7 +100,7 @@ def mtp_names(names: Iterable[str], model: Any) -> tuple[str, ...]:
     if not model.family.mtp:
         raise ConversionError(
             f"drop_mtp=True: {model.model_type} has no multi-token-prediction layers to leave "
-            f"out (families with them: deepseek_v3, glm4_moe); drop drop_mtp=True"
+            f"out (families with them: {', '.join(mtp_families())}); drop drop_mtp=True"
         )
     first = model.num_layers + model.mtp_layers
     return tuple(

@@ -76,12 +76,11 @@ def _check_window_and_swiglu(spec: Any) -> None:
 def _check_mtp(spec: Any) -> None:
     """Multi-token-prediction layers only for the families that have them."""
     if spec.mtp_layers and not spec.family.mtp:
-        from areal_fn.model.families import FAMILIES
+        from areal_fn.model.mtp import mtp_families
 
-        have = sorted(f.model_type for f in FAMILIES.values() if f.mtp)
         raise SpecError(
             f"mtp_layers={spec.mtp_layers}: {spec.model_type} has no multi-token-prediction "
-            f"layers (families with them: {', '.join(have)}); use mtp_layers=0"
+            f"layers (families with them: {', '.join(mtp_families())}); use mtp_layers=0"
         )
 
 

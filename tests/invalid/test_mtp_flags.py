@@ -107,6 +107,8 @@ def test_plan_says_what_mtp_does_for_each_component(capsys):
         capsys, ["plan", "DeepSeek-V3", "--suggest", "256", "--device-memory", "80GB", "--mtp"]
     )
     assert "--suggest ranks training strategies (fsdp, megatron), which do not hold them" in err
+    err = _err(capsys, ["plan", "Qwen3-8B", "sglang:t2", "--mtp"])
+    assert "--mtp: Qwen3-8B (qwen3) declares no multi-token-prediction layers" in err
 
 
 def test_drop_mtp_in_the_library_names_what_it_leaves_out(ckpt, tmp_path):
