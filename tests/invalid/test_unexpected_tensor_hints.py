@@ -7,26 +7,9 @@ import torch
 from areal_fn.errors import ConversionError
 from areal_fn.model.spec import model_from_hf_config
 from areal_fn.plans.convert import check_canonical
+from tests.laws.test_mtp import TINY
 
-_DS = {
-    "model_type": "deepseek_v3",
-    "hidden_size": 8,
-    "intermediate_size": 8,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "vocab_size": 16,
-    "q_lora_rank": 4,
-    "kv_lora_rank": 4,
-    "qk_nope_head_dim": 2,
-    "qk_rope_head_dim": 2,
-    "v_head_dim": 2,
-    "moe_intermediate_size": 4,
-    "n_routed_experts": 2,
-    "num_experts_per_tok": 1,
-    "n_group": 1,
-    "topk_group": 1,
-    "first_k_dense_replace": 1,
-}
+_DS = TINY  # a tiny DeepSeek-V3 config (read without its MTP layer)
 
 
 def _canonical(extra: list[str]) -> dict[str, torch.Tensor]:
