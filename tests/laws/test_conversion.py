@@ -70,6 +70,8 @@ def test_fsdp2_and_inference_round_trips_are_bitwise(data):
                 if model.num_key_value_heads % d == 0
                 and model.num_attention_heads % d == 0
                 and model.intermediate_size % d == 0
+                # FSDP2 over more than two shards cannot describe a row split unevenly over tp
+                and (dp <= 2 or model.num_shared_experts * model.moe_intermediate_size % d == 0)
             ]
         )
     )
