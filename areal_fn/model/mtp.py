@@ -39,12 +39,12 @@ They are never dropped: a checkpoint that holds them is read by a spec with
 ``mtp=True`` or refused by the strict readers as holding unexpected tensors.
 """
 
-import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from areal_fn.errors import ConversionError, LayoutError
 from areal_fn.model.families.mapping import Dim, HfTensor, layer_tensors
+from areal_fn.model.tensor_spec import layer_of
 
 #: The config key giving the number of MTP layers.
 MTP_KEY = "num_nextn_predict_layers"
@@ -89,9 +89,6 @@ def mtp_families() -> list[str]:
     return sorted(f.model_type for f in FAMILIES.values() if f.mtp)
 
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-
-
 def mtp_names(names: Iterable[str], model: Any) -> tuple[str, ...]:
     """The names among ``names`` (a checkpoint's) of multi-token-prediction layers that
     ``model`` (a :class:`~areal_fn.model.spec.ModelSpec`) does not hold: ``model.layers.{i}.*``
@@ -103,9 +100,7 @@ def mtp_names(names: Iterable[str], model: Any) -> tuple[str, ...]:
             f"out (families with them: {', '.join(mtp_families())}); drop drop_mtp=True"
         )
     first = model.num_layers + model.mtp_layers
-    return tuple(
-        n for n in names if (m := _LAYER.match(n)) is not None and int(m.group(1)) >= first
-    )
+    return tuple(n for n in names if (layer_of(n) or 0) >= first)
 
 
 def check_mtp(*, mtp_layers: int, num_layers: int, kind: str) -> None:

@@ -19,7 +19,6 @@ expert-major (``experts.0.gate_proj``, ``experts.0.up_proj``, ``experts.0.down_p
 import functools
 import json
 import os
-import re
 from collections.abc import Callable, Mapping, Sequence
 
 import attrs
@@ -35,6 +34,7 @@ from areal_fn.model.mtp import MTP_KEY, mtp_shapes
 from areal_fn.model.routing import ROUTER_SCORES as ROUTER_SCORES
 from areal_fn.model.spec_rules import check_model
 from areal_fn.model.tensor_spec import TensorSpec, dtype_name
+from areal_fn.model.tensor_spec import layer_of as layer_of
 from areal_fn.typecheck import beartype
 
 # -- field converters and validators --------------------------------------------------
@@ -454,8 +454,6 @@ def _canonical_shapes(spec: ModelSpec) -> list[tuple[str, tuple[int, ...], str |
 
 # -- config.json -> ModelSpec ---------------------------------------------------------
 
-_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
-
 
 @beartype
 def load_hf_config(path: str | os.PathLike[str]) -> dict[str, object]:
@@ -506,10 +504,3 @@ def model_from_hf_config(
 
 def _from_mapping(raw: Mapping[str, object], mtp: bool) -> ModelSpec:
     return ModelSpec(**_spec_fields(raw, mtp=mtp))  # type: ignore[arg-type]
-
-
-@beartype
-def layer_of(name: str) -> int | None:
-    """The decoder layer index of a canonical tensor name, None for non-layer tensors."""
-    m = _LAYER_RE.match(name)
-    return int(m.group(1)) if m else None

@@ -1,9 +1,12 @@
 """`TensorSpec`: the name, shape and dtype of one tensor (never its data)."""
 
+import re
+
 import attrs
 import torch
 
 from areal_fn.errors import SpecError
+from areal_fn.typecheck import beartype
 
 #: dtype names accepted in records, mapped to torch dtypes.
 DTYPES: dict[str, torch.dtype] = {
@@ -76,3 +79,14 @@ class TensorSpec:
     @property
     def nbytes(self) -> int:
         return self.numel * DTYPE_BYTES[self.dtype]
+
+
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+@beartype
+def layer_of(name: str) -> int | None:
+    """The layer index of a canonical tensor name (a decoder layer's, or past the last one a
+    multi-token-prediction layer's), None for non-layer tensors."""
+    m = _LAYER_RE.match(name)
+    return int(m.group(1)) if m else None

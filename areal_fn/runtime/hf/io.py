@@ -208,10 +208,10 @@ class HfCheckpoint:
     ) -> tuple[str, ...]:
         """``ConversionError`` listing missing, extra and mis-shaped tensors against ``model``.
 
-        ``drop_mtp=True`` leaves out the tensors of the multi-token-prediction layers
-        (``model.layers.{i}.*``, ``i >= num_layers``, of a family that has them) that a
-        ``model`` without them does not read, and returns their names; without it (the
-        default) they are refused as unexpected."""
+        ``drop_mtp=True`` leaves out the tensors of the multi-token-prediction layers that
+        ``model`` does not hold (``model.layers.{i}.*``, ``i >= num_layers + mtp_layers``,
+        of a family that has them) and returns their names; without it (the default) they
+        are refused as unexpected."""
         dropped = mtp_names(self.names, model) if drop_mtp else ()
         fake = {
             n: torch.empty(self.shape(n), device="meta") for n in self.names if n not in dropped
