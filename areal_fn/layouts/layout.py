@@ -66,12 +66,20 @@ class FusionPiece:
     taken with a step and permuted first (gpt-oss experts under Megatron); such a piece's
     box is ``canonical_region``, and ``canonical_box`` raises ``LayoutError`` so that code
     reading plain boxes only refuses it instead of misreading it.
+
+    A ``tied`` piece names a second canonical tensor held by the same elements as the
+    untied piece at the same logical box (Megatron-Core's MTP layer uses the main
+    model's embedding and output layer, so the checkpoint's MTP copies of them sit where
+    the main ones do): the two must be equal. Conversion checks that on the way in and
+    writes the copy on the way out; transfers and checkpoints read it from there; it
+    does not count as covering the tensor (padding, gradient norms, memory).
     """
 
     canonical: str
     canonical_region: Box = attrs.field(alias="canonical_box")
     logical_box: Box
     view: View | None = None
+    tied: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.view is not None:
@@ -104,9 +112,10 @@ class FusionPiece:
 
     def __repr__(self) -> str:
         view = "" if self.view is None else f", view={self.view!r}"
+        tied = ", tied=True" if self.tied else ""
         return (
             f"FusionPiece(canonical={self.canonical!r}, canonical_box={self.canonical_region!r}, "
-            f"logical_box={self.logical_box!r}{view})"
+            f"logical_box={self.logical_box!r}{view}{tied})"
         )
 
 
@@ -121,13 +130,15 @@ class Piece:
     :class:`FusionPiece`).
 
     ``canonical is None`` marks padding (no canonical source; zero on load, dropped on
-    export).
+    export). A ``tied`` piece holds a second canonical tensor in the elements of an
+    untied piece with the same ``local_box`` (:class:`FusionPiece`).
     """
 
     canonical: str | None
     canonical_region: Box | None = attrs.field(alias="canonical_box")
     local_box: Box
     view: View | None = None
+    tied: bool = False
 
     @property
     def canonical_box(self) -> Box | None:
@@ -152,9 +163,10 @@ class Piece:
 
     def __repr__(self) -> str:
         view = "" if self.view is None else f", view={self.view!r}"
+        tied = ", tied=True" if self.tied else ""
         return (
             f"Piece(canonical={self.canonical!r}, canonical_box={self.canonical_region!r}, "
-            f"local_box={self.local_box!r}{view})"
+            f"local_box={self.local_box!r}{view}{tied})"
         )
 
 
@@ -210,6 +222,7 @@ class LogicalTensor:
     present: tuple[tuple[str, int], ...] = attrs.field(default=(), converter=_presence)
 
     def __attrs_post_init__(self) -> None:
+        _check_tied(self.name, self.fusion)
         for f in self.fusion:
             if not _fits(self.shape, f.logical_box):
                 raise LayoutError(
@@ -241,7 +254,8 @@ class LogicalTensor:
 
     @property
     def is_padded(self) -> bool:
-        return sum(f.logical_box.numel for f in self.fusion) < Box.full(self.shape).numel
+        held = sum(f.logical_box.numel for f in self.fusion if not f.tied)
+        return held < Box.full(self.shape).numel
 
     def is_present(self, rank: int) -> bool:
         if not self.present:
@@ -257,6 +271,22 @@ class LogicalTensor:
         return _local(self, self.sharding.mesh.coords(rank))
 
 
+def _check_tied(name: str, fusion: tuple[FusionPiece, ...]) -> None:
+    """A tied piece sits at the logical box of an untied one, with a canonical box of the
+    same shape and no view."""
+    untied = {f.logical_box: f for f in fusion if not f.tied}
+    for f in fusion:
+        if not f.tied:
+            continue
+        main = untied.get(f.logical_box)
+        if main is None or f.view is not None or main.view is not None:
+            raise LayoutError(
+                f"{name}: the tied piece of {f.canonical!r} at {f.logical_box} has no untied, "
+                "unstrided piece at the same logical box to share; a tied piece names a "
+                "second canonical tensor for elements another piece holds"
+            )
+
+
 @functools.lru_cache(maxsize=65536)
 def _local_geometry(
     shape: tuple[int, ...], sharding: Sharding, rank: int
@@ -266,7 +296,7 @@ def _local_geometry(
 
 def _local(t: LogicalTensor, coords: tuple[int, ...]) -> LocalTensor:
     rank = t.sharding.mesh.rank(coords)
-    fusion_geometry = tuple((f.canonical_region, f.logical_box, f.view) for f in t.fusion)
+    fusion_geometry = tuple((f.canonical_region, f.logical_box, f.view, f.tied) for f in t.fusion)
     lshape, template = _local_template(t.shape, t.sharding, rank, fusion_geometry)
     names = [f.canonical for f in t.fusion]
     pieces = tuple(
@@ -275,6 +305,7 @@ def _local(t: LogicalTensor, coords: tuple[int, ...]) -> LocalTensor:
             canonical_box=cbox,
             local_box=lbox,
             view=None if i < 0 else t.fusion[i].view,
+            tied=i >= 0 and t.fusion[i].tied,
         )
         for i, cbox, lbox in template
     )
@@ -286,7 +317,7 @@ def _local_template(
     shape: tuple[int, ...],
     sharding: Sharding,
     rank: int,
-    fusion: tuple[tuple[Box, Box, View | None], ...],
+    fusion: tuple[tuple[Box, Box, View | None, bool], ...],
 ) -> tuple[tuple[int, ...], tuple[tuple[int, Box | None, Box], ...]]:
     """One rank's pieces of a logical tensor, by fusion index (-1: padding).
 
@@ -298,11 +329,11 @@ def _local_template(
     for gbox, lbox in geometry:
         to_local = tuple(lo - g for lo, g in zip(lbox.start, gbox.start, strict=True))
         covered = 0
-        for index, (fcbox, flbox, view) in enumerate(fusion):
+        for index, (fcbox, flbox, view, tied) in enumerate(fusion):
             inter = gbox.intersect(flbox)
             if inter is None:
                 continue
-            covered += inter.numel
+            covered += 0 if tied else inter.numel
             if view is not None:
                 out.append((index, sub_box(fcbox, view, flbox, inter), inter.shift(to_local)))
                 continue
@@ -313,7 +344,7 @@ def _local_template(
             )
             out.append((index, cbox, inter.shift(to_local)))
         if covered < gbox.numel:
-            for pad in _subtract(gbox, [flbox for _, flbox, _v in fusion]):
+            for pad in _subtract(gbox, [flbox for _, flbox, _v, _t in fusion]):
                 out.append((-1, None, pad.shift(to_local)))
     return lshape, tuple(out)
 

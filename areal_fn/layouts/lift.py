@@ -368,7 +368,10 @@ def _lift_plain(t: LogicalTensor, factors: Factors) -> tuple[LogicalTensor, Loca
             )
         pieces.append(
             FusionPiece(
-                canonical=f.canonical, canonical_box=Box(ranges=cbox), logical_box=Box(ranges=lbox)
+                canonical=f.canonical,
+                canonical_box=Box(ranges=cbox),
+                logical_box=Box(ranges=lbox),
+                tied=f.tied,
             )
         )
     shape = lifted_shape(t.shape, logical_steps)

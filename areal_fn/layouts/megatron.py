@@ -196,14 +196,14 @@ def megatron_layout(
     for chunk in range(plan.num_chunks):
         stage = chunk % dims.pp
         pre = f"model{chunk // dims.pp}." if dims.vpp > 1 else ""
-        if chunk == 0:
-            build.vocab(
-                pre + "embedding.word_embeddings.weight", "model.embed_tokens.weight", stage
-            )
+        last = chunk == plan.num_chunks - 1
+        if chunk == 0 or (last and model.mtp_layers):
+            build.embedding(pre, stage, mtp=last)
         for local, layer in enumerate(plan.chunk_layers(chunk)):
             build.layer(f"{pre}decoder.layers.{local}.", layer, stage)
-        if chunk == plan.num_chunks - 1:
+        if last:
             build.final(pre, stage)
+            build.mtp(pre, stage)
     _check_covered(model, build.tensors)
     return Layout(
         kind=LayoutKind.MEGATRON,
@@ -353,26 +353,64 @@ class _Builder:
             )
         )
 
-    def vocab(self, name: str, source: str, stage: int) -> None:
-        hid = self.model.hidden_size
-        fusion = _rows_full(source, self.model.vocab_size, hid)
+    def vocab(self, name: str, source: str, stage: int, tied: tuple[str, ...] = ()) -> None:
+        """A vocab-padded tensor of ``source``; ``tied``: canonical tensors it holds in the
+        same elements (the MTP layers' copies of the embedding and head)."""
+        hid, vocab = self.model.hidden_size, self.model.vocab_size
+        fusion = _rows_full(source, vocab, hid) + tuple(
+            attrs.evolve(_rows_full(t, vocab, hid)[0], tied=True) for t in tied
+        )
         self.add(name, ((self.vpad, hid), fusion), Shard(dim=0), ((Axis.PP, stage),))
+
+    def _mtp_names(self, leaf: str) -> tuple[str, ...]:
+        n = self.model.num_layers
+        return tuple(f"model.layers.{n + j}.{leaf}" for j in range(self.model.mtp_layers))
+
+    def embedding(self, pre: str, stage: int, *, mtp: bool) -> None:
+        """The embedding of the first chunk, or the copy that the last chunk holds for its
+        MTP layers (``mtp``; with one chunk, the same tensor). It holds the MTP layers'
+        embeddings tied, and the MTP heads too when the output layer is the embedding."""
+        tied = self._mtp_names("embed_tokens.weight") if mtp else ()
+        if mtp and self.model.tie_word_embeddings and self.dims.pp == 1:
+            tied += self._mtp_names("shared_head.head.weight")
+        name = pre + "embedding.word_embeddings.weight"
+        self.vocab(name, "model.embed_tokens.weight", stage, tied)
 
     def final(self, pre: str, stage: int) -> None:
         hid = self.model.hidden_size
         norm = ((hid,), _full("model.norm.weight", (hid,)))
         self.add(pre + "decoder.final_layernorm.weight", norm, Replicate(), ((Axis.PP, stage),))
+        heads = self._mtp_names("shared_head.head.weight")
         if not self.model.tie_word_embeddings:
-            self.vocab(pre + "output_layer.weight", "lm_head.weight", stage)
+            self.vocab(pre + "output_layer.weight", "lm_head.weight", stage, heads)
         elif self.dims.pp > 1:
-            self.vocab(pre + "output_layer.weight", "model.embed_tokens.weight", stage)
+            self.vocab(pre + "output_layer.weight", "model.embed_tokens.weight", stage, heads)
+
+    def mtp(self, pre: str, stage: int) -> None:
+        """Megatron-Core's MTP block on the last chunk: per layer ``enorm``, ``hnorm``,
+        ``eh_proj`` (a ``ColumnParallelLinear``: rows over ``tp``), the decoder layer as
+        ``transformer_layer`` and ``final_layernorm`` (the checkpoint's
+        ``shared_head.norm``); its embedding and head are the main ones (tied pieces)."""
+        hid, present = self.model.hidden_size, ((Axis.PP, stage),)
+        for j in range(self.model.mtp_layers):
+            layer = self.model.num_layers + j
+            mp, hp = f"{pre}mtp.layers.{j}.", f"model.layers.{layer}."
+            for own, leaf in (("enorm", "enorm"), ("hnorm", "hnorm")):
+                norm = ((hid,), _full(hp + leaf + ".weight", (hid,)))
+                self.add(mp + own + ".weight", norm, Replicate(), present)
+            proj = ((hid, 2 * hid), _full(hp + "eh_proj.weight", (hid, 2 * hid)))
+            self.add(mp + "eh_proj.weight", proj, Shard(dim=0), present)
+            self.layer(mp + "transformer_layer.", layer, stage)
+            norm = ((hid,), _full(hp + "shared_head.norm.weight", (hid,)))
+            self.add(mp + "final_layernorm.weight", norm, Replicate(), present)
 
     def layer(self, mp: str, layer: int, stage: int) -> None:
         """Decoder layer ``layer`` (HF index) as Megatron's ``mp`` (its chunk-local prefix)."""
         model = self.model
         hp = f"model.layers.{layer}."
         flags = condition_flags(model)
-        rows = select(model.family.megatron, moe=model.moe_layers[layer], flags=flags)
+        moe = model.moe_layers[layer] if layer < model.num_layers else model.family.moe
+        rows = select(model.family.megatron, moe=moe, flags=flags)
         for run in expert_runs(rows):
             if run[0].expert:
                 self._experts(run, mp, hp, stage)

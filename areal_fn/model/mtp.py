@@ -106,9 +106,8 @@ def mtp_names(names: Iterable[str], model: Any) -> tuple[str, ...]:
 def check_mtp(*, mtp_layers: int, num_layers: int, kind: str) -> None:
     """Raise :func:`mtp_refusal`'s error when a ``kind`` layout (``fsdp2``, ``megatron``,
     an inference kind) cannot hold ``mtp_layers`` MTP layers: the trainers cannot."""
-    if mtp_layers and kind in ("fsdp2", "megatron"):
-        backend = "fsdp" if kind == "fsdp2" else kind
-        raise mtp_refusal(mtp_layers=mtp_layers, num_layers=num_layers, backend=backend)
+    if mtp_layers and kind == "fsdp2":
+        raise mtp_refusal(mtp_layers=mtp_layers, num_layers=num_layers, backend="fsdp")
 
 
 def mtp_refusal(*, mtp_layers: int, num_layers: int, backend: str) -> LayoutError:

@@ -94,6 +94,8 @@ def plan_load(manifest: CheckpointManifest, layout: Layout, rank: int) -> LoadPl
             if p.canonical is None or p.canonical_box is None:
                 padding.append(PadPiece(tensor=lt.name, local_box=p.local_box))
                 continue
+            if p.tied:  # its elements are the untied piece's, read once (through that one)
+                continue
             for up, chunk in chunks.get(p.canonical, ()):
                 inter = up.intersect(p.canonical_box) if up.ndim else up
                 if inter is None:

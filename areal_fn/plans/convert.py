@@ -165,10 +165,35 @@ def materialize(local: LocalTensor, read: Reader, *, dtype: torch.dtype | None =
         )
     target = dtype or (dtypes.pop() if dtypes else torch_dtype(local.dtype))
     out = torch.zeros(local.shape, dtype=target)
+    check_tied(local.name, reads)
     for p, src in reads:
-        region = out[p.local_box.slices()]
-        region.copy_(src.reshape(region.shape))
+        if not p.tied:
+            region = out[p.local_box.slices()]
+            region.copy_(src.reshape(region.shape))
     return out
+
+
+def check_tied(name: str, reads: Sequence[tuple[Piece, Tensor]]) -> None:
+    """``ConversionError`` unless every tied piece's canonical elements (a second tensor
+    held in the same elements, :class:`~areal_fn.layouts.layout.FusionPiece`) equal, bit
+    for bit, those of the untied piece at its local box."""
+    main = {p.local_box: (p, src) for p, src in reads if not p.tied}
+    for p, src in reads:
+        if not p.tied:
+            continue
+        q, held = main[p.local_box]
+        if src.dtype == held.dtype and torch.equal(
+            src.reshape(-1).view(torch.uint8), held.reshape(-1).view(torch.uint8)
+        ):
+            continue
+        raise ConversionError(
+            f"{name} holds {p.canonical}{p.canonical_region} and {q.canonical}"
+            f"{q.canonical_region} in the same elements (Megatron-Core's multi-token-prediction "
+            f"layer uses the main model's embedding and output layer), so they must be equal, "
+            f"and they differ; convert to an inference layout (sglang, vllm), which holds them "
+            f"apart, or read the checkpoint without its multi-token-prediction layers "
+            f"(drop_mtp=True)"
+        )
 
 
 @beartype
@@ -385,8 +410,11 @@ def to_megatron_into(
             for p in lt.pieces:
                 if p.canonical is None:
                     dest[p.local_box.slices()].zero_()
-            for p, src in _read_pieces(read, lt):
-                _copy_piece(dest[p.local_box.slices()], src, p, lt.name, cast=cast)
+            reads = _read_pieces(read, lt)
+            check_tied(lt.name, reads)
+            for p, src in reads:
+                if not p.tied:
+                    _copy_piece(dest[p.local_box.slices()], src, p, lt.name, cast=cast)
     return _nbytes(layout, rank, out)
 
 

@@ -36,15 +36,21 @@ def canonical_multiplicity(layout: Layout) -> dict[str, int]:
     mesh axes it is ``Replicate()`` on, presence axes excluded) times how many times
     its fusion map covers the canonical tensor. Relies on the tiling law (the local
     boxes of one logical tensor cover it once per replica) and raises where a fusion
-    map covers a canonical tensor a fractional number of times.
+    map covers a canonical tensor a fractional number of times. Tied pieces (a second
+    canonical tensor in another's elements) are not copies: a tensor held only by them
+    has no entry.
     """
     covered: dict[str, int] = {}
     for t in layout.tensors:
         reps = _replicas(layout, t.name)
         for f in t.fusion:
-            covered[f.canonical] = covered.get(f.canonical, 0) + reps * f.numel
+            if not f.tied:
+                covered[f.canonical] = covered.get(f.canonical, 0) + reps * f.numel
+    tied_only = {f.canonical for t in layout.tensors for f in t.fusion if f.tied} - set(covered)
     out: dict[str, int] = {}
     for spec in layout.canonical:
+        if spec.name in tied_only:
+            continue  # held in another tensor's elements only: counted with that one
         total = covered.get(spec.name, 0)
         numel = math.prod(spec.shape)
         if total == 0 or total % numel:
@@ -62,12 +68,14 @@ def norm_weights(layout: Layout, rank: int) -> dict[str, tuple[tuple[Box, float]
     """Per local tensor of ``rank``: ``(local box, 1 / multiplicity)`` of each canonical piece.
 
     Summing ``weight * sum(grad[box] ** 2)`` over every rank's pieces counts each
-    canonical element's square once. Padding pieces are left out.
+    canonical element's square once. Padding and tied pieces are left out.
     """
     mult = canonical_multiplicity(layout)
     return {
         lt.name: tuple(
-            (p.local_box, 1.0 / mult[p.canonical]) for p in lt.pieces if p.canonical is not None
+            (p.local_box, 1.0 / mult[p.canonical])
+            for p in lt.pieces
+            if p.canonical is not None and not p.tied
         )
         for lt in layout.local_tensors(rank)
     }

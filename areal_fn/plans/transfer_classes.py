@@ -187,7 +187,7 @@ class _Side:
         if got is None:
             rep = self._reps[self.gid(t)]
             # plain boxes only: a strided view's canonical_box raises (LayoutError)
-            fusion = tuple((f.canonical_box, f.logical_box, None) for f in rep.fusion)
+            fusion = tuple((f.canonical_box, f.logical_box, None, f.tied) for f in rep.fusion)
             mesh, placements = rep.sharding.mesh, rep.sharding.placements
             # a rank's pieces depend on its coordinates along the sharded axes alone
             split = [a for a, p in enumerate(placements) if isinstance(p, Shard | StridedShard)]

@@ -177,6 +177,9 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "moe_layer_pattern": [0, 1, 0, 1],
     },
 }
+# one multi-token-prediction layer (Megatron-Core's MTP block on the last stage)
+FAMILIES["deepseek_v3_mtp"] = {**FAMILIES["deepseek_v3"], "mtp_layers": 1}
+FAMILIES["glm4_moe_mtp"] = {**FAMILIES["glm4_moe"], "mtp_layers": 1}
 
 
 def _case(
@@ -189,7 +192,8 @@ def _case(
 ) -> dict[str, Any]:
     # mode: "forward" (build, record, forward + HF parity), "expect_error" (record the
     # error the build raises), "grouped_structure" (build the legacy GroupedMLP with its
-    # kernel check bypassed: names and shapes only, no forward).
+    # kernel check bypassed: names and shapes only, no forward), "structure" (names and
+    # shapes only: the MTP layers, which transformers has no module for).
     return {"name": name, "family": family, "sizes": sizes, "config": config or {}, "mode": mode}
 
 
@@ -228,6 +232,11 @@ CASES += [
     _case("glm4_moe-p2e2", "glm4_moe", {"pp": 2, "ep": 2}),
     _case("deepseek_v3-t2e2x1", "deepseek_v3", {"tp": 2, "ep": 2, "etp": 1}),
     _case("gpt_oss-t2e2x1", "gpt_oss", {"tp": 2, "ep": 2, "etp": 1}),
+    _case(
+        "deepseek_v3_mtp-t2e2x1", "deepseek_v3_mtp", {"tp": 2, "ep": 2, "etp": 1}, mode="structure"
+    ),
+    _case("deepseek_v3_mtp-p2e2", "deepseek_v3_mtp", {"pp": 2, "ep": 2}, mode="structure"),
+    _case("glm4_moe_mtp-t2p2v2", "glm4_moe_mtp", {"tp": 2, "pp": 2, "vpp": 2}, mode="structure"),
     _case(
         "qwen3_moe-e2-grouped",
         "qwen3_moe",
@@ -613,7 +622,14 @@ def _sharded_entries(chunk: Any) -> list[dict[str, Any]]:
             for i, v in enumerate(value):
                 visit(f"{local_key}/{i}", v)
 
-    for key, value in chunk.sharded_state_dict().items():
+    metadata = None
+    if getattr(chunk, "mtp_process", False):  # the MTP stage ties its embedding copy
+        from megatron.core import parallel_state
+
+        metadata = {
+            "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)
+        }
+    for key, value in chunk.sharded_state_dict(metadata=metadata).items():
         visit(key, value)
     return entries
 

@@ -40,6 +40,8 @@ def _hf_config(arch: dict[str, Any]) -> dict[str, Any]:
         "rope_theta": arch["rope_theta"],
         "torch_dtype": "float32",
     }
+    if arch.get("mtp_layers"):
+        cfg["num_nextn_predict_layers"] = arch["mtp_layers"]
     if arch["hf"] == "llama":
         cfg["attention_bias"] = arch["qkv_bias"]
     if arch["hf"] in ("mistral", "mixtral"):
@@ -126,7 +128,7 @@ def test_every_rank_holds_what_megatron_layout_predicts(megatron_ground_truth: P
         if rec0["error"]:
             continue
         arch, sizes = rec0["arch"], rec0["sizes"]
-        model = model_from_hf_config(_hf_config(arch))
+        model = model_from_hf_config(_hf_config(arch), mtp=bool(arch.get("mtp_layers")))
         vpp = sizes["vpp"] or 1
         dims = ParallelDims(
             dp=sizes["dp"],
@@ -168,6 +170,8 @@ def test_every_rank_holds_what_megatron_layout_predicts(megatron_ground_truth: P
                 for module, experts in (chunk.get("experts") or {}).items():
                     local_layer = int(module.split(".")[2])
                     layer = sum(lengths[: v * dims.pp + rec["ranks"]["pp"]]) + local_layer
+                    if module.startswith("mtp."):  # mtp.layers.{j}.transformer_layer.mlp
+                        layer = model.num_layers + local_layer
                     prefix = f"model{v}." if vpp > 1 else ""
                     expert_of = re.compile(rf"^model\.layers\.{layer}\.\w+\.experts\.(\d+)\.")
                     stacked = re.compile(rf"^model\.layers\.{layer}\.mlp\.experts\.[a-z_]+$")

@@ -253,6 +253,8 @@ def build_gpt_model(
     ``vocab_size`` defaults to ``arch["vocab_size"]``; pass a padded size to mirror a
     trainer that pads the vocabulary (Megatron-Core itself does not pad).
     ``parallel_output=True`` leaves logits vocab-sharded across tensor parallelism.
+    ``arch["mtp_layers"]`` (``config.mtp_num_layers``) adds Megatron-Core's MTP block to
+    the last chunk (local spec, the chunk's last decoder layer as its layer).
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -262,6 +264,12 @@ def build_gpt_model(
     post = parallel_state.is_pipeline_last_stage(ignore_virtual=ignore_virtual, vp_stage=vp_stage)
     spec = layer_spec(arch, config, vp_stage=vp_stage)
     rope = {"position_embedding_type": "rope", **rope_kwargs(arch)}
+    mtp = None
+    if config.mtp_num_layers:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+        # None except on the last (virtual) stage, where Megatron-Core puts every MTP layer
+        mtp = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False, vp_stage=vp_stage)
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -274,6 +282,7 @@ def build_gpt_model(
         rotary_percent=float(arch_field(arch, "rotary_fraction", 1.0)),
         rotary_base=_rotary_base(arch["rope_theta"]),
         vp_stage=vp_stage,
+        mtp_block_spec=mtp,
         **rope,
     )
 

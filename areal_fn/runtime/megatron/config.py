@@ -58,6 +58,7 @@ ARCH_FIELDS: Mapping[str, str] = {
     "sliding_layers": "sequence of bools per layer or None (True: the layer slides)",
     "swiglu_alpha": "float or None (gpt-oss clamped SwiGLU: 1.702, Megatron's quick_gelu)",
     "swiglu_limit": "float or None (gpt-oss clamped SwiGLU: the clamp of gate and up)",
+    "mtp_layers": "int or None (multi-token-prediction layers: mtp_num_layers, last stage)",
 }
 
 
@@ -289,6 +290,7 @@ def _architecture_fields(arch: Mapping[str, Any]) -> dict[str, Any]:
         qk_layernorm=bool(arch.get("qk_norm", False)),
         hidden_dropout=0.0,
         attention_dropout=0.0,
+        mtp_num_layers=arch_field(arch, "mtp_layers", 0) or None,
     )
 
 
