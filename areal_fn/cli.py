@@ -71,12 +71,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
             f"--mtp: {args.config} ({model.model_type}) declares no multi-token-prediction "
             f"layers (num_nextn_predict_layers); leave out --mtp"
         )
-    if args.suggest and model.mtp_layers:
-        raise SpecError(
-            f"--mtp: {args.config} has {model.mtp_layers} multi-token-prediction layer(s), and "
-            f"--suggest ranks training strategies (fsdp, megatron), which do not hold them; "
-            f"leave out --mtp"
-        )
     if args.suggest:
         return cmd_suggest(console, model, args)
     if args.allocation is None:
@@ -219,7 +213,7 @@ def _add_plan_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
         "--mtp",
         action="store_true",
         help="hold the config's multi-token-prediction layers (num_nextn_predict_layers) as "
-        "tensors: inference components carry them, fsdp and megatron refuse them",
+        "tensors: inference and megatron components carry them, fsdp refuses them",
     )
     plan.add_argument(
         "--tensors", type=int, default=0, help="also list the placements of the first N tensors"
@@ -385,8 +379,8 @@ def _add_convert_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser
     conv.add_argument(
         "--mtp",
         action="store_true",
-        help="rank files of an inference allocation: carry the checkpoint's "
-        "multi-token-prediction layers (num_nextn_predict_layers); fsdp and megatron refuse them",
+        help="rank files of an inference or megatron allocation: carry the checkpoint's "
+        "multi-token-prediction layers (num_nextn_predict_layers); fsdp refuses them",
     )
     conv.add_argument(
         "--drop-mtp",
@@ -421,6 +415,7 @@ CLI_WORDS = (
     ("pass drop_mtp=True", "pass --drop-mtp"),
     ("drop drop_mtp=True", "drop --drop-mtp"),
     ("drop_mtp=True: ", "--drop-mtp: "),
+    ("multi-token-prediction layers (drop_mtp=True)", "multi-token-prediction layers (--drop-mtp)"),
     (
         "a lighter policy (PrecisionPolicy.bf16_pure()), recompute=True, a smaller micro-batch "
         "or optimizer_offload=True",

@@ -67,12 +67,10 @@ class FusionPiece:
     box is ``canonical_region``, and ``canonical_box`` raises ``LayoutError`` so that code
     reading plain boxes only refuses it instead of misreading it.
 
-    A ``tied`` piece names a second canonical tensor held by the same elements as the
-    untied piece at the same logical box (Megatron-Core's MTP layer uses the main
-    model's embedding and output layer, so the checkpoint's MTP copies of them sit where
-    the main ones do): the two must be equal. Conversion checks that on the way in and
-    writes the copy on the way out; transfers and checkpoints read it from there; it
-    does not count as covering the tensor (padding, gradient norms, memory).
+    A ``tied`` piece names a second canonical tensor, equal to the one of the untied
+    piece at its logical box (Megatron's MTP layers share the main embedding and head):
+    conversion checks the equality on the way in and copies it out; it does not count
+    as covering the tensor (padding, gradient norms).
     """
 
     canonical: str
@@ -130,8 +128,7 @@ class Piece:
     :class:`FusionPiece`).
 
     ``canonical is None`` marks padding (no canonical source; zero on load, dropped on
-    export). A ``tied`` piece holds a second canonical tensor in the elements of an
-    untied piece with the same ``local_box`` (:class:`FusionPiece`).
+    export). ``tied``: as for :class:`FusionPiece` (an untied piece has its ``local_box``).
     """
 
     canonical: str | None
@@ -272,12 +269,9 @@ class LogicalTensor:
 
 
 def _check_tied(name: str, fusion: tuple[FusionPiece, ...]) -> None:
-    """A tied piece sits at the logical box of an untied one, with a canonical box of the
-    same shape and no view."""
+    """A tied piece sits at the logical box of an untied one; neither has a view."""
     untied = {f.logical_box: f for f in fusion if not f.tied}
-    for f in fusion:
-        if not f.tied:
-            continue
+    for f in (f for f in fusion if f.tied):
         main = untied.get(f.logical_box)
         if main is None or f.view is not None or main.view is not None:
             raise LayoutError(

@@ -42,6 +42,7 @@ from areal_fn.model.families.mapping import (
     expert_runs,
     select,
 )
+from areal_fn.model.mtp import moe_at
 from areal_fn.model.spec import ModelSpec, condition_flags
 from areal_fn.pipeline.partition import StagePlan
 from areal_fn.sharding.box import Box
@@ -183,6 +184,13 @@ def megatron_layout(
             f"stage plan covers {plan.num_layers} layers in {plan.num_stages} stages x vpp {plan.vpp}, but the "
             f"model has {model.num_layers} layers and the strategy pp={dims.pp}, vpp={dims.vpp}"
         )
+    if model.mtp_layers and not plan.chunk_layers(plan.num_chunks - 1):
+        raise LayoutError(
+            f"the stage plan leaves the last chunk without decoder layers, and the model has "
+            f"{model.mtp_layers} multi-token-prediction layer(s): Megatron-Core then puts the "
+            "final norm with the last decoder layer, not with the MTP block; give the last "
+            "chunk at least one decoder layer"
+        )
     build = _Builder(
         model=model,
         dims=dims,
@@ -299,9 +307,11 @@ def layer_parameters(
     apply, with the parameter's shape); an expert row stands for each of the experts."""
     flags = condition_flags(model)
     hp = f"model.layers.{layer}."
-    shapes = {t.name: t.shape for t in model.layer_tensors(layer)}
+    shapes = {t.name: t.shape for t in model.tensors if t.name.startswith(hp)}
+    if not shapes:
+        model.layer_tensors(layer)  # the spec's error for a layer it does not have
     out = []
-    for r in select(model.family.megatron, moe=model.moe_layers[layer], flags=flags):
+    for r in select(model.family.megatron, moe=moe_at(model, layer), flags=flags):
         sources = tuple(hp + h.format(e=0) for h in r.hf)
         shape, _fusion_map = _fusion(model, shapes, r.fusion, sources)
         out.append((r, shape))
@@ -409,8 +419,7 @@ class _Builder:
         model = self.model
         hp = f"model.layers.{layer}."
         flags = condition_flags(model)
-        moe = model.moe_layers[layer] if layer < model.num_layers else model.family.moe
-        rows = select(model.family.megatron, moe=moe, flags=flags)
+        rows = select(model.family.megatron, moe=moe_at(model, layer), flags=flags)
         for run in expert_runs(rows):
             if run[0].expert:
                 self._experts(run, mp, hp, stage)

@@ -31,9 +31,16 @@ What each layout does with them (:func:`mtp_refusal` words the refusals):
   on the last pipeline stage;
 - the FSDP2 layout refuses them: it trains the transformers model, which has no MTP
   layers;
-- the Megatron-Core layout refuses them: Megatron-Core's MTP block shares the main
-  model's embedding and output layer, so the checkpoint's own copies
-  (``embed_tokens``, ``shared_head.head``) have no parameter to go to.
+- the Megatron-Core layout carries them as Megatron-Core's MTP block on the last chunk
+  (``mtp.layers.{j}.{enorm, hnorm, eh_proj, transformer_layer.*, final_layernorm}``,
+  ``eh_proj`` rows split over ``tp``, the decoder layer placed like a main MoE layer).
+  The block uses the main model's embedding and output layer, so the checkpoint's own
+  copies (``embed_tokens``, ``shared_head.head``) are *tied* pieces of them
+  (:class:`~areal_fn.layouts.layout.FusionPiece`): conversion refuses copies that differ
+  from the main tensors and writes them back as copies. With ``pp > 1`` the last stage
+  holds a copy of the embedding (``embedding.word_embeddings.weight``), as Megatron-Core
+  builds it. Megatron-Core's default placement is assumed: every MTP layer on the last
+  stage, not counted in the split of the decoder layers.
 
 They are never dropped: a checkpoint that holds them is read by a spec with
 ``mtp=True`` or refused by the strict readers as holding unexpected tensors.
@@ -101,6 +108,12 @@ def mtp_names(names: Iterable[str], model: Any) -> tuple[str, ...]:
         )
     first = model.num_layers + model.mtp_layers
     return tuple(n for n in names if (layer_of(n) or 0) >= first)
+
+
+def moe_at(model: Any, layer: int) -> bool:
+    """Whether decoder layer ``layer`` of ``model`` has routed experts; an MTP layer's index
+    (``num_layers + j``) included: it has them when the family does."""
+    return bool(model.moe_layers[layer] if layer < model.num_layers else model.family.moe)
 
 
 def check_mtp(*, mtp_layers: int, num_layers: int, kind: str) -> None:

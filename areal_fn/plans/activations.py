@@ -25,7 +25,10 @@ measurement):
   activations, recomputed during the backward pass. The last pipeline stage (every
   FSDP rank) adds the head: final-norm and output-layer inputs (``2h``) and the
   logits in ``compute_dtype`` and fp32 for the loss (``V`` each), split ``tp * cp``
-  ways. Pipelines keep several micro-batches in flight: stage ``i`` of ``pp`` under
+  ways. Multi-token-prediction layers (Megatron's MTP block, on the last stage) count
+  as MoE decoder layers, and each adds the embedding of the next tokens, the
+  concatenation and the projection (``4h``) and its own logits (``V`` in
+  ``compute_dtype`` and fp32). Pipelines keep several micro-batches in flight: stage ``i`` of ``pp`` under
   1F1B holds ``pp - i`` of them; with ``vpp`` virtual stages it holds
   ``2(pp - i - 1) + (vpp - 1) pp + 1`` model chunks of ``1/vpp`` of its layers
   (Megatron's warm-up count plus one), enough micro-batches assumed.
@@ -44,6 +47,7 @@ from collections.abc import Sequence
 import attrs
 
 from areal_fn.errors import SpecError
+from areal_fn.model.mtp import moe_at
 from areal_fn.model.spec import ModelSpec, layer_of
 from areal_fn.plans.census import Census
 from areal_fn.strategy.allocation import ParallelDims
@@ -126,7 +130,7 @@ def _activations(
     def per_mb(token_bytes: int) -> int:
         return -(-t * token_bytes // split)
 
-    full = [per_mb(layer_token_bytes(model, model.moe_layers[i], cb)) for i in layers]
+    full = [per_mb(layer_token_bytes(model, moe_at(model, i), cb)) for i in layers]
     if act.recompute:
         kept = len(layers) * per_mb(model.hidden_size * cb)
         transient = max(full, default=0)
@@ -136,6 +140,8 @@ def _activations(
     total = -(-kept * chunks // per) + transient
     if stage == dims.pp - 1:
         total += per_mb(2 * model.hidden_size * cb + model.vocab_size * (cb + 4))
+        mtp = sum(1 for i in layers if i >= model.num_layers)
+        total += mtp * per_mb(4 * model.hidden_size * cb + model.vocab_size * (cb + 4))
     return total
 
 

@@ -51,7 +51,9 @@ all-gather, all-to-all) or twice that (all-reduce).
   attention ``(6 + 2*rc) * s * q / tp`` per token; MoE experts ``3h*I_e`` each, ``k``
   per token, ``E/ep`` of them read (FSDP2 gathers all ``E``; its TP leaves experts
   replicated); the last stage adds the output layer ``V*h/tp``; the input embedding
-  (a gather) is left out. Small expert GEMMs come out bound by weight reads, which is
+  (a gather) is left out. A multi-token-prediction layer (Megatron's MTP block, on the
+  last stage, counted in ``L_r`` and ``M_r``) is an MoE layer plus its ``eh_proj``
+  ``2h*h/tp`` and its own logits ``V*h/tp``. Small expert GEMMs come out bound by weight reads, which is
   what expert parallelism relieves.
 - bubble: ``(pp - 1) / vpp * t_mb`` of the slowest stage.
 - TP (exposed): ``m * L_r * (8 + 4*rc) * (tp-1)/tp * (T/cp) * h * cb`` (per layer two

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import attrs
 
 from areal_fn.errors import SpecError
+from areal_fn.model.mtp import moe_at
 from areal_fn.model.spec import ModelSpec
 from areal_fn.model.tensor_spec import DTYPE_BYTES
 from areal_fn.plans.activations import ActivationModel
@@ -178,7 +179,10 @@ def _stage_compute(
     k, e = model.num_experts_per_tok, model.num_experts
     expert = 3 * h * model.moe_intermediate_size
     for i in layers:
-        moe = model.moe_layers[i]
+        moe = moe_at(model, i)
+        if i >= model.num_layers:  # an MTP layer: eh_proj over tp, and its own logits
+            head = model.vocab_size * h / tp
+            part(fl * (2 * h * h / tp + head) * tokens, 2 * h * h / tp)
         dense = model.num_experts * h if moe else 3 * h * model.intermediate_size
         core = fl * act.seq_len * q / tp * tokens  # causal attention scores and values
         part(fl * (attn + dense) / tp * tokens + core, (attn + dense) / tp)
@@ -361,7 +365,7 @@ def _stage_terms(
     tokens = act.tokens
     tp, cp, ep, pp = dims.tp, dims.cp, dims.ep, dims.pp
     lr = len(share.layers)
-    moe_r = sum(model.moe_layers[i] for i in share.layers)
+    moe_r = sum(moe_at(model, i) for i in share.layers)
     terms: list[CommTerm] = []
     if tp > 1:
         vol = m * lr * (8 + 4 * rc) * (tp - 1) / tp * tokens / cp * h * cb

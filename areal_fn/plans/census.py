@@ -21,7 +21,7 @@ layouts give equal censuses whatever their tensor order. The group records
 """
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import attrs
 
@@ -230,10 +230,43 @@ def megatron_census(
                 for ep_rank in range(dims.ep):
                     b.add_layers(expert_id, (*pres, ("ep", ep_rank)), moe_layers)
         if chunk == plan.num_chunks - 1:
+            if model.mtp_layers and chunk > 0:  # the MTP block's copy of the embedding
+                b.add((vpad, h), s0, pres)
             b.add((h,), rep, pres)
             if not model.tie_word_embeddings or dims.pp > 1:
                 b.add((vpad, h), s0, pres)
+            _mtp_census(b, model, dims, pres, on, dense_id, expert_id)
     return b.build("megatron", dense.size)
+
+
+def _mtp_census(
+    b: "_Builder",
+    model: ModelSpec,
+    dims: ParallelDims,
+    pres: Presence,
+    on: "Callable[[Mesh, Placement], int]",
+    dense_id: int,
+    expert_id: int,
+) -> None:
+    """The MTP block of the last chunk (its tied embedding and head add no tensor)."""
+    if not model.mtp_layers:
+        return
+    h, meshes = model.hidden_size, MegatronMeshes.of(dims)
+    mtp = list(range(model.num_layers, model.num_layers + model.mtp_layers))
+    n = len(mtp)
+    b.add((h,), on(meshes.dense, Replicate()), pres, 3 * n)  # enorm, hnorm, final_layernorm
+    b.add((h, 2 * h), on(meshes.dense, Shard(dim=0)), pres, n)  # eh_proj
+    per_rank = model.num_experts // dims.ep if model.is_moe else 0
+    for rec, shape in layer_parameters(model, mtp[0]):
+        if not rec.expert:
+            b.add(shape, on(meshes.dense, rec.tp), pres, n)
+            continue
+        for ep_rank in range(dims.ep):
+            b.add(shape, on(meshes.expert, rec.tp), (*pres, ("ep", ep_rank)), per_rank * n)
+    b.add_layers(dense_id, pres, mtp)
+    if model.family.moe:
+        for ep_rank in range(dims.ep):
+            b.add_layers(expert_id, (*pres, ("ep", ep_rank)), mtp)
 
 
 @beartype

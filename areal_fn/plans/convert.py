@@ -84,7 +84,7 @@ def _unexpected_hint(unexpected: Sequence[str], specs: tuple[TensorSpec, ...]) -
             f"; layers {extra} are beyond num_hidden_layers (multi-token-prediction layers, "
             "num_nextn_predict_layers, are not part of the model transformers builds): read "
             "the model with model_from_hf_config(config, mtp=True) to hold them (inference "
-            "layouts carry them, fsdp and megatron refuse them), or leave them out with "
+            "and megatron layouts carry them, fsdp refuses them), or leave them out with "
             "drop_mtp=True (HfCheckpoint.check, convert_to_local, convert_to_torch_dist)"
         )
     return "".join(hints)

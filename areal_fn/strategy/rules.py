@@ -40,13 +40,14 @@ Rules by kind (``fsdp2``, ``megatron``, ``inference``, and the engines ``sglang`
   always builds its own ``ParallelLMHead`` and never loads a tied embedding into it
   (``sglang/srt/models/qwen3_moe.py``). ``vllm`` holds what the ``inference`` layout
   says for every supported family;
-- before all of them: FSDP2 and Megatron hold no multi-token-prediction layers
-  (:func:`~areal_fn.model.mtp.check_mtp`).
+- before all of them: FSDP2 holds no multi-token-prediction layers
+  (:func:`~areal_fn.model.mtp.check_mtp`); Megatron shards each one's ``eh_proj`` rows
+  over ``tp``, which must divide ``hidden_size``.
 
 ``ep * etp`` dividing ``dp * tp * cp`` is ParallelDims' own check, not a remedy either.
 """
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Literal
 
 import attrs
@@ -55,7 +56,15 @@ from areal_fn.errors import LayoutError, SpecError
 from areal_fn.model.mtp import check_mtp
 from areal_fn.model.spec import ModelSpec
 from areal_fn.strategy.allocation import ParallelDims, divisors
-from areal_fn.strategy.rules_fixed import _FSDP2_FIXED, _INFERENCE_FIXED, _MEGATRON_FIXED
+from areal_fn.strategy.rules_fixed import (
+    _FSDP2_FIXED,
+    _INFERENCE_FIXED,
+    _MEGATRON_FIXED,
+    Problem,
+    _fixed,
+    _Options,
+    _Rule,
+)
 from areal_fn.typecheck import beartype
 
 __all__ = ["KINDS", "Kind", "Problem", "check_dims", "dims_problems", "valid_degrees"]
@@ -66,41 +75,6 @@ Kind = Literal["fsdp2", "megatron", "inference", "sglang", "vllm"]
 
 #: The engines' vocabulary padding (``DEFAULT_VOCAB_PADDING_SIZE``).
 VOCAB_PADDING = 64
-
-
-@attrs.frozen(kw_only=True)
-class Problem:
-    """One rule that ``dims`` break: ``text`` (what, the numbers, the rule), the degree
-    the remedy changes (``field``) and every degree the rule reads (``reads``).
-    ``fixed``: the text already says the remedy (the degree must be 1)."""
-
-    field: str
-    reads: tuple[str, ...]
-    text: str
-    fixed: bool = False
-
-
-@attrs.frozen(kw_only=True)
-class _Options:
-    vocab_multiple: int
-    tp_embeddings: bool
-    hsdp_replicas: int
-
-
-_Rule = Callable[[ModelSpec, ParallelDims, _Options], Problem | None]
-
-
-def _fixed(table: dict[str, str]) -> list[_Rule]:
-    def rule(field: str, why: str) -> _Rule:
-        def check(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
-            value = getattr(d, field)
-            if value == 1:
-                return None
-            return Problem(field=field, reads=(field,), text=f"{field}={value}: {why}", fixed=True)
-
-        return check
-
-    return [rule(f, why) for f, why in table.items()]
 
 
 def _dense_experts(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
@@ -285,6 +259,18 @@ def _shared_channels(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | No
     )
 
 
+def _mtp_projection(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
+    if not m.mtp_layers or m.hidden_size % d.tp == 0:
+        return None
+    return Problem(
+        field="tp",
+        reads=("tp",),
+        text=f"tp={d.tp} does not divide hidden_size={m.hidden_size} ({m.model_type}, "
+        f"{m.mtp_layers} multi-token-prediction layer(s)); Megatron shards the rows of each "
+        "MTP layer's eh_proj over TP (a ColumnParallelLinear)",
+    )
+
+
 def _experts(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
     if not m.is_moe or m.num_experts % d.ep == 0:
         return None
@@ -394,6 +380,7 @@ _RULES: dict[str, tuple[_Rule, ...]] = {
         _channels,
         _latents,
         _shared_channels,
+        _mtp_projection,
         _experts,
         _expert_tp,
         _chunks,

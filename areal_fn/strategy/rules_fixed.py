@@ -1,6 +1,51 @@
 """The degrees each layout kind cannot express, and why: :mod:`areal_fn.strategy.rules`
 refuses them (``fixed`` problems, whose text already says the remedy: the degree must be 1).
+
+Also the records every rule of :mod:`~areal_fn.strategy.rules` returns and reads.
 """
+
+from collections.abc import Callable
+
+import attrs
+
+from areal_fn.model.spec import ModelSpec
+from areal_fn.strategy.allocation import ParallelDims
+
+
+@attrs.frozen(kw_only=True)
+class Problem:
+    """One rule that ``dims`` break: ``text`` (what, the numbers, the rule), the degree
+    the remedy changes (``field``) and every degree the rule reads (``reads``).
+    ``fixed``: the text already says the remedy (the degree must be 1)."""
+
+    field: str
+    reads: tuple[str, ...]
+    text: str
+    fixed: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class _Options:
+    vocab_multiple: int
+    tp_embeddings: bool
+    hsdp_replicas: int
+
+
+_Rule = Callable[[ModelSpec, ParallelDims, _Options], Problem | None]
+
+
+def _fixed(table: dict[str, str]) -> list[_Rule]:
+    def rule(field: str, why: str) -> _Rule:
+        def check(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
+            value = getattr(d, field)
+            if value == 1:
+                return None
+            return Problem(field=field, reads=(field,), text=f"{field}={value}: {why}", fixed=True)
+
+        return check
+
+    return [rule(f, why) for f, why in table.items()]
+
 
 _FSDP2_FIXED = {
     "pp": "an FSDP2 layout has no pipeline stages (every rank holds a shard of every layer); "

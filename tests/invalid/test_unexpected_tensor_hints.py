@@ -33,7 +33,7 @@ CASES = [
         r"unexpected 2: .*; layers \['2'\] are beyond num_hidden_layers "
         r"\(multi-token-prediction layers, num_nextn_predict_layers, are not part of the model "
         r"transformers builds\): read the model with model_from_hf_config\(config, "
-        r"mtp=True\) to hold them \(inference layouts carry them, fsdp and megatron refuse "
+        r"mtp=True\) to hold them \(inference and megatron layouts carry them, fsdp refuses "
         r"them\), or leave them out with drop_mtp=True \(HfCheckpoint\.check, "
         r"convert_to_local, convert_to_torch_dist\)$",
     ),

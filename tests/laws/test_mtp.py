@@ -1,6 +1,7 @@
 """Multi-token-prediction layers as canonical tensors (``mtp=True``): the published names
 and totals, the spec round trip, what each layout does with them (inference carries them,
-the trainers refuse them), conversion and weight-sync plans over them, the readers."""
+fsdp refuses them; megatron's are in test_mtp_megatron.py), conversion and weight-sync
+plans over them, the readers."""
 
 import math
 from pathlib import Path
@@ -199,8 +200,8 @@ TINY = {
 MTP_REFUSAL = r"1 multi-token-prediction layer\(s\) \(model\.layers\.2\.\*, mtp_layers=1\)"
 
 
-@pytest.mark.parametrize("alloc", ["fsdp:d2", "fsdp:t2", "megatron:t2", "megatron:p2"])
-def test_the_trainer_layouts_refuse_mtp_layers(alloc: str) -> None:
+@pytest.mark.parametrize("alloc", ["fsdp:d2", "fsdp:t2"])
+def test_the_fsdp_layout_refuses_mtp_layers(alloc: str) -> None:
     spec = model_from_hf_config(TINY, mtp=True)
     backend = alloc.split(":")[0]
     for call in (lambda: layout_for(spec, alloc), lambda: check_strategy(spec, alloc)):

@@ -9,7 +9,7 @@ PP=8 VPP=4 TP=1 EP=32 CP=1, expert TP 1, MBS=1, GBS=8192, SEQ_LEN=4096,
 compute; ``--main-grads-dtype fp32 --main-params-dtype fp32 --exp-avg-dtype bf16
 --exp-avg-sq-dtype bf16``; no ``--fp8-param-gather`` with the offload, so bf16
 parameters), selective recompute (``mla_up_proj moe mlp layernorm``), distributed
-optimizer. Our closest assumptions: full recompute, bf16 compute, no MTP layer.
+optimizer, one MTP layer. Our closest assumptions: full recompute, bf16 compute.
 
 What holds (docs/memory.md, "DeepSeek-V3 on 256 x 80 GB vs the published recipe"):
 the recipe's strategy passes ``check_strategy``, fits 80 GB per our estimator, and is
@@ -22,7 +22,12 @@ recipe's dispatcher: one copy per distinct remote node, DeepSeek-V3's routing ke
 of 8 expert groups) the cross-node bytes fall to 2.2 copies a token instead of 6, and
 the in-node EP=8 of the top 3 gains from per-rank dedup too: 23rd, 238 s against 208 s.
 In both the EP term alone is larger than the whole gap to the best (compute is equal);
-what the score leaves out (fp8, selective recompute, the MTP layer) is in docs/memory.md.
+what the score leaves out (fp8, selective recompute) is in docs/memory.md.
+
+With the recipe's MTP layer counted (``mtp=True``; Megatron-Core's default placement,
+on the last stage) the last stage is the slowest; with ``deepep`` the best strategy is
+then the recipe's ``d32p8v4`` but for EP 16 instead of 32, and the recipe ranks 27th
+(38th with ``alltoall``), the EP term again larger than the whole gap.
 """
 
 import functools
@@ -55,9 +60,9 @@ def model() -> ModelSpec:
 
 
 @functools.cache
-def advice(dispatch: str = "alltoall") -> tuple[Suggestion, ...]:
+def advice(dispatch: str = "alltoall", mtp: bool = False) -> tuple[Suggestion, ...]:
     return suggest_strategy(
-        model(),
+        model_from_hf_config(SPECS / "DeepSeek-V3.json", mtp=True) if mtp else model(),
         256,
         DEVICE,
         policy=POLICY,
@@ -96,6 +101,26 @@ def test_the_recipe_fits_and_is_ranked_below_the_top_3(dispatch, rank):
     for top in advice(dispatch)[:3]:
         top_ep = _ep(top)
         assert top_ep.link == "intra" and top.dims.ep <= 8
+
+
+@pytest.mark.parametrize(("dispatch", "rank"), [("alltoall", 38), ("deepep", 27)])
+def test_with_the_mtp_layer_the_recipe_is_ranked_and_ep_is_the_gap(dispatch, rank):
+    found = {s.allocation: (i, s) for i, s in enumerate(advice(dispatch, mtp=True), 1)}
+    at, s = found["megatron:d32p8e32v4"]
+    assert at == rank and s.memory.max_total <= DEVICE * (1 - MARGIN)
+    assert s.comm.stage == 7  # the last stage, with the MTP layer, is the slowest
+    best = advice(dispatch, mtp=True)[0]
+    assert _ep(s).exposed - _ep(best).exposed > s.score - best.score > 0
+
+
+def test_with_the_mtp_layer_and_deepep_the_advice_takes_the_recipes_pipeline():
+    # the MTP layer makes the last stage the slowest: a deeper pipeline no longer pays,
+    # and the best strategy is the recipe's but for EP (16: 2 nodes instead of 4)
+    best = advice("deepep", mtp=True)[0]
+    assert (best.dims.dp, best.dims.pp, best.dims.tp, best.dims.vpp) == (32, 8, 1, 4)
+    assert best.dims.ep == 16 and best.comm.stage == 7
+    plain = advice("deepep")[0]
+    assert (plain.dims.pp, plain.dims.ep) == (16, 8)  # without it: pp 16, EP in a node
 
 
 def test_deepep_cuts_the_recipes_cross_node_bytes_and_the_gap_to_the_best():

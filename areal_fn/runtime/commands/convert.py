@@ -211,8 +211,9 @@ def _check_mtp_flags(args: argparse.Namespace, fmt: str) -> None:
         )
     if args.mtp and fmt == "torch_dist":
         raise ConversionError(
-            "--mtp with --format torch_dist: Megatron-Core's layout holds no "
-            "multi-token-prediction layers; pass --drop-mtp to leave them out"
+            "--mtp with --format torch_dist: the torch_dist writer does not write "
+            "Megatron-Core's MTP block (nor the last stage's tied copy of the embedding); "
+            "write rank files (leave out --format) or pass --drop-mtp to leave the layers out"
         )
 
 

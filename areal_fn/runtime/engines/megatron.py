@@ -111,6 +111,16 @@ class MegatronEngine(MegatronSteps):
                 f"device_type={device_type!r} is not 'cpu' or 'cuda'; the CPU runs Megatron "
                 "with its CUDA-only calls redirected (gloo), 'cuda' the current CUDA device"
             )
+        if model_spec.mtp_layers:
+            raise LayoutError(
+                f"the model has {model_spec.mtp_layers} multi-token-prediction layer(s) "
+                "(mtp_layers): MegatronEngine computes its loss from the main model's logits "
+                "and does not train MTP layers (Megatron-Core adds their loss inside "
+                "GPTModel's own loss only); build the model without them "
+                "(model_from_hf_config(config), the default) and read the checkpoint with "
+                "drop_mtp=True. The megatron layout carries them for conversion, weight sync "
+                "and checkpoints"
+            )
         pdims = dims.dims if isinstance(dims, Component) else dims
         self.spec = model_spec
         self.dims = pdims
