@@ -274,7 +274,11 @@ def test_experts_are_split_evenly_over_ep(megatron_ground_truth: Path) -> None:
             r = rec["ranks"]
             for chunk in rec["chunks"]:
                 moe_layers = [n - 1 for n in chunk["layer_numbers"] if _is_moe_layer(arch, n - 1)]
-                assert len(chunk["experts"]) == len(moe_layers), name
+                decoder = [k for k in chunk["experts"] if k.startswith("decoder.")]
+                assert len(decoder) == len(moe_layers), name
+                # the MTP block's layers (routed experts) on the last chunk of the last stage
+                mtp = [k for k in chunk["experts"] if k.startswith("mtp.")]
+                assert len(mtp) == (arch.get("mtp_layers") or 0) * chunk["post_process"], name
                 for held in chunk["experts"].values():
                     assert held == [r["ep"] * (e // ep) + i for i in range(e // ep)], name
         # the ep group together holds every expert exactly once
