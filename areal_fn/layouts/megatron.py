@@ -26,7 +26,9 @@ rank ``j % pp`` as virtual stage ``j // pp``; names use the layer index local to
 chunk (``decoder.layers.{i}``), prefixed ``model{v}.`` when ``vpp > 1``. Tied
 embeddings: with one stage the output layer reuses the embedding (no
 ``output_layer.weight``); otherwise the last stage holds a copy (pieces of
-``model.embed_tokens.weight``).
+``model.embed_tokens.weight``). Multi-token-prediction layers: Megatron-Core's MTP block
+on the last chunk (:mod:`areal_fn.model.mtp`), the final norm then with the last
+decoder layer.
 """
 
 from typing import Literal
@@ -139,12 +141,19 @@ def stages_for(model: ModelSpec, dims: ParallelDims) -> StagePlan:
     ``pp*vpp`` divides the layers; else the embedding and the loss each count as one
     layer, as Megatron's ``account_for_embedding/loss_in_pipeline_split`` (set by the
     published recipes) count them, so the first chunk holds fewer layers, not more
-    (:func:`~areal_fn.pipeline.partition.split_evenly` with ``account_for_ends=True``)."""
+    (:func:`~areal_fn.pipeline.partition.split_evenly` with ``account_for_ends=True``).
+    With multi-token-prediction layers and more than one chunk they count too, as layers
+    of the last chunk (``mtp_layers``): the published DeepSeek-V3 layouts put the MTP
+    layer with the loss at the end (``...|mL``)."""
     from areal_fn.pipeline.partition import split_evenly
 
-    if model.num_layers % (dims.pp * dims.vpp) == 0:
+    k, ones = dims.pp * dims.vpp, [1.0] * model.num_layers
+    if model.mtp_layers and k > 1:  # the MTP layers and the loss in the last chunk
+        mtp = model.mtp_layers
+        return split_evenly(ones, dims.pp, vpp=dims.vpp, account_for_ends=True, mtp_layers=mtp)
+    if model.num_layers % k == 0:
         return default_stages(model, dims)
-    return split_evenly([1.0] * model.num_layers, dims.pp, vpp=dims.vpp, account_for_ends=True)
+    return split_evenly(ones, dims.pp, vpp=dims.vpp, account_for_ends=True)
 
 
 @beartype
@@ -184,13 +193,6 @@ def megatron_layout(
             f"stage plan covers {plan.num_layers} layers in {plan.num_stages} stages x vpp {plan.vpp}, but the "
             f"model has {model.num_layers} layers and the strategy pp={dims.pp}, vpp={dims.vpp}"
         )
-    if model.mtp_layers and not plan.chunk_layers(plan.num_chunks - 1):
-        raise LayoutError(
-            f"the stage plan leaves the last chunk without decoder layers, and the model has "
-            f"{model.mtp_layers} multi-token-prediction layer(s): Megatron-Core then puts the "
-            "final norm with the last decoder layer, not with the MTP block; give the last "
-            "chunk at least one decoder layer"
-        )
     build = _Builder(
         model=model,
         dims=dims,
@@ -209,8 +211,10 @@ def megatron_layout(
             build.embedding(pre, stage, mtp=last)
         for local, layer in enumerate(plan.chunk_layers(chunk)):
             build.layer(f"{pre}decoder.layers.{local}.", layer, stage)
+        if chunk == final_norm_chunk(model, plan):
+            build.final_norm(pre, stage)
         if last:
-            build.final(pre, stage)
+            build.head(pre, stage)
             build.mtp(pre, stage)
     _check_covered(model, build.tensors)
     return Layout(
@@ -220,6 +224,15 @@ def megatron_layout(
         tensors=tuple(build.tensors),
         stages=plan,
     )
+
+
+def final_norm_chunk(model: ModelSpec, plan: StagePlan) -> int:
+    """The chunk holding ``decoder.final_layernorm``: the last one; with MTP layers the
+    one with the last decoder layer, as Megatron-Core places it then (the last chunk may
+    hold the MTP block and the loss alone)."""
+    if not model.mtp_layers:
+        return plan.num_chunks - 1
+    return max(j for j in range(plan.num_chunks) if plan.chunk_layers(j))
 
 
 def _check_covered(model: ModelSpec, tensors: list[LogicalTensor]) -> None:
@@ -386,10 +399,12 @@ class _Builder:
         name = pre + "embedding.word_embeddings.weight"
         self.vocab(name, "model.embed_tokens.weight", stage, tied)
 
-    def final(self, pre: str, stage: int) -> None:
+    def final_norm(self, pre: str, stage: int) -> None:
         hid = self.model.hidden_size
         norm = ((hid,), _full("model.norm.weight", (hid,)))
         self.add(pre + "decoder.final_layernorm.weight", norm, Replicate(), ((Axis.PP, stage),))
+
+    def head(self, pre: str, stage: int) -> None:
         heads = self._mtp_names("shared_head.head.weight")
         if not self.model.tie_word_embeddings:
             self.vocab(pre + "output_layer.weight", "lm_head.weight", stage, heads)

@@ -357,6 +357,7 @@ def split_evenly(
     first_extra: float | int = 0.0,
     last_extra: float | int = 0.0,
     account_for_ends: bool = False,
+    mtp_layers: int = 0,
 ) -> StagePlan:
     """The split that ignores costs: every chunk gets ``L // K`` layers and the first
     ``L % K`` chunks one more (Megatron's default when ``K`` divides ``L``).
@@ -368,12 +369,19 @@ def split_evenly(
     left over go one each to the inner chunks in order, then to the last chunk. So the
     first chunk never holds more layers than another, and when ``K`` divides ``L + 2``
     (and ``q >= 2``) this is exactly Megatron's split under those two flags.
+    ``mtp_layers`` (with ``account_for_ends``) count as layers of the last chunk, which
+    holds them with the loss, as the published DeepSeek-V3 layouts place the MTP layer
+    (``...|mL``): ``q = (L + 2 + mtp_layers) // K`` and the last chunk gets
+    ``max(0, q - 1 - mtp_layers)`` decoder layers (possibly none: ``allow_empty_ends``).
     """
     cs, fe, le = _validated(costs, num_stages, vpp, first_extra, last_extra)
     k = num_stages * vpp
+    if isinstance(mtp_layers, bool) or mtp_layers < 0:
+        raise PlanError(f"mtp_layers={mtp_layers!r} must be an int >= 0")
     if account_for_ends and k > 1:
-        q = (len(cs) + 2) // k
-        lengths = [max(1, q - 1), *(q,) * (k - 2), max(1, q - 1)]
+        q = (len(cs) + 2 + mtp_layers) // k
+        last = max(1, q - 1) if not mtp_layers else max(0, q - 1 - mtp_layers)
+        lengths = [max(1, q - 1), *(q,) * (k - 2), last]
         for i in range(len(cs) - sum(lengths)):  # fewer than k - 1 when q >= 2, k - 2 else
             lengths[1 + i] += 1
     else:
@@ -386,17 +394,19 @@ def split_evenly(
         stage_lengths=tuple(lengths),
         first_extra=fe,
         last_extra=le,
+        allow_empty_ends=lengths[-1] == 0,
     )
 
 
 @beartype
-def megatron_layout_string(plan: StagePlan) -> str:
+def megatron_layout_string(plan: StagePlan, *, mtp_layers: int = 0) -> str:
     """The plan in Megatron-Core's ``pipeline_model_parallel_layout`` grammar.
 
     One ``|``-separated entry per chunk in layer order (Megatron reads entry ``j`` as
     pp rank ``j % pp``, vp stage ``j // pp``): ``E`` embedding, ``t`` decoder layer,
     ``L`` loss, ``t*3`` for three layers; an empty first or last chunk is ``E`` or
-    ``L`` alone. Pass it as
+    ``L`` alone. ``mtp_layers``: multi-token-prediction layers, ``m`` each, in the last
+    chunk before ``L`` (where the megatron layout puts them). Pass it as
     ``TransformerConfig(pipeline_model_parallel_layout=...)`` together with
     ``pipeline_model_parallel_size=plan.num_stages``.
     """
@@ -404,7 +414,8 @@ def megatron_layout_string(plan: StagePlan) -> str:
     parts = []
     for j, n in enumerate(plan.stage_lengths):
         body = "" if n == 0 else "t" if n == 1 else f"t*{n}"
-        parts.append(("E" if j == 0 else "") + body + ("L" if j == k - 1 else ""))
+        end = "m" * mtp_layers + "L" if j == k - 1 else ""
+        parts.append(("E" if j == 0 else "") + body + end)
     return "|".join(parts)
 
 

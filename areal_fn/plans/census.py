@@ -28,7 +28,12 @@ import attrs
 from areal_fn.errors import LayoutError, SpecError
 from areal_fn.layouts.fsdp2 import Fsdp2Options, fsdp2_mesh, fsdp2_sharding
 from areal_fn.layouts.layout import Layout
-from areal_fn.layouts.megatron import MegatronMeshes, default_stages, layer_parameters
+from areal_fn.layouts.megatron import (
+    MegatronMeshes,
+    default_stages,
+    final_norm_chunk,
+    layer_parameters,
+)
 from areal_fn.layouts.vocab import padded_vocab_size
 from areal_fn.model.hf_memory import hf_memory_view
 from areal_fn.model.spec import ModelSpec, layer_of
@@ -229,10 +234,11 @@ def megatron_census(
                 moe_layers = [i for i in layers if model.moe_layers[i]]
                 for ep_rank in range(dims.ep):
                     b.add_layers(expert_id, (*pres, ("ep", ep_rank)), moe_layers)
+        if chunk == final_norm_chunk(model, plan):
+            b.add((h,), rep, pres)
         if chunk == plan.num_chunks - 1:
             if model.mtp_layers and chunk > 0:  # the MTP block's copy of the embedding
                 b.add((vpad, h), s0, pres)
-            b.add((h,), rep, pres)
             if not model.tie_word_embeddings or dims.pp > 1:
                 b.add((vpad, h), s0, pres)
             _mtp_census(b, model, dims, pres, on, dense_id, expert_id)

@@ -237,6 +237,14 @@ CASES += [
     ),
     _case("deepseek_v3_mtp-p2e2", "deepseek_v3_mtp", {"pp": 2, "ep": 2}, mode="structure"),
     _case("glm4_moe_mtp-t2p2v2", "glm4_moe_mtp", {"tp": 2, "pp": 2, "vpp": 2}, mode="structure"),
+    # the MTP layer and the loss alone in the last chunk, the final norm in chunk 2
+    _case(
+        "glm4_moe_mtp-p2v2-layout",
+        "glm4_moe_mtp",
+        {"pp": 2, "vpp": 2},
+        {"pipeline_model_parallel_layout": "Ett|t|t|mL"},
+        mode="structure",
+    ),
     _case(
         "qwen3_moe-e2-grouped",
         "qwen3_moe",

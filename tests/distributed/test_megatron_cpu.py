@@ -183,6 +183,7 @@ def test_pipeline_stages_hold_each_layer_once(megatron_ground_truth: Path) -> No
         "qwen2-p2-first1": [1, 3],
         "qwen2-p2-layout": [1, 3],
         "llama_tied-p2v2-layout": [1, 1, 1, 1],
+        "glm4_moe_mtp-p2v2-layout": [2, 1, 1, 0],  # "Ett|t|t|mL": the MTP layer alone
     }
     for name, recs in _cases(megatron_ground_truth, mode=None):
         if recs[0]["mode"] == "expect_error":
@@ -194,8 +195,10 @@ def test_pipeline_stages_hold_each_layer_once(megatron_ground_truth: Path) -> No
         for rec in recs:
             if rec["ranks"]["tp"] or rec["ranks"]["dp"] or rec["ranks"]["cp"]:  # one replica
                 continue
+            for v in range(len(rec["chunks"])):  # a chunk may hold no decoder layer
+                by_stage.setdefault(v * s["pp"] + rec["ranks"]["pp"], [])
             for stage, layer in _stage_layers(rec):
-                by_stage.setdefault(stage, []).append(layer)
+                by_stage[stage].append(layer)
             for chunk in rec["chunks"]:
                 n = len(chunk["layer_numbers"])
                 # names use local indices 0..n-1; layer_number is global and 1-based

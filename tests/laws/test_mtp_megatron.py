@@ -199,13 +199,21 @@ def test_tp_must_divide_the_hidden_size_under_mtp_layers() -> None:
     assert dims_problems(model_from_hf_config(cfg), "megatron", ParallelDims(tp=4)) == ()
 
 
-def test_an_empty_last_chunk_is_refused_with_mtp_layers() -> None:
+def test_an_empty_last_chunk_holds_the_mtp_block_and_the_final_norm_moves() -> None:
+    # Megatron-Core's layout "Ett|mL": the final norm with the last decoder layer
     spec = model_from_hf_config(TINY, mtp=True)
     plan = StagePlan(
         costs=(1.0, 1.0), num_stages=2, vpp=1, stage_lengths=(2, 0), allow_empty_ends=True
     )
-    with pytest.raises(LayoutError, match="last chunk without decoder layers"):
-        megatron_layout(spec, ParallelDims(pp=2), stages=plan)
+    layout = megatron_layout(spec, ParallelDims(pp=2), stages=plan)
+    first, last = ({t.name for t in layout.local_tensors(r)} for r in (0, 1))
+    assert "decoder.final_layernorm.weight" in first - last
+    assert {"mtp.layers.0.eh_proj.weight", "output_layer.weight"} <= last - first
+    assert "embedding.word_embeddings.weight" in first & last  # the MTP block's copy
+    canon = canonical(spec, 6)
+    states = {r: to_megatron(canon, layout, r) for r in range(2)}
+    back = to_hf(states, layout, check_replicas=True)
+    assert all(torch.equal(back[n], canon[n]) for n in canon)
 
 
 @settings(max_examples=30, deadline=None)
@@ -253,22 +261,22 @@ def test_the_mtp_layer_weighs_on_the_last_stage_in_memory_and_score() -> None:
     main = model_from_hf_config(SPECS / "DeepSeek-V3.json")
     dims = ParallelDims(dp=32, pp=8, ep=32, vpp=4)
     act = ActivationModel(micro_batch_size=1, seq_len=4096, recompute=True)
+    stages = stages_for(spec, dims)  # the same split for both: "Et|t*2|...|t*2|mL"
+    assert stages.stage_lengths[-1] == 0 and stages.stage_lengths[-2] == 2
     with_mtp, without = (
-        estimate_memory(
-            megatron_census(m, dims, stages=stages_for(m, dims)), activation=act, model=m, dims=dims
-        )
+        estimate_memory(megatron_census(m, dims, stages=stages), activation=act, model=m, dims=dims)
         for m in (spec, main)
     )
-    last = 255  # a rank of the last stage
+    last, before = 255, 223  # ranks of the last stage and of the one before
     # parameters: the MTP layer and the last stage's copy of the embedding, counted from
-    # the canonical shapes (bf16 parameters, one of 32 EP ranks' experts)
+    # the canonical shapes (bf16 parameters, one of 32 EP ranks' experts), less the final
+    # norm, which moves to the stage holding the last decoder layer (chunk 30: stage 6)
     p = "model.layers.61."
-    mtp = [
-        t for t in spec.tensors if t.name.startswith(p) and t.name != p + "shared_head.head.weight"
-    ]
+    mtp = [t for t in spec.tensors if t.name.startswith(p)]
+    mtp = [t for t in mtp if t.name != p + "shared_head.head.weight"]
     experts = sum(t.numel for t in mtp if ".experts." in t.name)
-    want = sum(t.numel for t in mtp) - experts + experts // 32
-    got = with_mtp.rows[last].params - without.rows[last].params
-    assert got == want * 2
+    want = sum(t.numel for t in mtp) - experts + experts // 32 - spec.hidden_size
+    assert with_mtp.rows[last].params - without.rows[last].params == want * 2
+    assert with_mtp.rows[before].params - without.rows[before].params == spec.hidden_size * 2
     assert with_mtp.rows[0].params == without.rows[0].params  # the first stage: unchanged
     assert with_mtp.rows[last].activations > without.rows[last].activations

@@ -179,3 +179,50 @@ def test_transformer_config_accepts_single_layer_chunks(megatron_rank: None, vpp
 def test_moe_layer_pattern_matches_megatron(freq: int | list[int]) -> None:
     config = types.SimpleNamespace(moe_layer_freq=freq, num_layers=14)
     assert megatron_moe_layers(14, freq) == tuple(bool(x) for x in get_moe_layer_pattern(config))
+
+
+@pytest.mark.parametrize(
+    ("name", "pp", "vpp"),
+    [("DeepSeek-V3", 8, 4), ("DeepSeek-V3", 16, 1), ("GLM-4.5", 8, 2), ("GLM-4.5-Air", 4, 1)],
+)
+def test_megatron_places_our_split_with_the_mtp_layer_in_the_last_chunk(
+    megatron_rank: None, name: str, pp: int, vpp: int
+) -> None:
+    """With multi-token-prediction layers, ``stages_for``'s split written with
+    ``megatron_layout_string(mtp_layers=)`` is read by Megatron's own parser and
+    ``TransformerConfig(mtp_num_layers=)``: the same decoder layers on every (pp rank, vp
+    stage) and every MTP layer in the last chunk, the one with the loss."""
+    from areal_fn.layouts.megatron import stages_for
+    from areal_fn.strategy.allocation import ParallelDims
+
+    spec = model_from_hf_config(SPECS / f"{name}.json", mtp=True)
+    plan = stages_for(spec, ParallelDims(pp=pp, vpp=vpp))
+    text = megatron_layout_string(plan, mtp_layers=spec.mtp_layers)
+    layout = PipelineParallelLayerLayout(text, pp)
+    assert layout.validate_layer_layout(spec.num_layers, spec.mtp_layers) is False
+    ps.set_virtual_pipeline_model_parallel_world_size(vpp if vpp > 1 else None)
+    mtp = {
+        (r, v): layout.get_layer_id_list(LayerType.mtp, vp_stage=v, pp_rank=r)
+        for r in range(pp)
+        for v in range(vpp)
+    }
+    assert {k: ids for k, ids in mtp.items() if ids} == {
+        (pp - 1, vpp - 1): list(range(spec.mtp_layers))
+    }
+    config = TransformerConfig(
+        num_layers=spec.num_layers,
+        hidden_size=64,
+        num_attention_heads=4,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+        pipeline_dtype=torch.float32,
+        mtp_num_layers=spec.mtp_layers,
+        pipeline_model_parallel_layout=text,
+    )
+    for r in range(pp):
+        ps.set_pipeline_model_parallel_rank(r)
+        for v in range(vpp):
+            vp = v if vpp > 1 else None
+            offset = get_transformer_layer_offset(config, vp_stage=vp)
+            count = get_num_layers_to_build(config, vp_stage=vp)
+            assert list(range(offset, offset + count)) == _expected(plan)[(r, v)], (r, v)

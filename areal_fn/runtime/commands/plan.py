@@ -128,7 +128,9 @@ def _component_json(
         "last_rank": rr.stop - 1,
         "layout": layout.kind.value,
         "meshes": [str(m) for m in layout.meshes],
-        "pipeline": None if layout.stages is None else megatron_layout_string(layout.stages),
+        "pipeline": None
+        if layout.stages is None
+        else megatron_layout_string(layout.stages, mtp_layers=model.mtp_layers),
         "memory": None,
         "weights": None,
         "kv_cache": None,
@@ -212,7 +214,8 @@ def _print_component(
     if layout.stages is not None:
         from areal_fn.pipeline.partition import megatron_layout_string
 
-        console.print(f"pipeline: {megatron_layout_string(layout.stages)}")
+        pipeline = megatron_layout_string(layout.stages, mtp_layers=model.mtp_layers)
+        console.print(f"pipeline: {pipeline}")
     if args.tensors:
         t2 = Table(title=f"{comp.label}: placements")
         for col in ("tensor", "shape", "placements", "present"):

@@ -92,6 +92,12 @@ def layer_spec(arch: Mapping[str, Any], config: Any, *, vp_stage: int | None = N
             multi_latent_attention=mla,
         )
         layers = [spec]
+    _patch(layers, arch, config, mla=mla)
+    return spec
+
+
+def _patch(layers: list[Any], arch: Mapping[str, Any], config: Any, *, mla: bool) -> None:
+    """Our core attention and biased expert ``linear_fc2`` in the local layer specs."""
     core = _core_attention(config, mla=mla)
     if core is not None:
         for layer in layers:
@@ -102,7 +108,23 @@ def layer_spec(arch: Mapping[str, Any], config: Any, *, vp_stage: int | None = N
             experts = getattr(layer.submodules.mlp.submodules, "experts", None)
             if experts is not None and experts.submodules is not None:
                 experts.submodules.linear_fc2 = fc2
-    return spec
+
+
+def _mtp_spec(arch: Mapping[str, Any], config: Any, spec: Any, vp_stage: int | None) -> Any:
+    """Megatron-Core's MTP block spec for this chunk (``None`` where it has none). Its
+    layer is the chunk's last decoder layer's spec, or, in a chunk holding no decoder
+    layer (a layout ending ``|mL``), the model's last one, patched as :func:`layer_spec`
+    patches them."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_layer_specs,
+        get_gpt_mtp_block_spec,
+    )
+
+    if not getattr(spec, "layer_specs", True):
+        last = get_gpt_decoder_layer_specs(config, False, normalization="RMSNorm")[-1]
+        _patch([last], arch, config, mla=bool(arch_field(arch, "kv_lora_rank", 0)))
+        spec = last
+    return get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False, vp_stage=vp_stage)
 
 
 def _biased_expert_fc2() -> Any:
@@ -264,12 +286,8 @@ def build_gpt_model(
     post = parallel_state.is_pipeline_last_stage(ignore_virtual=ignore_virtual, vp_stage=vp_stage)
     spec = layer_spec(arch, config, vp_stage=vp_stage)
     rope = {"position_embedding_type": "rope", **rope_kwargs(arch)}
-    mtp = None
-    if config.mtp_num_layers:
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
-
-        # None except on the last (virtual) stage, where Megatron-Core puts every MTP layer
-        mtp = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False, vp_stage=vp_stage)
+    # None except on the chunk where Megatron-Core puts the MTP layers (the last one)
+    mtp = _mtp_spec(arch, config, spec, vp_stage) if config.mtp_num_layers else None
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,
