@@ -205,6 +205,7 @@ STRATEGIES: dict[str, dict[str, int]] = {
     "t2p2-moe": {"tp": 2, "pp": 2, "etp": 2},
     "p2v2": {"dp": 2, "pp": 2, "vpp": 2},
     "t2-etp1": {"dp": 2, "tp": 2, "etp": 1},  # experts whole on every TP rank
+    "p2e2": {"dp": 2, "pp": 2, "ep": 2},
 }
 
 CASES: list[tuple[str, str]] = [
@@ -219,12 +220,24 @@ CASES += [
     ("qwen3_moe", "p2"),
     ("llama_tied", "t2p2"),
     ("qwen2", "p2v2"),
+]
+# the newer families: t1, t2, e2 (MoE), p2 and one mixed case each
+CASES += [
+    ("mistral", "t1"),
     ("mistral", "t2"),
+    ("mistral", "p2"),
+    ("mistral", "t2p2"),
+    ("mixtral", "t1"),
+    ("mixtral", "t2-moe"),
     ("mixtral", "e2"),
     ("mixtral", "p2"),
+    ("mixtral", "t2p2-moe"),
+    ("glm4_moe", "t1"),
     ("glm4_moe", "e2"),
     ("glm4_moe", "t2-moe"),
     ("glm4_moe", "p2"),
+    ("glm4_moe", "p2e2"),
+    ("deepseek_v3", "t1"),
     ("deepseek_v3", "t2-moe"),
     ("deepseek_v3", "e2"),
     ("deepseek_v3", "p2"),
@@ -233,6 +246,7 @@ CASES += [
     ("gpt_oss", "t2-etp1"),
     ("gpt_oss", "e2"),
     ("gpt_oss", "p2"),
+    ("gpt_oss", "p2e2"),
 ]
 
 SEQ = 8

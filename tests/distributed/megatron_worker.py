@@ -232,6 +232,18 @@ CASES += [
     _case("glm4_moe-p2e2", "glm4_moe", {"pp": 2, "ep": 2}),
     _case("deepseek_v3-t2e2x1", "deepseek_v3", {"tp": 2, "ep": 2, "etp": 1}),
     _case("gpt_oss-t2e2x1", "gpt_oss", {"tp": 2, "ep": 2, "etp": 1}),
+    # and PP, VPP, expert TP: each family under a second and a third strategy
+    _case("mistral-p2v2", "mistral", {"pp": 2, "vpp": 2}),
+    _case("mistral-t2p2", "mistral", {"tp": 2, "pp": 2}),
+    _case("mixtral-t2e2", "mixtral", {"tp": 2, "ep": 2}),
+    _case("mixtral-p2e2", "mixtral", {"pp": 2, "ep": 2}),
+    _case("glm4_moe-t2e2", "glm4_moe", {"tp": 2, "ep": 2}),
+    _case("glm4_moe-p2v2", "glm4_moe", {"pp": 2, "vpp": 2}),
+    _case("deepseek_v3-t2e2", "deepseek_v3", {"tp": 2, "ep": 2}),
+    _case("deepseek_v3-p2e2", "deepseek_v3", {"pp": 2, "ep": 2}),
+    _case("deepseek_v3-p2v2", "deepseek_v3", {"pp": 2, "vpp": 2}),
+    _case("gpt_oss-p2e2", "gpt_oss", {"pp": 2, "ep": 2}),
+    _case("gpt_oss-p2v2", "gpt_oss", {"pp": 2, "vpp": 2}),
     _case(
         "deepseek_v3_mtp-t2e2x1", "deepseek_v3_mtp", {"tp": 2, "ep": 2, "etp": 1}, mode="structure"
     ),
