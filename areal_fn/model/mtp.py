@@ -39,8 +39,10 @@ What each layout does with them (:func:`mtp_refusal` words the refusals):
   (:class:`~areal_fn.layouts.layout.FusionPiece`): conversion refuses copies that differ
   from the main tensors and writes them back as copies. With ``pp > 1`` the last stage
   holds a copy of the embedding (``embedding.word_embeddings.weight``), as Megatron-Core
-  builds it. Megatron-Core's default placement is assumed: every MTP layer on the last
-  stage, not counted in the split of the decoder layers.
+  builds it. Every MTP layer is in the last chunk, with the loss; with more than one
+  chunk the default split (``stages_for``) counts them as layers of that chunk, which
+  may then hold no decoder layer (``...|mL``), and the final norm stays with the last
+  decoder layer, as Megatron-Core keeps it when there are MTP layers.
 
 They are never dropped: a checkpoint that holds them is read by a spec with
 ``mtp=True`` or refused by the strict readers as holding unexpected tensors.

@@ -24,6 +24,12 @@ the heavy layers in the wrong places.
 ``LayerCosts.head`` (final norm, output projection, loss) to the last. With tied
 embeddings Megatron still allocates the output weight on the last stage when
 ``pp > 1``, so the head's parameters are counted either way.
+
+**Multi-token-prediction layers** (a spec with ``mtp_layers``) run in the last chunk,
+where Megatron-Core puts its MTP block, so their cost is part of ``head``: per MTP
+layer its norms, ``eh_proj`` and decoder layer (routed experts), a second pass through
+the output layer, and once the copy of the embedding the block uses on the last stage
+(its own ``embed_tokens`` and ``shared_head.head`` are the main model's, tied).
 """
 
 import math
@@ -35,6 +41,7 @@ import numpy as np
 
 from areal_fn.errors import PlanError
 from areal_fn.model.families.mapping import select
+from areal_fn.model.mtp import moe_at
 from areal_fn.model.spec import ModelSpec, condition_flags, dim_sizes
 from areal_fn.pipeline.partition import StagePlan, partition_pipeline
 from areal_fn.typecheck import beartype
@@ -160,6 +167,18 @@ def _layer_params(
     return [per_kind[m] for m in _moe_flags(spec, moe_layer_freq)]
 
 
+def _mtp_params(spec: ModelSpec, expert_parallel: int) -> int:
+    """Parameters the MTP block adds to the last stage: per MTP layer ``enorm``,
+    ``hnorm``, ``eh_proj``, the decoder layer and the final norm, and one copy of the
+    embedding (none without MTP layers)."""
+    if not spec.mtp_layers:
+        return 0
+    h = spec.hidden_size
+    layers = range(spec.num_layers, spec.num_layers + spec.mtp_layers)
+    per = [_kind_params(spec, moe_at(spec, i), expert_parallel) + 2 * h * h + 3 * h for i in layers]
+    return sum(per) + spec.vocab_size * h
+
+
 @beartype
 def param_costs(
     spec: ModelSpec,
@@ -170,13 +189,13 @@ def param_costs(
     """Parameters per layer on one pipeline rank (experts divided by ``expert_parallel``).
 
     Embedding: ``vocab * hidden``; head: final norm plus ``vocab * hidden`` output
-    weight (also when tied, see the module docstring).
+    weight (also when tied, see the module docstring), plus the MTP block.
     """
     h, v = spec.hidden_size, spec.vocab_size
     return LayerCosts(
         layers=tuple(float(n) for n in _layer_params(spec, moe_layer_freq, expert_parallel)),
         embedding=float(v * h),
-        head=float(v * h + h),
+        head=float(v * h + h + _mtp_params(spec, expert_parallel)),
         unit="params",
     )
 
@@ -225,7 +244,9 @@ def memory_costs(
     ``activation_bytes`` each). Per pipeline rank before tensor/context parallelism.
 
     Head activations: final-norm and output inputs plus the logits in bf16 and fp32 for
-    the loss, ``vocab`` wide per token (often the largest single activation).
+    the loss, ``vocab`` wide per token (often the largest single activation). Each MTP
+    layer adds its decoder layer's activations, the inputs of its two norms and of
+    ``eh_proj`` (``4 * hidden``), its final norm's and its logits.
     """
     tokens = _check_tokens(micro_batch_size, seq_len) * in_flight
     if (
@@ -244,11 +265,18 @@ def memory_costs(
         for p, m in zip(params, flags, strict=True)
     )
     h, v = spec.hidden_size, spec.vocab_size
+    logits = v * (activation_bytes + 4.0)
+    mtp = sum(
+        _activation_bytes_per_token(spec, moe_at(spec, i), activation_bytes)
+        + 5 * h * activation_bytes
+        + logits
+        for i in range(spec.num_layers, spec.num_layers + spec.mtp_layers)
+    )
     return LayerCosts(
         layers=layers,
         embedding=v * h * bytes_per_param + tokens * h * activation_bytes,
-        head=(v * h + h) * bytes_per_param
-        + tokens * (2 * h * activation_bytes + v * (activation_bytes + 4.0)),
+        head=(v * h + h + _mtp_params(spec, expert_parallel)) * bytes_per_param
+        + tokens * (2 * h * activation_bytes + logits + mtp),
         unit="bytes",
     )
 
@@ -277,7 +305,9 @@ def flop_costs(
     head_dim`` but for multi-latent attention, whose projections count every latent
     weight once), over ``seq_len * (seq_len +
     1) / 2`` pairs per sequence when ``causal`` (else ``seq_len**2``). Norms, rotary and
-    element-wise ops are left out. Embedding: 0 (a gather); head: the output projection.
+    element-wise ops are left out. Embedding: 0 (a gather); head: the output projection,
+    and per MTP layer its decoder layer (routed experts), ``eh_proj`` and the output
+    projection again.
     """
     tokens = _check_tokens(micro_batch_size, seq_len)
     h = spec.hidden_size
@@ -299,12 +329,12 @@ def flop_costs(
     layers = tuple(
         3.0 * (proj + attn + (moe if m else dense)) for m in _moe_flags(spec, moe_layer_freq)
     )
-    return LayerCosts(
-        layers=layers,
-        embedding=0.0,
-        head=3.0 * 2 * h * spec.vocab_size * tokens,
-        unit="flops",
+    out = 2 * h * spec.vocab_size * tokens
+    mtp = sum(
+        proj + attn + (moe if moe_at(spec, i) else dense) + 2 * 2 * h * h * tokens + out
+        for i in range(spec.num_layers, spec.num_layers + spec.mtp_layers)
     )
+    return LayerCosts(layers=layers, embedding=0.0, head=3.0 * (out + mtp), unit="flops")
 
 
 @beartype

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from areal_fn.model.spec import model_from_hf_config
+from areal_fn.model.spec import layer_of, model_from_hf_config
 from areal_fn.pipeline.costs import (
     LayerCosts,
     flop_costs,
@@ -448,3 +448,39 @@ def test_plan_plugs_into_megatron_layout() -> None:
             if r == rank
         }
         assert held == expected
+
+
+@pytest.mark.parametrize("name", ["DeepSeek-V3", "GLM-4.5-Air"])
+def test_cost_models_weigh_the_mtp_layers_in_the_last_chunk(name: str) -> None:
+    """With MTP layers the head (the last chunk) carries the MTP block: its canonical
+    tensors but for the two tied to the main embedding and head, and the last stage's
+    copy of the embedding; its decoder layer's FLOPs, ``eh_proj`` and a second pass
+    through the output layer."""
+    plain = model_from_hf_config(SPECS / f"{name}.json")
+    spec = model_from_hf_config(SPECS / f"{name}.json", mtp=True)
+    h, v = spec.hidden_size, spec.vocab_size
+    mtp = [t for t in spec.tensors if (layer_of(t.name) or -1) >= spec.num_layers]
+    tied = [t for t in mtp if t.name.endswith(("embed_tokens.weight", "shared_head.head.weight"))]
+    assert len(tied) == 2 * spec.mtp_layers
+    experts = sum(t.numel for t in mtp if ".experts." in t.name)
+    untied = sum(t.numel for t in mtp) - sum(t.numel for t in tied)
+    for ep in (1, 8):
+        costs, costs0 = (
+            param_costs(spec, expert_parallel=ep),
+            param_costs(plain, expert_parallel=ep),
+        )
+        assert costs.head - costs0.head == untied - experts + experts // ep + v * h
+        assert costs.layers == costs0.layers
+    tokens = 4096
+    flops, flops0 = flop_costs(spec, seq_len=tokens), flop_costs(plain, seq_len=tokens)
+    moe_layer = flops.layers[-1]  # the last main layer has routed experts, as the MTP layer
+    extra = moe_layer + 3 * 2 * (2 * h * h + h * v) * tokens
+    assert math.isclose(flops.head - flops0.head, extra, rel_tol=1e-12)
+    mem, mem0 = (memory_costs(m, micro_batch_size=1, seq_len=tokens) for m in (spec, plain))
+    assert mem.head - mem0.head > (untied + v * h) * 18.0  # parameters and activations
+    # the heavier last chunk: the last pipeline rank gets fewer decoder layers
+    cut = functools.partial(flop_costs, seq_len=tokens)
+    last = [
+        sum(partition_model(m, 4, vpp=2, cost_model=cut).stage_lengths[3::4]) for m in (spec, plain)
+    ]
+    assert last[0] < last[1]
