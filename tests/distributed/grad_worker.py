@@ -60,6 +60,29 @@ CLIP = 0.5
 #: Gradients at least this large (100 x eps) make AdamW's first step well conditioned.
 CONDITIONED = 1e-6
 
+
+def unexplained_weight_diff(
+    w1: dict[str, torch.Tensor],
+    ref_w1: dict[str, torch.Tensor],
+    ref_grads: dict[str, torch.Tensor],
+    grad_diff: float,
+) -> float:
+    """The largest weight difference after AdamW's first step beyond what the measured
+    gradient difference ``grad_diff`` (the max over every element) explains. That step
+    moves each weight by ``lr * g / (|g| + eps)`` (plus decay, equal on both sides), whose
+    slope ``lr * eps / (|g| + eps)^2`` is steepest near ``g = 0``: a gradient off by at most
+    ``grad_diff`` moves the weight by at most ``lr * eps / (max(|g| - grad_diff, 0) +
+    eps)^2 * grad_diff``. What is left over is rounding of the weights and of the update."""
+    lr, eps = ADAMW.lr, ADAMW.eps
+    worst = float("-inf")
+    for k, ref in ref_w1.items():
+        g = ref_grads[k].double().abs()
+        slope = lr * eps / ((g - grad_diff).clamp(min=0.0) + eps) ** 2
+        excess = (w1[k].double() - ref.double()).abs() - slope * grad_diff
+        worst = max(worst, float(excess.max()))
+    return worst
+
+
 #: Tiny configs: heads, KV heads and MLP widths divisible by 2; vocabularies not
 #: multiples of 128 (Megatron pads them).
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -557,6 +580,9 @@ def run_case(config: str, label: str, ref: dict[str, Any]) -> dict[str, Any]:
             grad_scale=grad_scale,
             grad_rel_diff=max_abs(grads, ref["grads"]) / grad_scale,
             weight_max_abs_diff=max_abs(w1, ref["w1"]),
+            weight_unexplained=unexplained_weight_diff(
+                w1, ref["w1"], ref["grads"], max_abs(grads, ref["grads"])
+            ),
             weight_max_abs_diff_conditioned=max(
                 float((w1[k] - ref["w1"][k])[ref["grads"][k].abs() >= CONDITIONED].abs().max())
                 for k in ref["w1"]

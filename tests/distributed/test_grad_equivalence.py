@@ -67,11 +67,13 @@ REPO = Path(__file__).resolve().parents[2]
 LOSS_ATOL = 1e-5  # loss: <= 5.7e-7 (loss ~ 4.1)
 NORM_RTOL = 1e-5  # grad norm, relative: <= 6.5e-8
 GRAD_RTOL = 1e-5  # clipped gradients, max abs diff / max |reference grad|: <= 7.7e-7
-# Updated weights: <= 4.0e-6 (qwen3 fsdp:d2t2), at an element whose reference gradient
-# is 1.5e-8: AdamW's first step is lr * g / (|g| + eps), whose derivative
-# eps / (|g| + eps)^2 amplifies rounding of near-zero gradients. Where |g| >= 1e-6 the
-# difference is a few float32 ulps of the weights.
-WEIGHT_ATOL = 1e-5  # 1% of lr
+# Updated weights: AdamW's first step is lr * g / (|g| + eps), whose derivative
+# lr * eps / (|g| + eps)^2 amplifies rounding of near-zero gradients: up to 1.7e-5
+# (deepseek_v3 megatron, at an element whose reference gradient is 4.6e-9; 4.0e-6 for
+# qwen3 fsdp:d2t2 at 1.5e-8), a figure that moves with the machine's kernels. So the
+# law bounds what the measured gradient difference does not explain (the worker's
+# unexplained_weight_diff: a few float32 ulps of the weights), and, where |g| >= 1e-6,
+# the difference itself.
 WEIGHT_CONDITIONED_ATOL = 1e-6
 LOGPROB_ATOL = 1e-5  # log-probs after the step: <= 9.5e-7
 
@@ -112,7 +114,7 @@ def test_one_step_equals_the_plain_model(results: dict[str, Any], case: str) -> 
     assert rec["loss_abs_diff"] <= LOSS_ATOL, rec
     assert rec["grad_norm_rel_diff"] <= NORM_RTOL, rec
     assert rec["grad_rel_diff"] <= GRAD_RTOL, rec
-    assert rec["weight_max_abs_diff"] <= WEIGHT_ATOL, rec
+    assert rec["weight_unexplained"] <= WEIGHT_CONDITIONED_ATOL, rec
     assert rec["weight_max_abs_diff_conditioned"] <= WEIGHT_CONDITIONED_ATOL, rec
     assert rec["weight_step"] > 0.5 * worker.ADAMW.lr, "the reference step moved nothing"
     assert rec["logprob_max_abs_diff"] <= LOGPROB_ATOL, rec

@@ -13,11 +13,12 @@ import pytest
 from areal_fn import ParallelDims, fsdp2_layout, inference_layout, megatron_layout
 from areal_fn.errors import CheckpointError
 from areal_fn.model.spec import model_from_hf_config
-from areal_fn.plans.checkpoint_manifest import Chunk, make_manifest, optimizer_spec
+from areal_fn.plans.checkpoint_manifest import Chunk
 from areal_fn.plans.checkpoint_read import plan_load
 from areal_fn.plans.checkpoint_write import plan_save
 from areal_fn.sharding.box import Box
 from tests.laws.test_strided_pieces import TINY_GPT_OSS
+from tests.manifest_util import weights_manifest
 
 MODEL = model_from_hf_config(TINY_GPT_OSS)
 # 2 layers x 2 experts x fc1/fc2 weight and bias: 16 strided or transposed tensors
@@ -34,15 +35,7 @@ def test_a_stored_chunk_that_cuts_inside_units_is_refused():
     """A checkpoint chunk of ``gate_up_proj`` that ends at an odd column splits a (gate,
     up) pair: the strided layout cannot read it through its lifted views."""
     plain = fsdp2_layout(MODEL, ParallelDims(dp=2))
-    manifest = make_manifest(
-        plan_save(plain),
-        allocation="fsdp:d2",
-        model_config=MODEL.hf_config(),
-        step=1,
-        optimizer=optimizer_spec("none"),
-        dtypes={c.name: c.dtype for c in MODEL.tensors},
-        library_version="0.1.0",
-    )
+    manifest = weights_manifest(plan_save(plain), MODEL, allocation="fsdp:d2")
     plan_load(manifest, STRIDED, 0)  # FSDP2's chunks (whole experts) are whole units
     name = "model.layers.0.mlp.experts.gate_up_proj"
     e, h, n = next(t.shape for t in manifest.tensors if t.name == name)

@@ -22,7 +22,6 @@ from areal_fn.layouts.megatron import stages_for
 from areal_fn.model.spec import ModelSpec, model_from_hf_config
 from areal_fn.pipeline.partition import StagePlan
 from areal_fn.plans.census import CensusIndex, census_of, megatron_census
-from areal_fn.plans.checkpoint_manifest import make_manifest, optimizer_spec
 from areal_fn.plans.checkpoint_read import plan_load
 from areal_fn.plans.checkpoint_write import plan_save
 from areal_fn.plans.convert import to_hf, to_megatron, to_megatron_into
@@ -35,6 +34,7 @@ from areal_fn.strategy.rules import dims_problems
 from areal_fn.testing.layouts import inference_dims_for, megatron_layouts_for
 from tests.laws.test_mtp import SPECS, TINY, mtp_models
 from tests.laws.test_strided_transfer import blank, check
+from tests.manifest_util import weights_manifest
 
 
 def copies(model: ModelSpec) -> dict[str, str]:
@@ -142,15 +142,7 @@ def test_checkpoints_of_a_megatron_mtp_layout_hold_the_copies(data: st.DataObjec
                 p.box.shape
             )
     assert all(torch.equal(rebuilt[n], canon[n]) for n in canon)
-    manifest = make_manifest(
-        plan,
-        allocation="synthetic",
-        model_config=model.hf_config(),
-        step=1,
-        optimizer=optimizer_spec("none"),
-        dtypes={t.name: t.dtype for t in model.tensors},
-        library_version="0.1.0",
-    )
+    manifest = weights_manifest(plan, model)
     for r in range(loader.world_size):
         lp = plan_load(manifest, loader, r)
         want = to_megatron(canon, loader, r)

@@ -13,13 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from areal_fn.layouts.lift import apply_view
-from areal_fn.plans.checkpoint_manifest import make_manifest, optimizer_spec
 from areal_fn.plans.checkpoint_read import plan_load
 from areal_fn.plans.checkpoint_write import plan_save
 from areal_fn.plans.convert import to_megatron
 from areal_fn.testing.layouts import megatron_layouts_for
 from areal_fn.testing.models import model_specs
 from tests.laws.test_strided_transfer import partners
+from tests.manifest_util import weights_manifest
 
 
 def _seen(views: dict, name: str, t: torch.Tensor) -> torch.Tensor:  # type: ignore[type-arg]
@@ -49,15 +49,7 @@ def test_a_strided_layout_saves_and_loads_every_element(data) -> None:  # type: 
     assert all(torch.equal(rebuilt[n], canon[n]) for n in canon)
     assert all(bool((w == 1).all()) for w in written.values())
 
-    manifest = make_manifest(
-        plan,
-        allocation="synthetic",
-        model_config=model.hf_config(),
-        step=1,
-        optimizer=optimizer_spec("none"),
-        dtypes={t.name: t.dtype for t in model.tensors},
-        library_version="0.1.0",
-    )
+    manifest = weights_manifest(plan, model)
     for r in range(loader.world_size):
         lp = plan_load(manifest, loader, r)
         want = to_megatron(canon, loader, r)
