@@ -21,7 +21,8 @@ Rules by kind (``fsdp2``, ``megatron``, ``inference``, and the engines ``sglang`
   also ``moe_intermediate_size`` (the engines split every expert's channels over TP);
 - inference: ``tp`` divides the vocabulary padded to ``vocab_multiple`` (64);
   FSDP2 (``tp_embeddings``): ``tp`` divides ``vocab_size`` unless FSDP2 shards over at
-  most two ranks (:func:`~areal_fn.layouts.fsdp2.fsdp2_sharding` says why);
+  most two ranks (:func:`~areal_fn.layouts.fsdp2.fsdp2_sharding` says why), and so for
+  the shared experts' width;
 - FSDP2 ``cp`` is Ulysses sequence parallelism (as AReaL's
   ``areal/models/transformers/ulyssess_patch.py``, ``apply_monkey_patch``): ``cp``
   divides the heads of a TP rank, and the KV heads of a TP rank and ``cp`` divide one
@@ -65,6 +66,7 @@ from areal_fn.strategy.rules_fixed import (
     _Options,
     _Rule,
 )
+from areal_fn.strategy.rules_fsdp2 import FSDP2_RULES
 from areal_fn.typecheck import beartype
 
 __all__ = ["KINDS", "Kind", "Problem", "check_dims", "dims_problems", "valid_degrees"]
@@ -173,57 +175,6 @@ def _engine_vocab(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
         reads=("tp",),
         text=f"tp={d.tp} does not divide the padded vocabulary {padded} (vocab_size={m.vocab_size} "
         f"padded to a multiple of {o.vocab_multiple}); the engines split the padded vocabulary evenly",
-    )
-
-
-def _fsdp2_vocab(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
-    if not o.tp_embeddings or d.tp == 1 or m.vocab_size % d.tp == 0:
-        return None
-    replicas = d.dp_replicate if d.dp_replicate > 1 else o.hsdp_replicas
-    if replicas < 1 or d.dp % replicas:
-        return None  # fsdp2_mesh refuses it, with its own remedy
-    shards = d.dp // replicas * d.cp
-    if shards <= 2:
-        return None
-    return Problem(
-        field="tp",
-        reads=("tp", "dp", "cp"),
-        text=f"model.embed_tokens.weight: dim 0 of size {m.vocab_size} is not divisible by "
-        f"tp={d.tp}, and FSDP2 over dp_shard={shards} (> 2) then stores shards its own "
-        "placements (StridedShard) do not describe; use tp_embeddings=False (Fsdp2Options) for "
-        "the vocabulary or keep dp_shard = dp*cp <= 2",
-    )
-
-
-def _ulysses_heads(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
-    nq, tp, cp = m.num_attention_heads, d.tp, d.cp
-    if cp == 1 or nq % tp:
-        return None  # the heads rule reports tp first
-    per = nq // tp
-    if per % cp == 0:
-        return None
-    return Problem(
-        field="cp",
-        reads=("cp", "tp"),
-        text=f"cp={cp} does not divide num_attention_heads={nq} / tp={tp} = {per} heads per TP "
-        f"rank ({m.model_type}); fsdp's c is Ulysses sequence parallelism, whose attention "
-        "all-to-all splits those heads cp ways",
-    )
-
-
-def _ulysses_kv(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
-    nkv, tp, cp = m.num_key_value_heads, d.tp, d.cp
-    if cp == 1 or nkv % tp:
-        return None
-    per = nkv // tp
-    if per % cp == 0 or cp % per == 0:
-        return None
-    return Problem(
-        field="cp",
-        reads=("cp", "tp"),
-        text=f"cp={cp} and num_key_value_heads={nkv} / tp={tp} = {per} KV heads per TP rank "
-        f"({m.model_type}) do not divide one another; Ulysses splits KV heads cp ways, "
-        "repeating them when cp is a multiple",
     )
 
 
@@ -368,9 +319,7 @@ _RULES: dict[str, tuple[_Rule, ...]] = {
         _heads,
         _kv_whole("column-wise TP shards whole KV heads"),
         _channels,
-        _ulysses_heads,
-        _ulysses_kv,
-        _fsdp2_vocab,
+        *FSDP2_RULES,
     ),
     "megatron": (
         *_fixed(_MEGATRON_FIXED),
