@@ -272,3 +272,19 @@ def test_the_mtp_layer_weighs_on_the_last_stage_in_memory_and_score() -> None:
     assert with_mtp.rows[before].params - without.rows[before].params == spec.hidden_size * 2
     assert with_mtp.rows[0].params == without.rows[0].params  # the first stage: unchanged
     assert with_mtp.rows[last].activations > without.rows[last].activations
+
+
+def test_the_megatron_engine_refuses_mtp_layers_before_any_process_group() -> None:
+    from areal_fn.runtime.engines.megatron import MegatronEngine
+
+    message = (
+        r"^the model has 1 multi-token-prediction layer\(s\) \(mtp_layers\): MegatronEngine "
+        r"computes its loss from the main model's logits and does not train MTP layers "
+        r"\(Megatron-Core adds their loss inside GPTModel's own loss only\); build the model "
+        r"without them \(model_from_hf_config\(config\), the default\) and read the checkpoint "
+        r"with drop_mtp=True. The megatron layout carries them for conversion, weight sync and "
+        r"checkpoints$"
+    )
+    with pytest.raises(LayoutError, match=message):
+        MegatronEngine(model_from_hf_config(TINY, mtp=True), ParallelDims())
+    assert not torch.distributed.is_initialized()
