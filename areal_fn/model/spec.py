@@ -190,6 +190,12 @@ class ModelSpec:
         return {t.name: t for t in self.tensors}
 
     @property
+    def mtp_layer_ids(self) -> range:
+        """The layer index of every multi-token-prediction layer: the ones after the
+        decoder layers (empty without them)."""
+        return range(self.num_layers, self.num_layers + self.mtp_layers)
+
+    @property
     def tensor_names(self) -> tuple[str, ...]:
         return tuple(t.name for t in self.tensors)
 
@@ -368,7 +374,7 @@ class ModelSpec:
 
 def _moe_indices(spec: ModelSpec) -> list[int]:
     """The index of every layer with routed experts, MTP layers included."""
-    mtp = range(spec.num_layers, spec.num_layers + spec.mtp_layers) if spec.family.moe else ()
+    mtp = spec.mtp_layer_ids if spec.family.moe else ()
     return [i for i, m in enumerate(spec.moe_layers) if m] + list(mtp)
 
 

@@ -174,8 +174,10 @@ def _mtp_params(spec: ModelSpec, expert_parallel: int) -> int:
     if not spec.mtp_layers:
         return 0
     h = spec.hidden_size
-    layers = range(spec.num_layers, spec.num_layers + spec.mtp_layers)
-    per = [_kind_params(spec, moe_at(spec, i), expert_parallel) + 2 * h * h + 3 * h for i in layers]
+    per = [
+        _kind_params(spec, moe_at(spec, i), expert_parallel) + 2 * h * h + 3 * h
+        for i in spec.mtp_layer_ids
+    ]
     return sum(per) + spec.vocab_size * h
 
 
@@ -270,7 +272,7 @@ def memory_costs(
         _activation_bytes_per_token(spec, moe_at(spec, i), activation_bytes)
         + 5 * h * activation_bytes
         + logits
-        for i in range(spec.num_layers, spec.num_layers + spec.mtp_layers)
+        for i in spec.mtp_layer_ids
     )
     return LayerCosts(
         layers=layers,
@@ -332,7 +334,7 @@ def flop_costs(
     out = 2 * h * spec.vocab_size * tokens
     mtp = sum(
         proj + attn + (moe if moe_at(spec, i) else dense) + 2 * 2 * h * h * tokens + out
-        for i in range(spec.num_layers, spec.num_layers + spec.mtp_layers)
+        for i in spec.mtp_layer_ids
     )
     return LayerCosts(layers=layers, embedding=0.0, head=3.0 * (out + mtp), unit="flops")
 

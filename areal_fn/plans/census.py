@@ -258,7 +258,7 @@ def _mtp_census(
     if not model.mtp_layers:
         return
     h, meshes = model.hidden_size, MegatronMeshes.of(dims)
-    mtp = list(range(model.num_layers, model.num_layers + model.mtp_layers))
+    mtp = list(model.mtp_layer_ids)
     n = len(mtp)
     b.add((h,), on(meshes.dense, Replicate()), pres, 3 * n)  # enorm, hnorm, final_layernorm
     b.add((h, 2 * h), on(meshes.dense, Shard(dim=0)), pres, n)  # eh_proj

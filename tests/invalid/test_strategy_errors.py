@@ -131,39 +131,18 @@ def test_fsdp2_refuses_uneven_shared_expert_rows_before_the_layout():
     """The shared experts' width that tp does not divide, over more than two FSDP shards:
     ``check_strategy`` (what ``plan`` runs) refuses it as the layout does, in one message."""
     from areal_fn import ParallelDims, fsdp2_layout, model_from_hf_config
+    from tests.laws.test_mtp import TINY  # the one tiny DeepSeek-V3 config
 
-    m = model_from_hf_config(
-        dict(
-            model_type="deepseek_v3",
-            hidden_size=16,
-            intermediate_size=32,
-            moe_intermediate_size=6,
-            num_hidden_layers=2,
-            first_k_dense_replace=1,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            q_lora_rank=None,
-            kv_lora_rank=8,
-            qk_nope_head_dim=4,
-            qk_rope_head_dim=4,
-            v_head_dim=4,
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            n_shared_experts=1,
-            n_group=1,
-            topk_group=1,
-            vocab_size=32,
-        )
-    )
+    m = model_from_hf_config({**TINY, "moe_intermediate_size": 3})  # one shared expert
     message = (
-        r"model.layers.1.mlp.shared_experts.gate_proj.weight: dim 0 of size 6 is not divisible "
-        r"by tp=4, and FSDP2 over dp_shard=4 \(> 2\) then stores shards its own placements "
-        r"\(StridedShard\) do not describe; use a tp that divides the shared experts' width 6 "
+        r"model.layers.1.mlp.shared_experts.gate_proj.weight: dim 0 of size 3 is not divisible "
+        r"by tp=2, and FSDP2 over dp_shard=4 \(> 2\) then stores shards its own placements "
+        r"\(StridedShard\) do not describe; use a tp that divides the shared experts' width 3 "
         r"\(deepseek_v3\) or keep dp_shard = dp\*cp <= 2"
     )
     with pytest.raises(LayoutError, match=message):
-        check_strategy(m, parse_allocation("fsdp:d4t4"))
-    with pytest.raises(LayoutError, match=r"shared_experts.gate_proj.weight: dim 0 of size 6"):
-        fsdp2_layout(m, ParallelDims(dp=4, tp=4))
-    check_strategy(m, parse_allocation("fsdp:d2t4"))  # two shards: FSDP2 stores them evenly
-    fsdp2_layout(m, ParallelDims(dp=2, tp=4))
+        check_strategy(m, parse_allocation("fsdp:d4t2"))
+    with pytest.raises(LayoutError, match=r"shared_experts.gate_proj.weight: dim 0 of size 3"):
+        fsdp2_layout(m, ParallelDims(dp=4, tp=2))
+    check_strategy(m, parse_allocation("fsdp:d2t2"))  # two shards: FSDP2 stores them evenly
+    fsdp2_layout(m, ParallelDims(dp=2, tp=2))
