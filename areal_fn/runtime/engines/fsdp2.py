@@ -117,6 +117,8 @@ class Fsdp2Engine(OptimizerSteps):
     ) -> None:
         pdims = dims.dims if isinstance(dims, Component) else dims
         self.spec = model_spec
+        self.dims = pdims
+        self.options = options
         self.layout: Layout = fsdp2_layout(model_spec, pdims, options=options)  # pure
         self.mesh = self.layout.meshes[0]
         self.sp = pdims.cp

@@ -124,6 +124,7 @@ class MegatronEngine(MegatronSteps):
         pdims = dims.dims if isinstance(dims, Component) else dims
         self.spec = model_spec
         self.dims = pdims
+        self.vocab_divisible_by = vocab_divisible_by
         self.layout: Layout = megatron_layout(
             model_spec,
             pdims,

@@ -298,6 +298,33 @@ class SyncGroup:
                 pg.abort()
         del pg
 
+    def post_signed(self, what: str, text: str) -> None:
+        """Post ``text`` under ``what`` on the group's store, with the group's MAC."""
+        key = f"{self.name}/{self.generation}/note/{what}"
+        self.store.set(key, sign(self._session, f"note/{what}", 0, text))
+
+    def read_signed(self, what: str, *, timeout_s: float | None = None) -> str:
+        """The text a member posted with :meth:`post_signed`; waits up to ``timeout_s``
+        (default the group's ``timeout_s``). Raises :class:`SyncError` when none arrives in
+        time or its MAC fails (a process without the group's secret wrote it)."""
+        key = f"{self.name}/{self.generation}/note/{what}"
+        wait = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            self.store.wait([key], _td(wait))
+        except Exception as e:
+            raise SyncError(
+                f"sync group {self.name!r}: no member posted {what!r} within {wait}s ({e})",
+                version=-1,
+            ) from e
+        text = verified(self._session, f"note/{what}", 0, self.store.get(key))
+        if text is None:
+            raise SyncError(
+                f"sync group {self.name!r}: the {what!r} posted on the store does not carry "
+                "the group's MAC (a process without the group's secret wrote it); refused",
+                version=-1,
+            )
+        return text
+
     def group_rank(self, plan_rank: int) -> int:
         return self.members.index(plan_rank)
 

@@ -1,0 +1,163 @@
+"""vLLM's own parameters: every rank's fused tensors, as vLLM builds and loads them.
+
+:func:`~areal_fn.layouts.inference.inference_layout` describes an inference engine
+over canonical (HF) names, one tensor per checkpoint tensor. A vLLM worker holds
+other tensors: its model's ``named_parameters()`` in model format (before its CPU
+kernels repack them), fused per tensor-parallel rank. :func:`vllm_layout` describes
+those, so that a weight update plans, for each vLLM rank, exactly the canonical
+boxes its parameters are made of and writes them where vLLM's own loaders would:
+
+- ``self_attn.qkv_proj.weight`` / ``.bias`` (``QKVParallelLinear``): rank ``r``
+  holds ``[q_r; k_r; v_r]``, its query heads then its KV heads. With
+  ``tp <= num_key_value_heads`` rank ``r`` holds KV heads ``r*kv/tp ..``; with more
+  ranks than KV heads (``tp`` a multiple of them) it holds head ``r // (tp/kv)``, so
+  the same canonical rows sit in ``tp/kv`` ranks' blocks. The logical tensor is the
+  ranks' blocks end to end, ``Shard(0)`` over ``tp``.
+- ``mlp.gate_up_proj.weight`` (``MergedColumnParallelLinear``): rank ``r`` holds
+  ``[gate_r; up_r]``.
+- every other tensor keeps its HF name and the engines' placement
+  (:mod:`areal_fn.layouts.inference`): ``o_proj`` / ``down_proj`` row-wise, the
+  vocabulary padded to a multiple of 64 and split, norms replicated.
+
+Families: the dense decoder families vLLM loads with ``QKVParallelLinear`` and
+``MergedColumnParallelLinear`` (:data:`VLLM_FAMILIES`). Others are refused with
+:class:`~areal_fn.errors.LayoutError` naming them. Degrees: ``t`` and ``p`` (a
+deployment's ranks are one replica; ``d`` is refused: each vLLM data-parallel replica
+is its own deployment).
+
+Sources (vLLM 0.32, ``vllm/model_executor/layers/linear.py``:
+``QKVParallelLinear.weight_loader`` places shard ``q`` at 0, ``k`` after the rank's
+query rows, ``v`` after its KV rows, and with ``num_kv_head_replicas > 1`` loads KV
+head ``tp_rank // num_kv_head_replicas``; ``MergedColumnParallelLinear`` places shard
+0 (gate) then shard 1 (up)). ``tests/oracles/test_vllm_layout.py`` checks every rank
+against real vLLM workers that loaded the same checkpoint.
+"""
+
+from areal_fn.errors import LayoutError
+from areal_fn.layouts.inference import inference_layout
+from areal_fn.layouts.layout import FusionPiece, Layout, LayoutKind, LogicalTensor
+from areal_fn.model.spec import ModelSpec, layer_of
+from areal_fn.sharding.box import Box
+from areal_fn.sharding.placement import Replicate, Shard
+from areal_fn.sharding.sharding import Sharding
+from areal_fn.strategy.allocation import Backend, ParallelDims
+from areal_fn.strategy.coerce import Strategy, as_dims
+from areal_fn.typecheck import beartype
+
+__all__ = ["VLLM_FAMILIES", "vllm_layout"]
+
+#: The ``model_type`` values whose vLLM parameters this layout describes.
+VLLM_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+_QKV = ("q_proj", "k_proj", "v_proj")
+_GATE_UP = ("gate_proj", "up_proj")
+
+
+@beartype
+def vllm_layout(model: ModelSpec, dims: Strategy) -> Layout:
+    """Every rank's parameters in a vLLM deployment of ``dims`` (``t``, ``p``), by vLLM's names.
+
+    ``dims`` may be a ``vllm:`` allocation string or component (``"vllm:t2"``). The
+    canonical tensors are ``model``'s; each local tensor is what
+    ``named_parameters()`` of a vLLM worker holds in model format.
+    """
+    dims = as_dims(dims, caller="vllm_layout", backends=(Backend.VLLM, Backend.SGLANG))
+    if model.model_type not in VLLM_FAMILIES:
+        raise LayoutError(
+            f"vllm_layout: model_type={model.model_type!r} is not one whose vLLM parameters "
+            f"this layout describes; supported: {list(VLLM_FAMILIES)} (dense families "
+            "loaded through QKVParallelLinear and MergedColumnParallelLinear)"
+        )
+    if dims.dp != 1:
+        raise LayoutError(
+            f"vllm_layout: d={dims.dp}: a vLLM deployment's layout is one replica (t x p "
+            "ranks); each data-parallel replica is its own deployment: use d1"
+        )
+    base = inference_layout(model, dims)
+    tensors: list[LogicalTensor] = []
+    fused: set[str] = set()
+    for t in base.tensors:
+        name = t.name
+        if name in fused:
+            continue
+        parts = _fusion_group(name)
+        if parts is None:
+            tensors.append(t)
+            continue
+        prefix, kind, suffix = parts
+        names = [f"{prefix}{p}.{suffix}" for p in (_QKV if kind == "qkv_proj" else _GATE_UP)]
+        fused.update(names)
+        tensors.append(
+            _fused(base, model, dims, names, f"{prefix}{kind}.{suffix}", kind == "qkv_proj")
+        )
+    return Layout(
+        kind=LayoutKind.INFERENCE,
+        world_size=base.world_size,
+        canonical=base.canonical,
+        tensors=tuple(tensors),
+    )
+
+
+def _fusion_group(name: str) -> tuple[str, str, str] | None:
+    """``(prefix, fused module, weight|bias)`` for a tensor vLLM fuses, else None."""
+    if layer_of(name) is None:
+        return None
+    module, _, suffix = name.rpartition(".")
+    prefix, _, leaf = module.rpartition(".")
+    if leaf in _QKV:
+        return f"{prefix}.", "qkv_proj", suffix
+    if leaf in _GATE_UP:
+        return f"{prefix}.", "gate_up_proj", suffix
+    return None
+
+
+def _fused(
+    base: Layout,
+    model: ModelSpec,
+    dims: ParallelDims,
+    names: list[str],
+    fused_name: str,
+    qkv: bool,
+) -> LogicalTensor:
+    """The ranks' blocks of a fused column-parallel tensor, end to end, ``Shard(0)`` on ``tp``."""
+    tp = dims.tp
+    specs = {c.name: c for c in base.canonical}
+    shapes = [specs[n].shape for n in names]
+    if qkv:
+        nkv = model.num_key_value_heads
+        q_rows = shapes[0][0] // tp
+        if tp <= nkv:
+            kv_rows = shapes[1][0] // tp
+            kv_start = [r * kv_rows for r in range(tp)]
+        else:
+            kv_rows = shapes[1][0] // nkv  # one KV head per rank
+            kv_start = [(r // (tp // nkv)) * kv_rows for r in range(tp)]
+        rows = [q_rows, kv_rows, kv_rows]
+        starts = [[r * q_rows for r in range(tp)], kv_start, kv_start]
+    else:
+        rows = [s[0] // tp for s in shapes]
+        starts = [[r * n for r in range(tp)] for n in rows]
+    block = sum(rows)
+    rest = shapes[0][1:]
+    fusion: list[FusionPiece] = []
+    for r in range(tp):
+        at = r * block
+        for name, n, start in zip(names, rows, starts, strict=True):
+            fusion.append(
+                FusionPiece(
+                    canonical=name,
+                    canonical_box=Box(ranges=((start[r], start[r] + n), *((0, d) for d in rest))),
+                    logical_box=Box(ranges=((at, at + n), *((0, d) for d in rest))),
+                )
+            )
+            at += n
+    first = base.tensor(names[0])
+    mesh = first.sharding.mesh  # (dp, pp, tp): q/gate/up are never on the factored KV mesh
+    return LogicalTensor(
+        name=fused_name,
+        shape=(tp * block, *rest),
+        dtype=first.dtype,
+        fusion=tuple(fusion),
+        sharding=Sharding(mesh=mesh, placements=(Replicate(), Replicate(), Shard(dim=0))),
+        present=first.present,
+    )

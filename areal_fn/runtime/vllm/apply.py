@@ -1,0 +1,110 @@
+"""Putting received model-format tensors into a live vLLM model.
+
+Two paths:
+
+- **reload** (CPU, and any platform whose kernels repack weights after loading):
+  vLLM's layerwise reload (``initialize_layerwise_reload`` /
+  ``finalize_layerwise_reload``) restores each layer's parameters in model format,
+  and once a layer's parameters are loaded re-runs its post-load processing (the CPU
+  GEMM repacking) and copies the result into the live storage. Each parameter is
+  loaded with a loader that copies a tensor of the parameter's own shape: the
+  received tensors already are this rank's part, cut by the plan, so vLLM's
+  checkpoint loaders (which cut a rank's part out of a whole tensor) are not used.
+  A parameter shared by several modules (a tied embedding and ``lm_head``) is loaded
+  into each, so every module re-runs its processing.
+- **in place** (GPU, unquantized: vLLM uses the loaded tensors as they are): the sync
+  commits straight into the live parameters (:func:`live_tensors`).
+"""
+
+from collections.abc import Mapping
+
+import torch
+
+__all__ = ["apply_reload", "live_tensors", "model_parameters"]
+
+
+def model_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """vLLM's parameters by name (each shared parameter once, under its first name)."""
+    return dict(model.named_parameters())
+
+
+def live_tensors(model: torch.nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
+    """The live storage of the parameters ``names`` (the in-place path's destinations)."""
+    params = model_parameters(model)
+    return {n: params[n].data for n in names}
+
+
+def _exact_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
+    """Copy a tensor of the parameter's own shape (this rank's part, already cut)."""
+    if tuple(param.shape) != tuple(loaded_weight.shape):
+        raise ValueError(
+            f"received {tuple(loaded_weight.shape)} for a parameter of shape {tuple(param.shape)}"
+        )
+    param.data.copy_(loaded_weight)
+
+
+@torch.no_grad()
+def apply_reload(
+    model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], model_config: object
+) -> None:
+    """Load ``tensors`` (vLLM parameter name -> this rank's model-format tensor) through
+    vLLM's layerwise reload; every named parameter must be given."""
+    from vllm.model_executor.model_loader.reload import (
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+    )
+    from vllm.model_executor.model_loader.reload.layerwise import (
+        get_layerwise_info,
+        make_online_process_loader,
+    )
+
+    params = model_parameters(model)
+    missing = sorted(set(params) - set(tensors))
+    unknown = sorted(set(tensors) - set(params))
+    if missing or unknown:
+        raise ValueError(
+            f"the update does not match the model's parameters: missing {missing[:4]}"
+            f"{' ...' if len(missing) > 4 else ''}, unknown {unknown[:4]}"
+        )
+    # every (module, attribute) holding each parameter, shared ones included
+    owners: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+    for _, module in model.named_modules(remove_duplicate=False):
+        for pname, p in module._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append((module, pname))
+    targets = [(module, pname, tensors[n]) for n, p in params.items() for module, pname in owners[id(p)]]
+    # check every shape against the model format vLLM recorded, before anything changes
+    # (a layer loaded in part would be processed in part)
+    for module, pname, value in targets:
+        # (a bias is never put on meta: vLLM loads it in place, so its live shape counts)
+        recorded = get_layerwise_info(module).restore_metadata[0].get(pname)
+        if recorded is None:
+            recorded = module._parameters[pname]
+        if recorded is None or tuple(recorded.shape) != tuple(value.shape):
+            raise ValueError(
+                f"{type(module).__name__}.{pname}: the update holds {tuple(value.shape)}, the "
+                f"model format is {None if recorded is None else tuple(recorded.shape)}"
+            )
+    seen: set[tuple[int, str]] = set()
+    initialize_layerwise_reload(model)
+    saved: list[tuple[torch.Tensor, object]] = []
+    try:
+        for module, pname, value in targets:
+            if (id(module), pname) in seen:
+                continue
+            seen.add((id(module), pname))
+            meta = module._parameters[pname]
+            assert meta is not None
+            # the restored (model-format) parameter's loader: ours, wrapped by vLLM's
+            # layerwise wrapper so that vLLM counts, processes and copies as it does
+            saved.append((meta, meta.__dict__.get("weight_loader")))
+            meta.weight_loader = _exact_loader  # type: ignore[attr-defined]
+            meta.weight_loader = make_online_process_loader(module, pname)  # type: ignore[attr-defined]
+            meta.weight_loader(meta, value)  # type: ignore[attr-defined]
+    finally:
+        finalize_layerwise_reload(model, model_config)
+        for meta, loader in saved:  # vLLM keeps these records for its next reload
+            if loader is None:
+                meta.__dict__.pop("weight_loader", None)
+            else:
+                meta.weight_loader = loader  # type: ignore[attr-defined]
