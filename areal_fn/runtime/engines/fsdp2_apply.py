@@ -176,7 +176,7 @@ def _enable_activation_checkpointing(model: nn.Module) -> None:
             f"{type(model).__name__}; checkpoint its layers yourself or turn the option off"
         )
     if "activation_checkpointing_enable" in vars(PreTrainedModel):
-        model.activation_checkpointing_enable(
+        model.activation_checkpointing_enable(  # type: ignore[operator]  # (transformers < 5.20 has no such method)
             activation_checkpointing_kwargs={"use_reentrant": False}
         )
     else:  # transformers releases before the rename

@@ -17,6 +17,7 @@ Two paths:
 """
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -72,7 +73,9 @@ def apply_reload(
         for pname, p in module._parameters.items():
             if p is not None:
                 owners.setdefault(id(p), []).append((module, pname))
-    targets = [(module, pname, tensors[n]) for n, p in params.items() for module, pname in owners[id(p)]]
+    targets = [
+        (module, pname, tensors[n]) for n, p in params.items() for module, pname in owners[id(p)]
+    ]
     # check every shape against the model format vLLM recorded, before anything changes
     # (a layer loaded in part would be processed in part)
     for module, pname, value in targets:
@@ -93,18 +96,17 @@ def apply_reload(
             if (id(module), pname) in seen:
                 continue
             seen.add((id(module), pname))
-            meta = module._parameters[pname]
-            assert meta is not None
+            meta: Any = module._parameters[pname]
             # the restored (model-format) parameter's loader: ours, wrapped by vLLM's
             # layerwise wrapper so that vLLM counts, processes and copies as it does
             saved.append((meta, meta.__dict__.get("weight_loader")))
-            meta.weight_loader = _exact_loader  # type: ignore[attr-defined]
-            meta.weight_loader = make_online_process_loader(module, pname)  # type: ignore[attr-defined]
-            meta.weight_loader(meta, value)  # type: ignore[attr-defined]
+            meta.weight_loader = _exact_loader
+            meta.weight_loader = make_online_process_loader(module, pname)
+            meta.weight_loader(meta, value)
     finally:
         finalize_layerwise_reload(model, model_config)
-        for meta, loader in saved:  # vLLM keeps these records for its next reload
+        for kept, loader in saved:  # vLLM keeps these records for its next reload
             if loader is None:
-                meta.__dict__.pop("weight_loader", None)
+                kept.__dict__.pop("weight_loader", None)
             else:
-                meta.weight_loader = loader  # type: ignore[attr-defined]
+                kept.weight_loader = loader  # type: ignore[attr-defined]

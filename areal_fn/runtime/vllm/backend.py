@@ -37,12 +37,17 @@ from areal_fn.model.spec import model_from_hf_config
 from areal_fn.plans.transfer import bucket, plan_rank_transfers
 from areal_fn.runtime.sync.executor import SyncGroup, SyncReport, send_and_receive
 from areal_fn.runtime.sync.group import _fail, open_store
-from areal_fn.runtime.vllm.backend_name import AREAL_FN_BACKEND
 from areal_fn.runtime.vllm.apply import apply_reload, live_tensors
+from areal_fn.runtime.vllm.backend_name import AREAL_FN_BACKEND
 from areal_fn.runtime.vllm.recipe import layout_digest, layout_from_recipe, model_digest
 from areal_fn.strategy.allocation import ParallelDims
 
-__all__ = ["AREAL_FN_BACKEND", "ArealFnInitInfo", "ArealFnUpdateInfo", "ArealFnWeightTransferEngine"]
+__all__ = [
+    "AREAL_FN_BACKEND",
+    "ArealFnInitInfo",
+    "ArealFnUpdateInfo",
+    "ArealFnWeightTransferEngine",
+]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -76,7 +81,10 @@ class ArealFnInitInfo(WeightTransferInitInfo):
     apply: str = "auto"
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.store_host, str) and bool(self.store_host), "store_host must be a host name")
+        _check(
+            isinstance(self.store_host, str) and bool(self.store_host),
+            "store_host must be a host name",
+        )
         _check(
             isinstance(self.store_port, int) and 0 < self.store_port < 65536,
             f"store_port={self.store_port!r} must be a TCP port (1-65535)",
@@ -93,7 +101,10 @@ class ArealFnInitInfo(WeightTransferInitInfo):
                 isinstance(v, int | float) and 0 < v <= 3600,
                 f"{name}={v!r} must be seconds in (0, 3600]",
             )
-        _check(self.apply in ("auto", "reload", "in_place"), f"apply={self.apply!r} must be 'auto', 'reload' or 'in_place'")
+        _check(
+            self.apply in ("auto", "reload", "in_place"),
+            f"apply={self.apply!r} must be 'auto', 'reload' or 'in_place'",
+        )
 
 
 @dataclass(kw_only=True)
@@ -108,7 +119,9 @@ class ArealFnUpdateInfo(WeightTransferUpdateInfo):
 
     def __post_init__(self) -> None:
         _check(
-            isinstance(self.version, int) and not isinstance(self.version, bool) and self.version >= 0,
+            isinstance(self.version, int)
+            and not isinstance(self.version, bool)
+            and self.version >= 0,
             f"version={self.version!r} must be a non-negative int",
         )
         _check(
@@ -128,7 +141,9 @@ class ArealFnWeightTransferEngine(WeightTransferEngine[ArealFnInitInfo, ArealFnU
     update_info_cls = ArealFnUpdateInfo
     supports_draft_weight_update = False
 
-    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+    def __init__(
+        self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module
+    ) -> None:
         super().__init__(config, vllm_config, device, model)
         self._group: SyncGroup | None = None
         self._plan: Any = None
@@ -183,7 +198,12 @@ class ArealFnWeightTransferEngine(WeightTransferEngine[ArealFnInitInfo, ArealFnU
         if init_info.check_only:
             return
         self.shutdown()
-        store = open_store(init_info.store_host, init_info.store_port, is_master=False, timeout_s=init_info.connect_timeout_s)
+        store = open_store(
+            init_info.store_host,
+            init_info.store_port,
+            is_master=False,
+            timeout_s=init_info.connect_timeout_s,
+        )
         group = SyncGroup.from_store(
             store,
             members=range(n_src + tp * pp),
@@ -233,12 +253,17 @@ class ArealFnWeightTransferEngine(WeightTransferEngine[ArealFnInitInfo, ArealFnU
         t0 = time.perf_counter()
         wire = None if update_info.wire_dtype is None else _DTYPES[update_info.wire_dtype]
         buckets = bucket(self._plan, update_info.bucket_bytes, version=update_info.version)
-        dtype = self.model_config.dtype
+        dtype: Any = self.model_config.dtype
         if self._in_place:
             dst = live_tensors(self.model, self._names)
         else:
-            dst = {n: torch.zeros(self._shapes[n], dtype=dtype, device=self.device) for n in self._names}
-        report = send_and_receive(buckets, src_tensors={}, dst_tensors=dst, group=group, wire_dtype=wire)
+            dst = {
+                n: torch.zeros(self._shapes[n], dtype=dtype, device=self.device)
+                for n in self._names
+            }
+        report = send_and_receive(
+            buckets, src_tensors={}, dst_tensors=dst, group=group, wire_dtype=wire
+        )
         if not self._in_place:
             apply_reload(self.model, dst, self.model_config)
         self.version = update_info.version

@@ -53,7 +53,9 @@ class HttpDeployment:
                 raw = resp.read()
         except urllib.error.HTTPError as e:
             detail = e.read().decode(errors="replace")[:2000]
-            raise VllmError(f"vLLM at {self.url}: {method} {path} answered {e.code}: {detail}") from e
+            raise VllmError(
+                f"vLLM at {self.url}: {method} {path} answered {e.code}: {detail}"
+            ) from e
         except (urllib.error.URLError, OSError) as e:
             raise VllmError(f"vLLM at {self.url}: {method} {path} failed: {e}") from e
         return json.loads(raw) if raw else None

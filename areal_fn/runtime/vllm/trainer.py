@@ -114,6 +114,8 @@ class VllmWeightSync:
         head: list[Any] = [None, None, None, None]
         if self.rank == 0:
             try:
+                # a trainer that died in the middle of an update left generation paused
+                self.deployment.call("resume")
                 n = self.deployment.world_size()
                 store = open_store(self.host, 0, is_master=True, timeout_s=self.connect_timeout_s)
                 name = f"areal_fn.vllm/{secrets.token_hex(8)}"
@@ -131,7 +133,9 @@ class VllmWeightSync:
         if error is not None:
             raise VllmError(f"vLLM refused the connection: {error}")
         if self.rank != 0:
-            self._store = open_store(self.host, port, is_master=False, timeout_s=self.connect_timeout_s)
+            self._store = open_store(
+                self.host, port, is_master=False, timeout_s=self.connect_timeout_s
+            )
         members = range(self.trainer_ranks + n)
         joined: list[BaseException] = []
         thread = None
@@ -162,9 +166,13 @@ class VllmWeightSync:
         dst = vllm_layout(spec, ParallelDims(tp=int(self.facts["tp"]), pp=int(self.facts["pp"])))
         dst_ranks = range(self.trainer_ranks, self.trainer_ranks + n)
         src_ranks = range(self.trainer_ranks)
-        self.plan = plan_rank_transfers(self.src, dst, self.rank, src_ranks=src_ranks, dst_ranks=dst_ranks)
+        self.plan = plan_rank_transfers(
+            self.src, dst, self.rank, src_ranks=src_ranks, dst_ranks=dst_ranks
+        )
         # the bound comes from the layouts alone, not from the plan
-        self.lower_bound = transfer_lower_bound(self.src, dst, src_ranks=src_ranks, dst_ranks=dst_ranks)
+        self.lower_bound = transfer_lower_bound(
+            self.src, dst, src_ranks=src_ranks, dst_ranks=dst_ranks
+        )
         self.dst = dst
         self.group = group
 
@@ -196,25 +204,64 @@ class VllmWeightSync:
         t0 = time.perf_counter()
         tensors = self.engine.local_state()
         target = _DTYPE_NAMES.get(str(self.facts.get("dtype")))
-        wire = target if target is not None and any(t.dtype != target for t in tensors.values()) else None
-        buckets = bucket(self.plan, self.bucket_bytes, version=version)
-        error: list[Any] = [None]
+        wire = (
+            target
+            if target is not None and any(t.dtype != target for t in tensors.values())
+            else None
+        )
+        self._rank0_steps(
+            version, ("pause", {"mode": self.pause_mode}), ("start_weight_update", None)
+        )
+        report = self._send(group, version, tensors, wire)
+        status = self._rank0_steps(
+            version,
+            ("finish_weight_update", None),
+            ("update_weight_version", {"new_version": str(version)}),
+            ("weight_info", None),
+        )
+        sent = torch.tensor([report.bytes_sent], dtype=torch.int64)
+        if dist.is_initialized():
+            dist.all_reduce(sent)
+        return VllmUpdateReport(
+            version=version,
+            bytes_sent=int(sent.item()),
+            lower_bound=self.lower_bound,
+            buckets=report.buckets,
+            seconds=time.perf_counter() - t0,
+            weight_version=None if status is None else status.get("weight_version"),
+        )
+
+    def _rank0_steps(self, version: int, *calls: tuple[str, dict[str, Any] | None]) -> Any:
+        """Rank 0 makes ``calls`` in order (the last one's answer is returned on every rank);
+        a failure resumes generation and raises on every rank."""
+        status: list[Any] = [None, None]
         if self.rank == 0:
             try:
-                self.deployment.call("pause", {"mode": self.pause_mode})
-                self.deployment.call("start_weight_update")
+                for method, body in calls:
+                    status[1] = self.deployment.call(method, body)
             except Exception as e:
-                error[0] = f"{type(e).__name__}: {e}"
+                status[0] = f"{type(e).__name__}: {e}"
                 with contextlib.suppress(Exception):
                     self.deployment.call("resume")
-        error = _broadcast(error)
-        if error[0] is not None:
-            raise VllmError(f"vLLM did not start the update to version {version}: {error[0]}")
+            if calls[-1][0] == "weight_info":  # the update is over: generation goes on
+                with contextlib.suppress(Exception):
+                    self.deployment.call("resume")
+        status = _broadcast(status)
+        if status[0] is not None:
+            self.close()
+            raise VllmError(f"vLLM failed the update to version {version}: {status[0]}")
+        return status[1]
+
+    def _send(
+        self, group: SyncGroup, version: int, tensors: dict[str, torch.Tensor], wire: Any
+    ) -> Any:
+        """The trainer ranks send while rank 0 has vLLM receive (``/update_weights``)."""
+        buckets = bucket(self.plan, self.bucket_bytes, version=version)
         failed: list[BaseException] = []
         thread = None
         seq = group.syncs
         if self.rank == 0:
-            info = {"version": version, "bucket_bytes": self.bucket_bytes}
+            info: dict[str, Any] = {"version": version, "bucket_bytes": self.bucket_bytes}
             if wire is not None:
                 info["wire_dtype"] = str(wire).removeprefix("torch.")
 
@@ -229,45 +276,20 @@ class VllmWeightSync:
 
             thread = _in_thread(post, failed)
         try:
-            report = send_and_receive(buckets, src_tensors=tensors, dst_tensors={}, group=group, wire_dtype=wire)
+            report = send_and_receive(
+                buckets, src_tensors=tensors, dst_tensors={}, group=group, wire_dtype=wire
+            )
         except (SyncError, PlanError):
-            if thread is not None:
-                thread.join()
-                with contextlib.suppress(Exception):
-                    self.deployment.call("resume")
             self.close()
             raise
         finally:
-            if thread is not None and thread.is_alive():
+            if thread is not None:
                 thread.join()
-        status: list[Any] = [None, None]
-        if self.rank == 0:
-            try:
-                if failed:
-                    raise failed[0]
-                self.deployment.call("finish_weight_update")
-                self.deployment.call("update_weight_version", {"new_version": str(version)})
-                status[1] = self.deployment.call("weight_info").get("weight_version")
-            except BaseException as e:
-                status[0] = f"{type(e).__name__}: {e}"
-            finally:
-                with contextlib.suppress(Exception):
-                    self.deployment.call("resume")
-        status = _broadcast(status)
-        if status[0] is not None:
+        error = _broadcast([f"{type(failed[0]).__name__}: {failed[0]}" if failed else None])
+        if error[0] is not None:
             self.close()
-            raise VllmError(f"vLLM failed the update to version {version}: {status[0]}")
-        sent = torch.tensor([report.bytes_sent], dtype=torch.int64)
-        if dist.is_initialized():
-            dist.all_reduce(sent)
-        return VllmUpdateReport(
-            version=version,
-            bytes_sent=int(sent.item()),
-            lower_bound=self.lower_bound,
-            buckets=report.buckets,
-            seconds=time.perf_counter() - t0,
-            weight_version=status[1],
-        )
+            raise VllmError(f"vLLM failed the update to version {version}: {error[0]}")
+        return report
 
 
 _DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
