@@ -20,7 +20,9 @@ Requests (``init_info`` of ``/init_weight_transfer_engine``, ``update_info`` of
 naming the field, before anything changes.
 """
 
+import inspect
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +43,8 @@ from areal_fn.runtime.vllm.apply import apply_reload, live_tensors
 from areal_fn.runtime.vllm.backend_name import AREAL_FN_BACKEND
 from areal_fn.runtime.vllm.recipe import layout_digest, layout_from_recipe, model_digest
 from areal_fn.strategy.allocation import ParallelDims
+
+_LOG = logging.getLogger("areal_fn.vllm")
 
 __all__ = [
     "AREAL_FN_BACKEND",
@@ -154,16 +158,56 @@ class ArealFnWeightTransferEngine(WeightTransferEngine[ArealFnInitInfo, ArealFnU
         self.version: int | None = None
         self.last_report: SyncReport | None = None
 
+    # -- failures: only the last worker raises ------------------------------------------
+    def _surface(self, error: Exception, *, clear_update_flag: bool) -> None:
+        """Raise ``error`` on the deployment's last worker only.
+
+        vLLM's multiprocess executor reads its workers' replies to a call in rank order
+        and stops at the first failure, leaving the later workers' replies queued, where
+        they would answer the next calls (every later call would get the reply of the
+        call before it). So a failure every worker sees is raised by the last worker
+        alone; the others log it, clear vLLM's update-in-progress flag as a raise would
+        have (``clear_update_flag``), and return.
+        """
+        from vllm.distributed.parallel_state import get_world_group
+
+        world = get_world_group()
+        if world.rank_in_group == world.world_size - 1:
+            raise error
+        _LOG.warning("areal_fn weight transfer (rank %d): %s", world.rank_in_group, error)
+        if clear_update_flag:
+            worker = _calling_worker(self)
+            if worker is not None:
+                worker._weight_update_active = False
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        try:
+            super().update_weights(update_info)
+        except Exception as e:
+            self._surface(e, clear_update_flag=True)
+
     # -- vLLM's hooks ---------------------------------------------------------------
     def parse_init_info(self, init_dict: dict[str, Any]) -> ArealFnInitInfo:
-        _check(isinstance(init_dict, dict), "init_info must be a JSON object")
-        return super().parse_init_info(init_dict)
+        try:
+            _check(isinstance(init_dict, dict), "init_info must be a JSON object")
+            return super().parse_init_info(init_dict)
+        except Exception as e:
+            self._surface(e, clear_update_flag=False)
+            return None  # type: ignore[return-value]  # init_transfer_engine skips it
 
     def parse_update_info(self, update_dict: dict[str, Any]) -> ArealFnUpdateInfo:
         _check(isinstance(update_dict, dict), "update_info must be a JSON object")
         return super().parse_update_info(update_dict)
 
     def init_transfer_engine(self, init_info: ArealFnInitInfo) -> None:
+        if init_info is None:  # refused by parse_init_info (the last worker raised)
+            return
+        try:
+            self._init(init_info)
+        except Exception as e:
+            self._surface(e, clear_update_flag=False)
+
+    def _init(self, init_info: ArealFnInitInfo) -> None:
         spec = model_from_hf_config(self.model_config.hf_config.to_dict())
         _check(
             init_info.model_digest == model_digest(spec),
@@ -229,11 +273,7 @@ class ArealFnWeightTransferEngine(WeightTransferEngine[ArealFnInitInfo, ArealFnU
         self._shapes = {lt.name: lt.shape for lt in lts}
 
     def start_weight_update(self) -> None:
-        _check(
-            self._group is not None and not self._group.broken,
-            "no trainer is connected (the last update failed, or none connected): "
-            "call /init_weight_transfer_engine again",
-        )
+        pass  # nothing to prepare: the model changes only after a committed sync
 
     def receive_weights(self, update_info: ArealFnUpdateInfo) -> None:
         group = self._group
@@ -277,3 +317,15 @@ class ArealFnWeightTransferEngine(WeightTransferEngine[ArealFnInitInfo, ArealFnU
         if self._group is not None:
             self._group.abort()
         self._group = None
+
+
+def _calling_worker(engine: object) -> Any:
+    """The vLLM worker whose method called ``engine`` (the object on the call stack
+    holding it as ``weight_transfer_engine``), or None."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if owner is not engine and getattr(owner, "weight_transfer_engine", None) is engine:
+            return owner
+        frame = frame.f_back
+    return None
