@@ -53,7 +53,7 @@ def test_plan_suggest_reads_a_bracketed_config_path(capsys, tmp_path):
     (cfg / "config.json").write_text(json.dumps(DEMO_CONFIG))
     assert main(["plan", str(cfg), "--suggest", "4", "--device-memory", "1GB", "--top", "2"]) == 0
     out = capsys.readouterr().out
-    assert "strategies for qwen2 (181,312 parameters) on 4 devices of 1GB" in out, out
+    assert "strategies for qwen2 (197,952 parameters) on 4 devices of 1GB" in out, out
 
 
 def test_convert_and_back_print_paths_verbatim(capsys, tmp_path):

@@ -101,6 +101,8 @@ def test_context_split_refusals() -> None:
 def test_packed_mask_is_transformers_packed_mask() -> None:
     if importlib.util.find_spec("transformers") is None:
         pytest.skip("needs transformers")
+    from inspect import signature
+
     from transformers import AutoConfig
     from transformers.masking_utils import create_causal_mask
 
@@ -109,12 +111,18 @@ def test_packed_mask_is_transformers_packed_mask() -> None:
     cfg = AutoConfig.for_model("qwen2", hidden_size=32, num_attention_heads=4)
     cfg._attn_implementation = "eager"
     pos = torch.cat([torch.arange(n) for n in (4, 1, 6, 3)]).unsqueeze(0)
+    # the cache argument is ``past_key_values`` before transformers 5.20, ``cache`` after
+    no_cache = {
+        name: None
+        for name in ("cache", "past_key_values")
+        if name in signature(create_causal_mask).parameters
+    }
     mask = create_causal_mask(
         config=cfg,
         inputs_embeds=torch.zeros(1, pos.shape[1], 32),
         attention_mask=None,
-        cache=None,
         position_ids=pos,
+        **no_cache,
     )
     assert mask is not None and mask.shape == (1, 1, 14, 14)
     assert torch.equal(segment_mask(pos[0]), mask != 0)  # Megatron's True = masked out

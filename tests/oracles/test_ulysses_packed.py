@@ -53,6 +53,8 @@ def _sequences(vocab: int) -> list[TokenSequence]:
 
 
 def test_segment_mask_is_transformers_packed_mask() -> None:
+    from inspect import signature
+
     from transformers import AutoConfig
     from transformers.masking_utils import create_causal_mask
 
@@ -60,8 +62,14 @@ def test_segment_mask_is_transformers_packed_mask() -> None:
     cfg._attn_implementation = "eager"
     pos = torch.cat([torch.arange(n) for n in (4, 1, 6, 3)]).unsqueeze(0)
     embeds = torch.zeros(1, pos.shape[1], 32)
+    # the cache argument is ``past_key_values`` before transformers 5.20, ``cache`` after
+    no_cache = {
+        name: None
+        for name in ("cache", "past_key_values")
+        if name in signature(create_causal_mask).parameters
+    }
     mask = create_causal_mask(
-        config=cfg, inputs_embeds=embeds, attention_mask=None, cache=None, position_ids=pos
+        config=cfg, inputs_embeds=embeds, attention_mask=None, position_ids=pos, **no_cache
     )
     assert mask is not None and mask.shape == (1, 1, 14, 14)
     assert torch.equal(ulysses.segment_mask(pos), (mask[:, 0] == 0))

@@ -6,6 +6,13 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+#: the Python with vLLM: $AREAL_FN_VLLM_PYTHON (make sets it), else the repository's
+#: .venv-vllm, else this one
+VLLM_PYTHON = os.environ.get("AREAL_FN_VLLM_PYTHON") or (
+    str(REPO / ".venv-vllm" / "bin" / "python")
+    if (REPO / ".venv-vllm" / "bin" / "python").exists()
+    else sys.executable
+)
 
 
 def vllm_env(**extra: str) -> dict[str, str]:
@@ -15,6 +22,7 @@ def vllm_env(**extra: str) -> dict[str, str]:
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    env["AREAL_FN_VLLM_PYTHON"] = VLLM_PYTHON
     env.update(extra)
     return env
 
@@ -23,7 +31,7 @@ def run_module(module: str, args: list[str], *, timeout_s: float, log: Path) -> 
     """``python -m module args`` from the repository root; output into ``log``."""
     with log.open("w") as f:
         proc = subprocess.run(
-            [sys.executable, "-m", module, *args],
+            [VLLM_PYTHON, "-m", module, *args],
             cwd=REPO,
             env=vllm_env(),
             stdout=f,

@@ -3,13 +3,12 @@
 import json
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-from tests.vllm.conftest import REPO, vllm_env
+from tests.vllm.conftest import REPO, VLLM_PYTHON, vllm_env
 
 
 def free_port() -> int:
@@ -29,7 +28,7 @@ class Server:
         self._out = log.open("w")
         self.proc = subprocess.Popen(
             [
-                sys.executable,
+                VLLM_PYTHON,
                 "-m",
                 "vllm.entrypoints.openai.api_server",
                 "--model",

@@ -69,6 +69,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--first-version", type=int, default=1)
     ap.add_argument("--fault", default="")
+    ap.add_argument("--modes", default="sharded", help="the update mode of each step, cycled")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     dist.init_process_group("gloo")
@@ -91,7 +92,8 @@ def main() -> int:
     for step in range(args.steps):
         version = args.first_version + step
         stats = engine.train_step(ids)
-        report = sync.update(version)
+        modes = args.modes.split(",")
+        report = sync.update(version, mode=modes[step % len(modes)])
         got: list[Any] = [None, None]
         if rank == 0:
             got = list(generate(args.url, args.model))
@@ -109,6 +111,7 @@ def main() -> int:
                     "trainer_logprobs": want.tolist(),
                     "bytes_sent": report.bytes_sent,
                     "lower_bound": report.lower_bound,
+                    "mode": report.mode,
                     "weight_version": report.weight_version,
                     "seconds": report.seconds,
                     "checksums": checks,

@@ -110,13 +110,28 @@ def megatron_run(
     fsdp_run: dict[str, Any], server: Server, tmp_path_factory: pytest.TempPathFactory
 ) -> Any:
     out = tmp_path_factory.mktemp("megatron")
-    result = trainer(server, out, "megatron:t2", "--steps", "2", "--first-version", "10")
+    result = trainer(
+        server,
+        out,
+        "megatron:t2",
+        "--steps",
+        "2",
+        "--first-version",
+        "10",
+        "--modes",
+        "sharded,full",
+    )
     assert result.ok, result.output[-6000:] + server.tail()
     return json.loads((out / "records.json").read_text())
 
 
 def test_megatron_trainer_updates_vllm(megatron_run: list[dict[str, Any]]) -> None:
+    """The second update is ``mode="full"``: whole tensors to every vLLM rank, vLLM's own
+    loaders; twice the sharded bytes at TP2 (each of 2 ranks gets the whole model)."""
     check_records(megatron_run, 10)
+    assert [r["mode"] for r in megatron_run] == ["sharded", "full"]
+    sharded, full = (r["bytes_sent"] for r in megatron_run)
+    assert full > sharded
 
 
 def test_a_stale_version_is_refused(megatron_run: Any, server: Server, tmp_path: Path) -> None:

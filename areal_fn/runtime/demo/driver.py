@@ -20,13 +20,17 @@ refuses to form without it; the driver's own launch generates one).
 """
 
 import os
+import secrets
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 
 from areal_fn.errors import SpecError
+from areal_fn.model.demo import DEMO_CONFIG
+from areal_fn.runtime.demo.vllm_stage import VllmServer, write_served_model
 from areal_fn.runtime.launch import LaunchError, run_torchrun
+from areal_fn.runtime.sync.auth import SECRET_ENV
 
 WORKER = Path(__file__).with_name("worker.py")
 
@@ -89,18 +93,33 @@ def run_demo(
         where.mkdir(parents=True, exist_ok=True)
     else:
         where = Path(tempfile.mkdtemp(prefix="areal_fn_demo_"))
+    # the rollout engine: a real vLLM server, started while the job trains
+    secret = os.environ.get(SECRET_ENV) or secrets.token_hex(32)
+    served = Path(tempfile.mkdtemp(prefix="areal_fn_demo_vllm_"))
+    server = VllmServer(
+        write_served_model(served / "model", DEMO_CONFIG),
+        secret=secret,
+        log=served / "server.log",
+    )
+    args = ["--steps", str(steps), "--workdir", str(where), "--fault", fault]
+    args += ["--vllm-url", server.url, "--vllm-model", str(served / "model")]
     try:
         result = run_torchrun(
             WORKER,
-            ["--steps", str(steps), "--workdir", str(where), "--fault", fault],
+            args,
             nproc=NPROC,
             timeout_s=timeout_s,
+            env={SECRET_ENV: secret},
             check=False,
         )
     except LaunchError as e:
         _print_artefacts(where, chosen=chosen)
         print(f"areal-fn demo: error: {e}", file=sys.stderr)
         return 1
+    finally:
+        server.stop()
+        log = (served / "server.log").read_text(errors="replace")
+        shutil.rmtree(served, ignore_errors=True)
     sys.stdout.write(result.rank_stdout[0] if result.rank_stdout else result.output)
     _print_artefacts(where, chosen=chosen)
     if not result.ok:
@@ -114,6 +133,7 @@ def run_demo(
             file=sys.stderr,
         )
         print(result.report(), file=sys.stderr)
+        print(f"the vLLM server's last output:\n{log[-3000:]}", file=sys.stderr)
         return 1
     return 0
 

@@ -49,6 +49,16 @@ RESULTS: list[tuple[str, bool, str]] = []
 #: AdamW with a short warm-up; the schedule's position travels with the checkpoint.
 OPTIMIZER = AdamWConfig(lr=3e-3, schedule=LRSchedule(warmup_steps=3))
 FAULT: dict[str, Any] = {}
+#: the driver's vLLM server (``url``, ``model``); empty: no vLLM stage
+VLLM: dict[str, str] = {}
+
+
+def stage_rollout(engine: Engine, version: int, what: str) -> None:
+    """Update the real vLLM server from ``engine`` and compare its generation (when given)."""
+    if VLLM:
+        from areal_fn.runtime.demo.vllm_stage import stage_vllm
+
+        stage_vllm(engine, VLLM["url"], VLLM["model"], version, what, record)
 
 
 def _parse_fault(text: str) -> dict[str, Any]:
@@ -318,6 +328,7 @@ def stage_megatron(
             f"loss {before:.3f} -> {after:.3f} continuing from the checkpoint",
         )
         stage_sync(spec, engine, target, version + 2, "megatron:t2p2")
+        stage_rollout(engine, version + 2, "megatron:t2p2")
 
 
 def main() -> None:
@@ -333,6 +344,10 @@ def main() -> None:
     parser.add_argument(
         "--timeout", type=float, default=120.0, help="collective timeout in seconds"
     )
+    parser.add_argument(
+        "--vllm-url", default="", help="a vLLM server with the areal_fn backend (http://...)"
+    )
+    parser.add_argument("--vllm-model", default="", help="the model name that server serves")
     args = parser.parse_args()
     try:  # before any process group, and before any rank writes into the workdir
         check_demo_flags(steps=args.steps, workdir=args.workdir)
@@ -340,6 +355,8 @@ def main() -> None:
         print(f"areal-fn demo worker: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     FAULT.update(_parse_fault(args.fault))
+    if args.vllm_url:
+        VLLM.update(url=args.vllm_url, model=args.vllm_model)
     spec = model_from_hf_config(DEMO_CONFIG)
     workdir = Path(args.workdir)
     backend = os.environ.get("AREAL_FN_BACKEND", "gloo")
@@ -353,6 +370,7 @@ def main() -> None:
         root = stage_checkpoint(spec, trainer, args.steps, workdir)
         target = inference_engine(spec)
         stage_sync(spec, trainer, target, args.steps, "fsdp:d2t2")
+        stage_rollout(trainer, args.steps, "fsdp:d2t2")
         stage_megatron(spec, root, canonical, trainer, target, args.steps)
         stage_packed_cp(spec, canonical, packed, OPTIMIZER, record, log)
         complete = True

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["apply_reload", "live_tensors", "model_parameters"]
+__all__ = ["apply_full", "apply_reload", "live_tensors", "model_parameters"]
 
 
 def model_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
@@ -110,3 +110,21 @@ def apply_reload(
                 kept.__dict__.pop("weight_loader", None)
             else:
                 kept.weight_loader = loader  # type: ignore[attr-defined]
+
+
+@torch.no_grad()
+def apply_full(
+    model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], model_config: object
+) -> None:
+    """Load whole canonical tensors (HF names) with vLLM's own loaders, through its
+    layerwise reload: each loader cuts this rank's part (the ``full`` update)."""
+    from vllm.model_executor.model_loader.reload import (
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+    )
+
+    initialize_layerwise_reload(model)
+    try:
+        model.load_weights(iter(tensors.items()))  # type: ignore[operator]
+    finally:
+        finalize_layerwise_reload(model, model_config)

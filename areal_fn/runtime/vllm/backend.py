@@ -34,15 +34,14 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from areal_fn.layouts.vllm import vllm_layout
 from areal_fn.model.spec import model_from_hf_config
-from areal_fn.plans.transfer import bucket, plan_rank_transfers
+from areal_fn.plans.transfer import bucket
 from areal_fn.runtime.sync.executor import SyncGroup, SyncReport, send_and_receive
 from areal_fn.runtime.sync.group import _fail, open_store
-from areal_fn.runtime.vllm.apply import apply_reload, live_tensors
+from areal_fn.runtime.vllm.apply import apply_full, apply_reload, live_tensors
 from areal_fn.runtime.vllm.backend_name import AREAL_FN_BACKEND
 from areal_fn.runtime.vllm.recipe import layout_digest, layout_from_recipe, model_digest
-from areal_fn.strategy.allocation import ParallelDims
+from areal_fn.runtime.vllm.targets import Targets, default_mode, modes
 
 _LOG = logging.getLogger("areal_fn.vllm")
 
@@ -119,6 +118,9 @@ class ArealFnUpdateInfo(WeightTransferUpdateInfo):
     bucket_bytes: int = 64 << 20
     #: the dtype on the wire (the trainer casts to it), or None for the trainer's own
     wire_dtype: str | None = None
+    #: "sharded": each rank receives its parameters' boxes (vllm_layout); "full": each
+    #: rank receives whole canonical tensors, loaded by vLLM's own loaders (any family)
+    mode: str = "sharded"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -136,6 +138,7 @@ class ArealFnUpdateInfo(WeightTransferUpdateInfo):
             self.wire_dtype is None or self.wire_dtype in _DTYPES,
             f"wire_dtype={self.wire_dtype!r} must be one of {sorted(_DTYPES)} or null",
         )
+        _check(self.mode in ("sharded", "full"), f"mode={self.mode!r} must be 'sharded' or 'full'")
 
 
 class ArealFnWeightTransferEngine(WeightTransferEngine[ArealFnInitInfo, ArealFnUpdateInfo]):
@@ -150,9 +153,7 @@ class ArealFnWeightTransferEngine(WeightTransferEngine[ArealFnInitInfo, ArealFnU
     ) -> None:
         super().__init__(config, vllm_config, device, model)
         self._group: SyncGroup | None = None
-        self._plan: Any = None
-        self._names: list[str] = []
-        self._shapes: dict[str, tuple[int, ...]] = {}
+        self._targets: Targets = None  # type: ignore[assignment]  # set by init
         self._in_place = False
         #: the last version this worker committed (None: the weights it loaded)
         self.version: int | None = None
@@ -228,15 +229,13 @@ class ArealFnWeightTransferEngine(WeightTransferEngine[ArealFnInitInfo, ArealFnU
         )
         pc = self.parallel_config
         tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
-        dst = vllm_layout(spec, ParallelDims(tp=tp, pp=pp))
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
         # this worker's rank in the deployment's layout: pp-major, tp fastest
         local = get_pp_group().rank_in_group * tp + get_tp_group().rank_in_group
         n_src = init_info.trainer_ranks
-        rank = n_src + local
-        dst_ranks = list(range(n_src, n_src + tp * pp))
-        plan = plan_rank_transfers(src, dst, rank, src_ranks=range(n_src), dst_ranks=dst_ranks)
+        targets = Targets(spec=spec, src=src, trainer_ranks=n_src, tp=tp, pp=pp, local=local)
+        targets.plan(default_mode(spec))  # the pure planning fails here, before any group
         apply = init_info.apply
         in_place = (apply == "in_place") or (apply == "auto" and self.device.type != "cpu")
         if init_info.check_only:
@@ -251,7 +250,7 @@ class ArealFnWeightTransferEngine(WeightTransferEngine[ArealFnInitInfo, ArealFnU
         group = SyncGroup.from_store(
             store,
             members=range(n_src + tp * pp),
-            rank=rank,
+            rank=targets.rank,
             timeout_s=float(init_info.timeout_s),
             connect_timeout_s=float(init_info.connect_timeout_s),
             name=init_info.group,
@@ -264,13 +263,11 @@ class ArealFnWeightTransferEngine(WeightTransferEngine[ArealFnInitInfo, ArealFnU
                 "model": str(self.model_config.model),
                 "device": self.device.type,
                 "apply": "in_place" if in_place else "reload",
+                "modes": list(modes(spec)),
                 "version": self.version,
             }
             group.post_signed("deployment", json.dumps(facts))
-        self._group, self._plan, self._in_place = group, plan, in_place
-        lts = dst.local_tensors(local)
-        self._names = [lt.name for lt in lts]
-        self._shapes = {lt.name: lt.shape for lt in lts}
+        self._group, self._targets, self._in_place = group, targets, in_place
 
     def start_weight_update(self) -> None:
         pass  # nothing to prepare: the model changes only after a committed sync
@@ -292,19 +289,25 @@ class ArealFnWeightTransferEngine(WeightTransferEngine[ArealFnInitInfo, ArealFnU
             raise ValueError(f"areal_fn weight transfer: {reason}")
         t0 = time.perf_counter()
         wire = None if update_info.wire_dtype is None else _DTYPES[update_info.wire_dtype]
-        buckets = bucket(self._plan, update_info.bucket_bytes, version=update_info.version)
+        mode = update_info.mode
+        _check(
+            mode in modes(self._targets.spec),
+            f"mode={mode!r} is not one this model supports: {list(modes(self._targets.spec))}",
+        )
+        plan, shapes = self._targets.plan(mode)
+        buckets = bucket(plan, update_info.bucket_bytes, version=update_info.version)
         dtype: Any = self.model_config.dtype
-        if self._in_place:
-            dst = live_tensors(self.model, self._names)
+        in_place = self._in_place and mode == "sharded"
+        if in_place:
+            dst = live_tensors(self.model, list(shapes))
         else:
-            dst = {
-                n: torch.zeros(self._shapes[n], dtype=dtype, device=self.device)
-                for n in self._names
-            }
+            dst = {n: torch.zeros(s, dtype=dtype, device=self.device) for n, s in shapes.items()}
         report = send_and_receive(
             buckets, src_tensors={}, dst_tensors=dst, group=group, wire_dtype=wire
         )
-        if not self._in_place:
+        if mode == "full":
+            apply_full(self.model, dst, self.model_config)
+        elif not in_place:
             apply_reload(self.model, dst, self.model_config)
         self.version = update_info.version
         self.last_report = report

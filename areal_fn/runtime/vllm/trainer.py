@@ -41,14 +41,12 @@ import torch
 import torch.distributed as dist
 
 from areal_fn.errors import PlanError
-from areal_fn.layouts.vllm import vllm_layout
-from areal_fn.plans.transfer import bucket, plan_rank_transfers
-from areal_fn.plans.transfer_bound import transfer_lower_bound
+from areal_fn.plans.transfer import bucket
 from areal_fn.runtime.sync.executor import SyncGroup, send_and_receive
 from areal_fn.runtime.sync.group import ABORT, SyncError, open_store
 from areal_fn.runtime.vllm.deployment import VllmError, as_deployment
 from areal_fn.runtime.vllm.recipe import layout_digest, model_digest, trainer_recipe
-from areal_fn.strategy.allocation import ParallelDims
+from areal_fn.runtime.vllm.targets import Targets, default_mode, modes
 
 __all__ = ["VllmUpdateReport", "VllmWeightSync"]
 
@@ -62,6 +60,8 @@ class VllmUpdateReport:
     bytes_sent: int
     #: the least any resharding must move, from the two layouts alone
     lower_bound: int
+    #: "sharded" or "full" (:mod:`areal_fn.runtime.vllm.targets`)
+    mode: str
     buckets: int
     seconds: float
     #: vLLM's answer to ``/weight_info`` after the update
@@ -163,17 +163,15 @@ class VllmWeightSync:
             group.abort()
             raise VllmError(f"vLLM failed to join the sync group: {joined[0]}") from joined[0]
         self.facts = json.loads(group.read_signed("deployment"))
-        dst = vllm_layout(spec, ParallelDims(tp=int(self.facts["tp"]), pp=int(self.facts["pp"])))
-        dst_ranks = range(self.trainer_ranks, self.trainer_ranks + n)
-        src_ranks = range(self.trainer_ranks)
-        self.plan = plan_rank_transfers(
-            self.src, dst, self.rank, src_ranks=src_ranks, dst_ranks=dst_ranks
+        self.targets = Targets(
+            spec=spec,
+            src=self.src,
+            trainer_ranks=self.trainer_ranks,
+            tp=int(self.facts["tp"]),
+            pp=int(self.facts["pp"]),
+            trainer_rank=self.rank,
         )
-        # the bound comes from the layouts alone, not from the plan
-        self.lower_bound = transfer_lower_bound(
-            self.src, dst, src_ranks=src_ranks, dst_ranks=dst_ranks
-        )
-        self.dst = dst
+        self._bounds: dict[str, int] = {}
         self.group = group
 
     def _init_info(self, port: int, name: str) -> dict[str, Any]:
@@ -195,10 +193,21 @@ class VllmWeightSync:
         self.group = None
 
     # -- one update ---------------------------------------------------------------
-    def update(self, version: int) -> VllmUpdateReport:
-        """Push the engine's current weights to vLLM as ``version`` (collective)."""
+    def update(self, version: int, *, mode: str | None = None) -> VllmUpdateReport:
+        """Push the engine's current weights to vLLM as ``version`` (collective).
+
+        ``mode`` (:mod:`~areal_fn.runtime.vllm.targets`): ``"sharded"`` (each vLLM rank
+        receives its parameters' boxes; the default where ``vllm_layout`` describes the
+        family) or ``"full"`` (whole tensors to every vLLM rank, vLLM's own loaders)."""
         if self.group is None or self.group.broken:
             self.connect()
+        mode = default_mode(self.engine.spec) if mode is None else mode
+        if mode not in modes(self.engine.spec):
+            raise PlanError(
+                f"mode={mode!r} is not one this model supports: {list(modes(self.engine.spec))}"
+            )
+        if mode not in self._bounds:  # from the layouts alone, not from the plan
+            self._bounds[mode] = self.targets.lower_bound(mode)
         group = self.group
         assert group is not None
         t0 = time.perf_counter()
@@ -212,7 +221,7 @@ class VllmWeightSync:
         self._rank0_steps(
             version, ("pause", {"mode": self.pause_mode}), ("start_weight_update", None)
         )
-        report = self._send(group, version, tensors, wire)
+        report = self._send(group, version, tensors, wire, mode)
         status = self._rank0_steps(
             version,
             ("finish_weight_update", None),
@@ -225,7 +234,8 @@ class VllmWeightSync:
         return VllmUpdateReport(
             version=version,
             bytes_sent=int(sent.item()),
-            lower_bound=self.lower_bound,
+            lower_bound=self._bounds[mode],
+            mode=mode,
             buckets=report.buckets,
             seconds=time.perf_counter() - t0,
             weight_version=None if status is None else status.get("weight_version"),
@@ -253,15 +263,25 @@ class VllmWeightSync:
         return status[1]
 
     def _send(
-        self, group: SyncGroup, version: int, tensors: dict[str, torch.Tensor], wire: Any
+        self,
+        group: SyncGroup,
+        version: int,
+        tensors: dict[str, torch.Tensor],
+        wire: Any,
+        mode: str,
     ) -> Any:
         """The trainer ranks send while rank 0 has vLLM receive (``/update_weights``)."""
-        buckets = bucket(self.plan, self.bucket_bytes, version=version)
+        plan, _ = self.targets.plan(mode)
+        buckets = bucket(plan, self.bucket_bytes, version=version)
         failed: list[BaseException] = []
         thread = None
         seq = group.syncs
         if self.rank == 0:
-            info: dict[str, Any] = {"version": version, "bucket_bytes": self.bucket_bytes}
+            info: dict[str, Any] = {
+                "version": version,
+                "bucket_bytes": self.bucket_bytes,
+                "mode": mode,
+            }
             if wire is not None:
                 info["wire_dtype"] = str(wire).removeprefix("torch.")
 
