@@ -51,7 +51,7 @@ def _model_dir(root: Path) -> Path:
     path = root / "served"
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(
-        transformers.AutoConfig.for_model(**CONFIG), torch_dtype=torch.float32
+        transformers.AutoConfig.for_model(**CONFIG), dtype=torch.float32
     )
     model.save_pretrained(path)
     (path / "config.json").write_text(json.dumps(CONFIG))

@@ -26,6 +26,8 @@ def test_demo_runs_green_and_names_its_artefacts(capsys, tmp_path):
         "checkpoint",
         "export HF checkpoint",
         "weight sync",
+        "weight sync fsdp:d2t2 -> vLLM t2 (real engine)",
+        "weight sync megatron:t2p2 -> vLLM t2 (real engine)",
         "resume megatron:t2p2",
         "megatron logprobs vs trainer",
         "train megatron:t2p2",

@@ -92,7 +92,7 @@ def write_model(path: Path, config: dict[str, Any], *, seed: int = 0) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     hf_config = transformers.AutoConfig.for_model(**config)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config, torch_dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     model.save_pretrained(path)
     (path / "config.json").write_text(json.dumps(config, indent=2))
     vocab = {f"t{i}": i for i in range(int(config["vocab_size"]))}

@@ -5,7 +5,9 @@ model under ``fsdp:d2t2``, trains from its weights on packed mixed-length sequen
 under Ulysses SP (``fsdp:d2c2``) and checks that step against plain transformers,
 checkpoints it, exports it for transformers, resumes it under ``megatron:t2p2`` and
 checks the canonical weights bitwise, syncs the weights to a TP2 inference group and
-checks the logits, trains the packed phase again under context parallelism
+checks the logits, updates a real vLLM server (TP2, started here while the job trains,
+in vLLM's own Python: :func:`~areal_fn.runtime.vllm.python.vllm_python`) after each
+engine and compares its generation, trains the packed phase again under context parallelism
 (``megatron:d2c2``), then prints a verification table. It always runs 4 processes
 (every strategy fills 4 ranks; the inference group is ranks 2-3). CPU with gloo (``AREAL_FN_BACKEND`` selects another
 process-group backend; the engines are verified on CPU only).
@@ -39,7 +41,7 @@ NPROC = 4
 #: The default number of training steps.
 STEPS = 30
 #: The fewest training steps: the demo checks that training lowers the loss by 20%,
-#: which the tiny model first does at step 19 (loss 5.563 -> 4.371).
+#: which the tiny model first does at step 19 (loss 5.553 -> 4.422).
 MIN_STEPS = 20
 #: Where the worker writes under its work directory.
 CHECKPOINTS, HF_EXPORT = "checkpoints", "hf"

@@ -40,7 +40,7 @@ def write_served_model(path: Path, config: dict[str, Any], *, seed: int = 0) -> 
     path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(
-        transformers.AutoConfig.for_model(**config), torch_dtype=torch.float32
+        transformers.AutoConfig.for_model(**config), dtype=torch.float32
     )
     model.save_pretrained(path)
     (path / "config.json").write_text(json.dumps(config, indent=2))

@@ -112,7 +112,7 @@ def hf_model(spec_cfg: dict[str, Any]) -> torch.nn.Module:
     config = transformers.AutoConfig.for_model(mt, **cfg)
     config._attn_implementation = "eager"
     torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
 def stage_plan(spec: Any) -> dict[str, Any]:
@@ -196,7 +196,7 @@ def stage_export_hf(spec: Any, trainer: Engine, root: Path, workdir: Path) -> No
     if dist.get_rank() == 0:
         out = export_hf(root, workdir / "hf", overwrite=True)
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            out, torch_dtype=torch.float32, attn_implementation="eager"
+            out, dtype=torch.float32, attn_implementation="eager"
         )
         with torch.no_grad():
             logits = model(input_ids=ids).logits
