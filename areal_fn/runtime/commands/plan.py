@@ -16,6 +16,7 @@ from areal_fn.layouts.layout_for import layout_for
 from areal_fn.model.spec import ModelSpec
 from areal_fn.model.tensor_spec import DTYPE_BYTES
 from areal_fn.plans.activations import ActivationModel
+from areal_fn.plans.census import CensusIndex, census_of
 from areal_fn.plans.kv_cache import KVCache, kv_cache
 from areal_fn.plans.memory import MemoryReport, PrecisionPolicy, estimate_memory
 from areal_fn.runtime.commands.output import emit_json, human
@@ -39,10 +40,21 @@ def _stage_of(layout: Layout) -> list[int]:
     return [mesh.coords(r)[mesh.axis_index(Axis.PP)] for r in range(layout.world_size)]
 
 
-def _weights(model: ModelSpec, layout: Layout, rank: int) -> tuple[int, int]:
-    lts = layout.local_tensors(rank)
-    numel = sum(t.numel for t in lts)
-    return len(lts), numel
+class _Weights:
+    """Tensors and elements each rank of ``layout`` holds, computed once per distinct
+    share (ranks that differ only along axes where every tensor is replicated hold the
+    same), so a table of every rank costs the distinct shares, not the ranks."""
+
+    def __init__(self, layout: Layout) -> None:
+        self._index = CensusIndex(census_of(layout))
+        self._seen: dict[tuple[tuple[int, ...], ...], tuple[int, int]] = {}
+
+    def __call__(self, rank: int) -> tuple[int, int]:
+        key = self._index.key(rank)
+        if key not in self._seen:
+            share = self._index.share(rank)
+            self._seen[key] = (share.tensors, share.numel)
+        return self._seen[key]
 
 
 def _training_memory(
@@ -86,9 +98,10 @@ def _inference_json(
     model: ModelSpec, layout: Layout, kv: KVCache, first: int
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     stages = _stage_of(layout)
+    weights = _Weights(layout)
     rows = []
     for r in range(layout.world_size):
-        tensors, numel = _weights(model, layout, r)
+        tensors, numel = weights(r)
         weight_bytes = numel * DTYPE_BYTES[model.dtype]
         cache = kv.stage_bytes(stages[r])
         rows.append(
@@ -171,8 +184,9 @@ def _print_inference(
         else [0, layout.world_size // 2, layout.world_size - 1]
     )
     stages = _stage_of(layout)
+    weights = _Weights(layout)
     for r in shown:
-        tensors, numel = _weights(model, layout, r)
+        tensors, numel = weights(r)
         wb = numel * DTYPE_BYTES[model.dtype]
         cache = kv.stage_bytes(stages[r])
         table.add_row(
