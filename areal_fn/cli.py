@@ -417,6 +417,9 @@ def _add_convert_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser
 #: What the library's messages say in Python, and what the command line says instead.
 CLI_WORDS = (
     ("pass overwrite=True", "pass --overwrite"),
+    ("; overwrite=True replaces", "; --overwrite replaces"),
+    ("; ranks= writes some ranks", "; --rank writes one rank"),
+    ("convert every rank (without ranks=)", "convert every rank (without --rank)"),
     ("trust_pickle=True (--trust-pickle on the command line)", "--trust-pickle"),
     ("trust_pickle=True (--trust-pickle)", "--trust-pickle"),
     ("(hmac_key=None; on the command line, unset", "(unset"),
