@@ -158,6 +158,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(steps=args.steps, workdir=args.workdir)
 
 
+#: ``--overwrite`` of every command that writes a directory (docs/cli.md).
+OVERWRITE_HELP = (
+    "replace DST if it exists: the new output is written beside it and swapped in whole "
+    "when complete, so no older file of the kind written (shards, rank files) survives; DST "
+    "may hold only such files and those the new output holds, any other is refused by name "
+    "and nothing is deleted (convert --rank: the rank's file joins the other ranks' files "
+    "of the same conversion)"
+)
+
+
 def _add_checkpoint_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     """``areal-fn checkpoint inspect|export-hf``."""
     ckpt = sub.add_parser(
@@ -184,7 +194,7 @@ def _add_checkpoint_parser(sub: "argparse._SubParsersAction[argparse.ArgumentPar
     exp = csub.add_parser("export-hf", help="write a checkpoint's parameters as an HF checkpoint")
     exp.add_argument("dir")
     exp.add_argument("dest")
-    exp.add_argument("--overwrite", action="store_true")
+    exp.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     exp.add_argument(
         "--trust-pickle",
         action="store_true",
@@ -359,7 +369,7 @@ def _add_convert_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser
         "(label megatron[actor], name actor, or backend megatron)",
     )
     conv.add_argument("--rank", type=int, default=None, help="convert only this rank")
-    conv.add_argument("--overwrite", action="store_true", help="replace what DST holds")
+    conv.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     conv.add_argument(
         "--to-hf",
         action="store_true",
