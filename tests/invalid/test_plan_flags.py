@@ -1,6 +1,7 @@
-"""``areal-fn plan``: every flag works as written or is refused in one line naming the
-flag, the value, the rule and the remedy (exit 2, nothing written); sizes beyond plan's
-limit are refused at once, sizes within it answer in seconds."""
+"""``areal-fn plan`` (and ``checkpoint inspect --tensors``): every flag works as written
+or is refused in one line naming the flag, the value, the rule and the remedy (exit 2,
+nothing written); sizes beyond plan's limit are refused at once, sizes within it answer
+in seconds."""
 
 import json
 import os
@@ -142,3 +143,11 @@ def test_the_largest_size_plan_takes_answers_in_seconds(argv: list[str]) -> None
     assert cpu < 10, f"{cpu:.1f} s of CPU for {argv}"
     if "--json" in argv:
         assert json.loads(proc.stdout)["world_size"] == MAX_PLAN_RANKS
+
+
+def test_checkpoint_inspect_refuses_a_negative_tensors_count(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["checkpoint", "inspect", str(tmp_path), "--tensors", "-1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "areal-fn: error: --tensors -1 must be >= 0: how many tensors to list"

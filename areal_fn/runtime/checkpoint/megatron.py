@@ -296,7 +296,9 @@ def export_megatron_checkpoint(
     Tensors are written in their source's dtype, nothing cast: a mapping's own, else
     ``dtypes`` (canonical name -> dtype; default the model's). ``progress`` hears each
     local tensor's name as it is written. Parameters only: no optimizer state is
-    written.
+    written. An existing ``dest`` needs ``overwrite=True`` and is then replaced whole;
+    it may hold only torch_dist files
+    (:func:`~areal_fn.runtime.replace_dir.check_overwrite`).
     """
     from areal_fn.plans.convert import check_canonical, mapping_reader
 

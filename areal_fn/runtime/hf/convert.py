@@ -188,9 +188,10 @@ def convert_to_local(
     files, ``config.json`` and the files carried
     (:func:`~areal_fn.runtime.replace_dir.check_overwrite`); with ``ranks`` naming some
     ranks, their files are written into an existing directory beside the other ranks'
-    files (each file replaced atomically), which must record the same allocation. ``config.json`` and the other
-    non-weight files of ``src_hf_dir`` are copied next to the rank files unchanged; the
-    summary lists them, and what was not carried (other weight files, subdirectories).
+    files (each file replaced atomically), which must record the same allocation.
+    ``config.json`` and the other non-weight files of ``src_hf_dir`` are copied next to
+    the rank files unchanged; the summary lists them, and what was not carried (other
+    weight files, subdirectories).
     ``progress`` is called with each tensor name written. ``mtp=True``: the model holds
     the config's multi-token-prediction layers (``model_from_hf_config``);
     ``drop_mtp=True``: the checkpoint's are left out, listed as not carried.
