@@ -90,6 +90,7 @@ COMPONENT_KEYS = {
     "memory",
     "weights",
     "kv_cache",
+    "fit",
 }
 
 
