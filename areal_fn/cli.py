@@ -218,7 +218,8 @@ def _add_plan_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
     plan.add_argument(
         "allocation",
         nargs="?",
-        help="allocation string, e.g. 'megatron:d2p2t2' or 'sglang:d4t2+fsdp:d8'",
+        help="allocation string, e.g. 'megatron:d2p2t2' or 'sglang:d4t2+fsdp:d8' (at most "
+        f"{MAX_PLAN_RANKS} ranks)",
     )
     plan.add_argument("--json", action="store_true", help="print one JSON document (docs/cli.md)")
     plan.add_argument(
@@ -278,7 +279,9 @@ def _add_suggest_arguments(plan: argparse.ArgumentParser) -> None:
         "an ALLOCATION: every rank's estimate is checked against it and the ranks that do not "
         "fit are listed",
     )
-    sg.add_argument("--top", type=int, default=None, help="how many suggestions to show (5)")
+    sg.add_argument(
+        "--top", type=int, default=None, help="how many suggestions to show (5); --suggest only"
+    )
     sg.add_argument(
         "--seq-len",
         type=int,
@@ -293,7 +296,10 @@ def _add_suggest_arguments(plan: argparse.ArgumentParser) -> None:
         help="sequences per micro-batch (1); with an ALLOCATION it needs --seq-len",
     )
     sg.add_argument(
-        "--global-batch", type=int, default=None, help="sequences per optimizer step (256)"
+        "--global-batch",
+        type=int,
+        default=None,
+        help="sequences per optimizer step (256); --suggest only",
     )
     sg.add_argument(
         "--recompute",
@@ -301,32 +307,35 @@ def _add_suggest_arguments(plan: argparse.ArgumentParser) -> None:
         default=None,
         help="full activation recomputation (default: on); with an ALLOCATION it needs --seq-len",
     )
-    sg.add_argument("--gpus-per-node", type=int, default=None, help="devices per node (8)")
+    sg.add_argument(
+        "--gpus-per-node", type=int, default=None, help="devices per node (8); --suggest only"
+    )
     sg.add_argument(
         "--optimizer-offload",
         action="store_true",
         default=None,
-        help="optimizer master weights and states in host memory (default: on the device)",
+        help="optimizer master weights and states in host memory (default: on the device); "
+        "--suggest only",
     )
     sg.add_argument(
         "--grad-dtype",
         default=None,
         metavar="DTYPE",
-        help="gradients (Megatron's --main-grads-dtype): fp32, bf16 or fp16 (fp32)",
+        help="gradients (Megatron's --main-grads-dtype): fp32, bf16 or fp16 (fp32); --suggest only",
     )
     sg.add_argument(
         "--master-dtype",
         default=None,
         metavar="DTYPE",
         help="optimizer master weights (Megatron's --main-params-dtype): fp32, bf16, fp16, or "
-        "none for no master copy (fp32)",
+        "none for no master copy (fp32); --suggest only",
     )
     sg.add_argument(
         "--adam-dtype",
         default=None,
         metavar="DTYPE",
         help="Adam's two moments (Megatron's --exp-avg-dtype and --exp-avg-sq-dtype): fp32, "
-        "bf16 or fp16 (fp32)",
+        "bf16 or fp16 (fp32); --suggest only",
     )
     sg.add_argument(
         "--ep-dispatch",
@@ -334,7 +343,8 @@ def _add_suggest_arguments(plan: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="MoE token dispatcher the EP all-to-all is scored for: alltoall (Megatron's "
         "default: one copy per token and expert) or deepep (Megatron's flex dispatcher: one "
-        "copy per destination node across nodes, fanned out over NVLink) (alltoall)",
+        "copy per destination node across nodes, fanned out over NVLink) (alltoall); "
+        "--suggest only",
     )
     sg.add_argument(
         "--memory-margin",
