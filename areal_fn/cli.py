@@ -7,13 +7,14 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from areal_fn.errors import SpecError
 from areal_fn.layouts.layout import Layout
 from areal_fn.layouts.layout_for import layout_for as layout_for
 from areal_fn.model.demo import DEMO_CONFIG as DEMO_CONFIG
 from areal_fn.model.spec import ModelSpec, model_from_hf_config
+from areal_fn.runtime.commands.plan_flags import MAX_PLAN_RANKS, check_plan_flags
 from areal_fn.runtime.console import text_console as text_console
 from areal_fn.strategy.allocation import Component
 from areal_fn.strategy.parse import parse_allocation as parse_allocation
@@ -64,6 +65,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from areal_fn.runtime.commands.plan import cmd_plan as run
     from areal_fn.runtime.commands.suggest import cmd_suggest
 
+    check_plan_flags(args)
+    if args.png:
+        _require_pictures()
     console = text_console()
     model = _model(args.config, mtp=args.mtp)
     if args.mtp and not model.mtp_layers:
@@ -71,29 +75,25 @@ def cmd_plan(args: argparse.Namespace) -> int:
             f"--mtp: {args.config} ({model.model_type}) declares no multi-token-prediction "
             f"layers (num_nextn_predict_layers); leave out --mtp"
         )
-    if args.suggest:
+    if args.suggest is not None:
         return cmd_suggest(console, model, args)
     if args.allocation is None:
         raise SpecError(
             "plan needs an ALLOCATION (e.g. 'megatron:d2p2t2'), or --suggest N to rank strategies"
         )
-    if args.png:
-        _require_pictures()
     return run(console, model, args, pictures=_pictures)
 
 
 def _pictures(
-    console: "Any",
     model: ModelSpec,
     comp: Component,
     layout: Layout,
     args: argparse.Namespace,
     first_rank: int,
-) -> None:
+) -> tuple[Path, ...]:
     from areal_fn.runtime.pictures import plan_pictures
 
-    paths = plan_pictures(args.config, model, comp, layout, Path(args.png), first_rank=first_rank)
-    console.print("pictures: " + ", ".join(str(p) for p in paths))
+    return plan_pictures(args.config, model, comp, layout, Path(args.png), first_rank=first_rank)
 
 
 def _require_pictures() -> None:
@@ -135,6 +135,8 @@ def cmd_checkpoint_inspect(args: argparse.Namespace) -> int:
     from areal_fn.runtime.checkpoint.api import cmd_checkpoint_inspect as run
     from areal_fn.runtime.commands.inspect_json import cmd_inspect_json
 
+    if args.tensors is not None and args.tensors < 0:
+        raise SpecError(f"--tensors {args.tensors} must be >= 0: how many tensors to list")
     args.hmac_key = _checkpoint_key()
     if args.json:
         return cmd_inspect_json(args)
@@ -154,6 +156,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from areal_fn.runtime.demo.driver import run_demo
 
     return run_demo(steps=args.steps, workdir=args.workdir)
+
+
+#: ``--overwrite`` of every command that writes a directory (docs/cli.md).
+OVERWRITE_HELP = (
+    "replace DST if it exists: the new output is written beside it and swapped in whole "
+    "when complete, so no older file of the kind written (shards, rank files) survives; DST "
+    "may hold only such files and those the new output holds, any other is refused by name "
+    "and nothing is deleted (convert --rank: the rank's file joins the other ranks' files "
+    "of the same conversion)"
+)
 
 
 def _add_checkpoint_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -182,7 +194,7 @@ def _add_checkpoint_parser(sub: "argparse._SubParsersAction[argparse.ArgumentPar
     exp = csub.add_parser("export-hf", help="write a checkpoint's parameters as an HF checkpoint")
     exp.add_argument("dir")
     exp.add_argument("dest")
-    exp.add_argument("--overwrite", action="store_true")
+    exp.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     exp.add_argument(
         "--trust-pickle",
         action="store_true",
@@ -206,7 +218,8 @@ def _add_plan_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
     plan.add_argument(
         "allocation",
         nargs="?",
-        help="allocation string, e.g. 'megatron:d2p2t2' or 'sglang:d4t2+fsdp:d8'",
+        help="allocation string, e.g. 'megatron:d2p2t2' or 'sglang:d4t2+fsdp:d8' (at most "
+        f"{MAX_PLAN_RANKS} ranks)",
     )
     plan.add_argument("--json", action="store_true", help="print one JSON document (docs/cli.md)")
     plan.add_argument(
@@ -216,42 +229,59 @@ def _add_plan_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
         "tensors: inference and megatron components carry them, fsdp refuses them",
     )
     plan.add_argument(
-        "--tensors", type=int, default=0, help="also list the placements of the first N tensors"
+        "--tensors",
+        type=int,
+        default=None,
+        help="also list the placements of the first N tensors (N >= 0)",
     )
     plan.add_argument(
         "--max-ranks",
         type=int,
-        default=16,
-        help="rows of the per-rank table before it is summarised",
+        default=None,
+        help="rows of an inference component's per-rank table before it is summarised (16; "
+        "not with --json, which lists every rank)",
     )
     plan.add_argument(
         "--png",
         metavar="DIR",
         help="write pictures into DIR: a rank grid per component and, with pipeline "
         "stages, parameters per chunk (needs the pictures extra: "
-        "pip install 'areal-fn[pictures]')",
+        "pip install 'areal-fn[pictures]'); with --json their paths are listed per component",
     )
     kv = plan.add_argument_group("inference components: the KV cache budgeted per rank")
     kv.add_argument(
-        "--context-len", type=int, default=4096, help="tokens per sequence (default 4096)"
+        "--context-len", type=int, default=None, help="tokens per sequence (default 4096)"
     )
-    kv.add_argument("--batch", type=int, default=1, help="sequences per engine replica (default 1)")
+    kv.add_argument(
+        "--batch", type=int, default=None, help="sequences per engine replica (default 1)"
+    )
     _add_suggest_arguments(plan)
     plan.set_defaults(func=cmd_plan)
 
 
 def _add_suggest_arguments(plan: argparse.ArgumentParser) -> None:
     """``plan --suggest N --device-memory SIZE`` and the assumptions it prints."""
-    sg = plan.add_argument_group("--suggest: rank training strategies (assumptions printed)")
+    sg = plan.add_argument_group(
+        "--suggest: rank training strategies (assumptions printed); a flag the form given "
+        "(ALLOCATION or --suggest) does not use is refused"
+    )
     sg.add_argument(
-        "--suggest", type=int, metavar="N", help="rank training strategies for N devices"
+        "--suggest",
+        type=int,
+        metavar="N",
+        help=f"rank training strategies for N devices (1 <= N <= {MAX_PLAN_RANKS}); not with "
+        "an ALLOCATION",
     )
     sg.add_argument(
         "--device-memory",
         metavar="SIZE",
-        help="memory per device, with its unit: 80GB (80*10^9 bytes) or 80GiB (80*2^30)",
+        help="memory per device, with its unit: 80GB (80*10^9 bytes) or 80GiB (80*2^30); with "
+        "an ALLOCATION: every rank's estimate is checked against it and the ranks that do not "
+        "fit are listed",
     )
-    sg.add_argument("--top", type=int, default=5, help="how many suggestions to show")
+    sg.add_argument(
+        "--top", type=int, default=None, help="how many suggestions to show (5); --suggest only"
+    )
     sg.add_argument(
         "--seq-len",
         type=int,
@@ -259,55 +289,68 @@ def _add_suggest_arguments(plan: argparse.ArgumentParser) -> None:
         help="tokens per sequence (4096); with an allocation: rows of this many tokens are "
         "checked against its c and its training memory counts activations",
     )
-    sg.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch (1)")
     sg.add_argument(
-        "--global-batch", type=int, default=256, help="sequences per optimizer step (256)"
+        "--micro-batch",
+        type=int,
+        default=None,
+        help="sequences per micro-batch (1); with an ALLOCATION it needs --seq-len",
+    )
+    sg.add_argument(
+        "--global-batch",
+        type=int,
+        default=None,
+        help="sequences per optimizer step (256); --suggest only",
     )
     sg.add_argument(
         "--recompute",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="full activation recomputation (default: on)",
+        default=None,
+        help="full activation recomputation (default: on); with an ALLOCATION it needs --seq-len",
     )
-    sg.add_argument("--gpus-per-node", type=int, default=8, help="devices per node (8)")
+    sg.add_argument(
+        "--gpus-per-node", type=int, default=None, help="devices per node (8); --suggest only"
+    )
     sg.add_argument(
         "--optimizer-offload",
         action="store_true",
-        help="optimizer master weights and states in host memory (default: on the device)",
+        default=None,
+        help="optimizer master weights and states in host memory (default: on the device); "
+        "--suggest only",
     )
     sg.add_argument(
         "--grad-dtype",
-        default="fp32",
+        default=None,
         metavar="DTYPE",
-        help="gradients (Megatron's --main-grads-dtype): fp32, bf16 or fp16 (fp32)",
+        help="gradients (Megatron's --main-grads-dtype): fp32, bf16 or fp16 (fp32); --suggest only",
     )
     sg.add_argument(
         "--master-dtype",
-        default="fp32",
+        default=None,
         metavar="DTYPE",
         help="optimizer master weights (Megatron's --main-params-dtype): fp32, bf16, fp16, or "
-        "none for no master copy (fp32)",
+        "none for no master copy (fp32); --suggest only",
     )
     sg.add_argument(
         "--adam-dtype",
-        default="fp32",
+        default=None,
         metavar="DTYPE",
         help="Adam's two moments (Megatron's --exp-avg-dtype and --exp-avg-sq-dtype): fp32, "
-        "bf16 or fp16 (fp32)",
+        "bf16 or fp16 (fp32); --suggest only",
     )
     sg.add_argument(
         "--ep-dispatch",
-        default="alltoall",
+        default=None,
         metavar="NAME",
         help="MoE token dispatcher the EP all-to-all is scored for: alltoall (Megatron's "
         "default: one copy per token and expert) or deepep (Megatron's flex dispatcher: one "
-        "copy per destination node across nodes, fanned out over NVLink) (alltoall)",
+        "copy per destination node across nodes, fanned out over NVLink) (alltoall); "
+        "--suggest only",
     )
     sg.add_argument(
         "--memory-margin",
         type=float,
-        default=0.1,
-        help="fraction of device memory kept free for what the estimate leaves out: CUDA "
+        default=None,
+        help="fraction of --device-memory kept free for what the estimate leaves out: CUDA "
         "context, communication buffers, fragmentation (0.1)",
     )
 
@@ -336,7 +379,7 @@ def _add_convert_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser
         "(label megatron[actor], name actor, or backend megatron)",
     )
     conv.add_argument("--rank", type=int, default=None, help="convert only this rank")
-    conv.add_argument("--overwrite", action="store_true", help="replace what DST holds")
+    conv.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     conv.add_argument(
         "--to-hf",
         action="store_true",
@@ -394,6 +437,9 @@ def _add_convert_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser
 #: What the library's messages say in Python, and what the command line says instead.
 CLI_WORDS = (
     ("pass overwrite=True", "pass --overwrite"),
+    ("; overwrite=True replaces", "; --overwrite replaces"),
+    ("; ranks= writes some ranks", "; --rank writes one rank"),
+    ("convert every rank (without ranks=)", "convert every rank (without --rank)"),
     ("trust_pickle=True (--trust-pickle on the command line)", "--trust-pickle"),
     ("trust_pickle=True (--trust-pickle)", "--trust-pickle"),
     ("(hmac_key=None; on the command line, unset", "(unset"),

@@ -90,6 +90,7 @@ COMPONENT_KEYS = {
     "memory",
     "weights",
     "kv_cache",
+    "fit",
 }
 
 
@@ -222,7 +223,7 @@ def test_errors_name_flags_not_python_arguments(tmp_path: Path) -> None:
     src = _hf(tmp_path / "hf")
     (tmp_path / "out").mkdir()
     line = _error("convert", str(src), "megatron:t2", str(tmp_path / "out"))
-    assert line.endswith("already exists; pass --overwrite or choose another path"), line
+    assert line.endswith("already exists; pass --overwrite or choose another directory"), line
     assert _run("convert", str(src), "megatron:t2", str(tmp_path / "local")).returncode == 0
     (tmp_path / "local" / "config.json").unlink()
     line = _error("convert", str(tmp_path / "local"), str(tmp_path / "back"), "--to-hf")

@@ -240,7 +240,7 @@ def test_cli_errors(
     td = tmp_path / "td"
     _ok("convert", src, "megatron:t2", str(td), "--format", "torch_dist")
     assert _error("convert", src, "megatron:t2", str(td), "--format", "torch_dist") == (
-        f"{td} already exists; pass --overwrite or choose another path"
+        f"{td} already exists; pass --overwrite or choose another directory"
     )
     _ok("convert", src, "megatron:t2", str(td), "--format", "torch_dist", "--overwrite")
     pickle = _error("convert", str(td), str(out), "--to-hf")

@@ -8,8 +8,9 @@ import functools
 import io
 import json
 import os
+import re
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,7 @@ from areal_fn.runtime.checkpoint.megatron_keys import (
     pick_keys,
 )
 from areal_fn.runtime.checkpoint.metadata import METADATA, trust_pickle_rule, unpickle_metadata
-from areal_fn.runtime.replace_dir import replace_dir
+from areal_fn.runtime.replace_dir import check_overwrite, replace_dir
 from areal_fn.sharding.box import Box
 
 __all__ = [
@@ -51,6 +52,7 @@ __all__ = [
     "import_megatron_checkpoint",
     "is_megatron_checkpoint",
     "read_megatron_state",
+    "torch_dist_owned",
 ]
 
 #: ``metadata.json`` of a Megatron-Core ``torch_dist`` checkpoint.
@@ -62,6 +64,18 @@ MCORE_METADATA = {
 }
 #: the local tensors whose stored rows beyond ``vocab_size`` are padding
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+#: The files of a torch_dist checkpoint: DCP's metadata and data, ``common.pt``, ``metadata.json``.
+_TORCH_DIST_FILE = re.compile(r"\.metadata|__\d+_\d+\.distcp|common\.pt|metadata\.json")
+
+
+def torch_dist_owned(names: Iterable[str]) -> Callable[[str], bool]:
+    """Whether a file in the directory a torch_dist checkpoint replaces is one it
+    replaces: one of ``names`` (``config.json`` and the files carried) or a file of the
+    torch_dist format (:func:`~areal_fn.runtime.replace_dir.check_overwrite`)."""
+    written = frozenset(names)
+    return lambda name: name in written or _TORCH_DIST_FILE.fullmatch(name) is not None
 
 
 def is_megatron_checkpoint(path: "str | os.PathLike[str]") -> bool:
@@ -282,15 +296,20 @@ def export_megatron_checkpoint(
     Tensors are written in their source's dtype, nothing cast: a mapping's own, else
     ``dtypes`` (canonical name -> dtype; default the model's). ``progress`` hears each
     local tensor's name as it is written. Parameters only: no optimizer state is
-    written.
+    written. An existing ``dest`` needs ``overwrite=True`` and is then replaced whole;
+    it may hold only torch_dist files
+    (:func:`~areal_fn.runtime.replace_dir.check_overwrite`).
     """
     from areal_fn.plans.convert import check_canonical, mapping_reader
 
     out = Path(dest)
-    if out.exists() and not overwrite:
-        raise CheckpointError(
-            f"{out} already exists; pass overwrite=True or choose another directory"
-        )
+    check_overwrite(
+        out,
+        overwrite=overwrite,
+        owned=torch_dist_owned(()),
+        kind="torch_dist checkpoint",
+        error=CheckpointError,
+    )
     rows = vocab_size_padded if vocab_size_padded is not None else model.vocab_size
     if rows < model.vocab_size:
         raise CheckpointError(

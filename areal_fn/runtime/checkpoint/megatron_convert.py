@@ -22,13 +22,17 @@ from areal_fn.errors import ConversionError
 from areal_fn.layouts.layout import LayoutKind
 from areal_fn.layouts.vocab import padded_vocab_size
 from areal_fn.model.spec import ModelSpec, load_hf_config, model_from_hf_config
-from areal_fn.runtime.checkpoint.megatron import export_megatron_checkpoint, read_megatron_state
+from areal_fn.runtime.checkpoint.megatron import (
+    export_megatron_checkpoint,
+    read_megatron_state,
+    torch_dist_owned,
+)
 from areal_fn.runtime.checkpoint.megatron_keys import LayerKeys, LayerSpec, default_layer_keys
 from areal_fn.runtime.checkpoint.metadata import METADATA
 from areal_fn.runtime.hf.convert import ConvertSummary, carried_fields, layout_of
 from areal_fn.runtime.hf.files import read_hf_files
-from areal_fn.runtime.hf.io import HfCheckpoint, Tally, write_hf_checkpoint
-from areal_fn.runtime.replace_dir import replace_dir
+from areal_fn.runtime.hf.io import HfCheckpoint, Tally, hf_owned, write_hf_checkpoint
+from areal_fn.runtime.replace_dir import check_overwrite, replace_dir
 from areal_fn.sharding.box import Box
 from areal_fn.strategy.parse import parse_allocation
 from areal_fn.typecheck import beartype
@@ -98,8 +102,6 @@ def convert_to_torch_dist(
     rows, _ = torch_dist_options(model, allocation)
     layout, _ = layout_of(model, allocation)  # the model fits the strategy (else an error)
     assert layout.kind is LayoutKind.MEGATRON
-    if dst.exists() and not overwrite:
-        raise ConversionError(f"{dst} already exists; pass overwrite=True or choose another path")
     keys = layer_keys or default_layer_keys(model)
     counted = [0, 0]
     sizes = {t.name: t.shape for t in model.tensors}
@@ -112,6 +114,13 @@ def convert_to_torch_dist(
     with HfCheckpoint(src) as ckpt:
         dropped = ckpt.check(model, drop_mtp=drop_mtp)
         hf = read_hf_files(src, weights=ckpt.files)
+        check_overwrite(
+            dst,
+            overwrite=overwrite,
+            owned=torch_dist_owned(hf.names),
+            kind="torch_dist checkpoint",
+            error=ConversionError,
+        )
         dtypes = _dtypes(ckpt)
         dst.parent.mkdir(parents=True, exist_ok=True)
         work = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
@@ -183,12 +192,17 @@ def convert_torch_dist_to_hf(
     src, dst = Path(src_dir), Path(dst_hf_dir)
     start = time.perf_counter()
     model = _model_of(src, model)
-    if dst.exists() and not overwrite:
-        raise ConversionError(f"{dst} already exists; pass overwrite=True or choose another path")
+    hf = read_hf_files(src, weights=_mcore_files(src), config=model.hf_config())
+    check_overwrite(
+        dst,
+        overwrite=overwrite,
+        owned=hf_owned(hf.names),
+        kind="HF checkpoint",
+        error=ConversionError,
+    )
     state, layout = read_megatron_state(
         src, model, trust_pickle=trust_pickle, drop_optimizer=drop_optimizer
     )
-    hf = read_hf_files(src, weights=_mcore_files(src), config=model.hf_config())
     tally = Tally(progress)
 
     write_hf_checkpoint(

@@ -7,8 +7,11 @@ the same facts, every rank listed by its global rank, as one JSON document.
 """
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
+
+import attrs
 
 from areal_fn.errors import SpecError
 from areal_fn.layouts.layout import Layout
@@ -16,10 +19,12 @@ from areal_fn.layouts.layout_for import layout_for
 from areal_fn.model.spec import ModelSpec
 from areal_fn.model.tensor_spec import DTYPE_BYTES
 from areal_fn.plans.activations import ActivationModel
+from areal_fn.plans.census import CensusIndex, census_of
 from areal_fn.plans.kv_cache import KVCache, kv_cache
 from areal_fn.plans.memory import MemoryReport, PrecisionPolicy, estimate_memory
-from areal_fn.runtime.commands.output import emit_json, human
-from areal_fn.runtime.commands.suggest import model_json
+from areal_fn.runtime.commands.output import emit_json, human, parse_size
+from areal_fn.runtime.commands.plan_flags import check_plan_ranks
+from areal_fn.runtime.commands.suggest import memory_margin_of, model_json, usable_bytes
 from areal_fn.sharding.mesh import Axis
 from areal_fn.strategy.allocation import Allocation, Component
 from areal_fn.strategy.check import check_strategy
@@ -27,8 +32,12 @@ from areal_fn.strategy.parse import parse_allocation
 
 __all__ = ["Pictures", "cmd_plan"]
 
-#: ``pictures(console, model, component, layout, args, first_rank)``: the ``--png`` pictures.
-Pictures = Callable[[Any, ModelSpec, Component, Layout, Any, int], None]
+#: ``pictures(model, component, layout, args, first_rank)``: writes the ``--png`` pictures
+#: of one component, returns their paths.
+Pictures = Callable[[ModelSpec, Component, Layout, Any, int], tuple[Path, ...]]
+
+#: How many runs of ranks a "does not fit" line names before it counts the rest.
+_RUNS_SHOWN = 8
 
 
 def _stage_of(layout: Layout) -> list[int]:
@@ -39,10 +48,21 @@ def _stage_of(layout: Layout) -> list[int]:
     return [mesh.coords(r)[mesh.axis_index(Axis.PP)] for r in range(layout.world_size)]
 
 
-def _weights(model: ModelSpec, layout: Layout, rank: int) -> tuple[int, int]:
-    lts = layout.local_tensors(rank)
-    numel = sum(t.numel for t in lts)
-    return len(lts), numel
+class _Weights:
+    """Tensors and elements each rank of ``layout`` holds, computed once per distinct
+    share (ranks that differ only along axes where every tensor is replicated hold the
+    same), so a table of every rank costs the distinct shares, not the ranks."""
+
+    def __init__(self, layout: Layout) -> None:
+        self._index = CensusIndex(census_of(layout))
+        self._seen: dict[tuple[tuple[int, ...], ...], tuple[int, int]] = {}
+
+    def __call__(self, rank: int) -> tuple[int, int]:
+        key = self._index.key(rank)
+        if key not in self._seen:
+            share = self._index.share(rank)
+            self._seen[key] = (share.tensors, share.numel)
+        return self._seen[key]
 
 
 def _training_memory(
@@ -82,13 +102,15 @@ def _memory_json(report: MemoryReport, first: int) -> dict[str, Any]:
     }
 
 
-def _inference_json(
+def _inference_rows(
     model: ModelSpec, layout: Layout, kv: KVCache, first: int
-) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+) -> list[dict[str, Any]]:
+    """Every rank's weights, KV cache and their sum (the ``weights`` of ``--json``)."""
     stages = _stage_of(layout)
+    weights = _Weights(layout)
     rows = []
     for r in range(layout.world_size):
-        tensors, numel = _weights(model, layout, r)
+        tensors, numel = weights(r)
         weight_bytes = numel * DTYPE_BYTES[model.dtype]
         cache = kv.stage_bytes(stages[r])
         rows.append(
@@ -101,7 +123,11 @@ def _inference_json(
                 "total": weight_bytes + cache,
             }
         )
-    summary: dict[str, Any] = {
+    return rows
+
+
+def _kv_json(kv: KVCache) -> dict[str, Any]:
+    return {
         "context_len": kv.context_len,
         "batch": kv.batch,
         "dtype": kv.dtype,
@@ -110,36 +136,126 @@ def _inference_json(
         "stage_layers": list(kv.stage_layers),
         "max_bytes": kv.max_bytes,
     }
-    return rows, summary
+
+
+@attrs.frozen(kw_only=True)
+class _Device:
+    """``--device-memory`` and ``--memory-margin``: what each rank may use."""
+
+    text: str  # as given, e.g. 80GB
+    nbytes: int
+    margin: float
+
+    @property
+    def usable(self) -> int:
+        return usable_bytes(self.nbytes, self.margin)
+
+
+@attrs.frozen(kw_only=True)
+class _Facts:
+    """One component's plan: its layout, first global rank, and per-rank memory."""
+
+    comp: Component
+    layout: Layout
+    first: int
+    report: MemoryReport | None  # training components
+    kv: KVCache | None  # inference components
+    rows: tuple[dict[str, Any], ...]  # inference components: _inference_rows
+
+    @property
+    def totals(self) -> list[tuple[int, int]]:
+        """(global rank, bytes) of every rank."""
+        if self.report is not None:
+            return [(self.first + r.rank, r.total) for r in self.report.rows]
+        return [(r["rank"], r["total"]) for r in self.rows]
+
+
+def _facts(model: ModelSpec, alloc: Allocation, comp: Component, args: Any) -> _Facts:
+    layout = layout_for(model, comp)
+    first = alloc.rank_range(comp).start
+    if comp.is_training:
+        report = _training_memory(model, comp, layout, args)
+        return _Facts(comp=comp, layout=layout, first=first, report=report, kv=None, rows=())
+    kv = kv_cache(model, comp, context_len=args.context_len, batch=args.batch)
+    rows = tuple(_inference_rows(model, layout, kv, first))
+    return _Facts(comp=comp, layout=layout, first=first, report=None, kv=kv, rows=rows)
+
+
+def _runs(ranks: Sequence[int]) -> str:
+    """``0-3, 8, 10-11``: sorted ranks as runs (the first few, then how many more)."""
+    runs: list[tuple[int, int]] = []
+    for r in ranks:
+        if runs and runs[-1][1] == r - 1:
+            runs[-1] = (runs[-1][0], r)
+        else:
+            runs.append((r, r))
+    shown = [f"{a}" if a == b else f"{a}-{b}" for a, b in runs[:_RUNS_SHOWN]]
+    rest = sum(b - a + 1 for a, b in runs[_RUNS_SHOWN:])
+    return ", ".join(shown) + (f" and {rest} more" if rest else "")
+
+
+def _fit_json(facts: _Facts, device: _Device, args: Any) -> dict[str, Any]:
+    totals = facts.totals
+    peak_rank, peak = max(totals, key=lambda t: (t[1], -t[0]))
+    over = [r for r, b in totals if b > device.usable]
+    return {
+        "device_memory_bytes": device.nbytes,
+        "memory_margin": device.margin,
+        "usable_bytes": device.usable,
+        "fits": not over,
+        "peak_rank": peak_rank,
+        "peak_bytes": peak,
+        "ranks_over": over,
+        "activations_counted": facts.report is None or args.seq_len is not None,
+    }
+
+
+def _fit_line(label: str, fit: dict[str, Any], device: _Device) -> str:
+    """One line: whether every rank of the component fits ``--device-memory``."""
+    usable = (
+        f"{fit['usable_bytes']:,} bytes ({human(fit['usable_bytes'])}) usable of "
+        f"{device.text} per device after the {fit['memory_margin']:.0%} margin (--memory-margin)"
+    )
+    peak = f"peak {human(fit['peak_bytes'])} on rank {fit['peak_rank']}"
+    unseen = "" if fit["activations_counted"] else "; activations not counted: pass --seq-len"
+    over = fit["ranks_over"]
+    if not over:
+        return f"{label} fits: every rank within the {usable}; {peak}{unseen}"
+    n = len(over)
+    return (
+        f"{label} does not fit: {n} rank{'s' if n > 1 else ''} ({_runs(over)}) need more than "
+        f"the {usable}; {peak}{unseen}"
+    )
 
 
 def _component_json(
-    model: ModelSpec, alloc: Allocation, comp: Component, args: argparse.Namespace
+    model: ModelSpec,
+    alloc: Allocation,
+    comp: Component,
+    args: Any,
+    device: _Device | None,
+    pictures: Pictures | None,
 ) -> dict[str, Any]:
     from areal_fn.pipeline.partition import megatron_layout_string
 
-    layout = layout_for(model, comp)
-    rr = alloc.rank_range(comp)
+    facts = _facts(model, alloc, comp, args)
+    layout = facts.layout
     out: dict[str, Any] = {
         "label": comp.label,
         "allocation": str(comp),
         "backend": comp.backend.value,
-        "first_rank": rr.start,
-        "last_rank": rr.stop - 1,
+        "first_rank": facts.first,
+        "last_rank": facts.first + layout.world_size - 1,
         "layout": layout.kind.value,
         "meshes": [str(m) for m in layout.meshes],
         "pipeline": None
         if layout.stages is None
         else megatron_layout_string(layout.stages, mtp_layers=model.mtp_layers),
-        "memory": None,
-        "weights": None,
-        "kv_cache": None,
+        "memory": None if facts.report is None else _memory_json(facts.report, facts.first),
+        "weights": None if facts.kv is None else list(facts.rows),
+        "kv_cache": None if facts.kv is None else _kv_json(facts.kv),
+        "fit": None if device is None else _fit_json(facts, device, args),
     }
-    if comp.is_training:
-        out["memory"] = _memory_json(_training_memory(model, comp, layout, args), rr.start)
-    else:
-        kv = kv_cache(model, comp, context_len=args.context_len, batch=args.batch)
-        out["weights"], out["kv_cache"] = _inference_json(model, layout, kv, rr.start)
     if args.tensors:
         out["tensors"] = [
             {
@@ -150,18 +266,19 @@ def _component_json(
             }
             for t in layout.tensors[: args.tensors]
         ]
+    if args.png and pictures is not None:
+        out["pictures"] = [str(p) for p in pictures(model, comp, layout, args, facts.first)]
     return out
 
 
-def _print_inference(
-    console: Any, model: ModelSpec, comp: Component, layout: Layout, first: int, args: Any
-) -> None:
+def _print_inference(console: Any, model: ModelSpec, facts: _Facts, args: Any) -> None:
     from rich.table import Table
 
-    kv = kv_cache(model, comp, context_len=args.context_len, batch=args.batch)
+    kv, layout = facts.kv, facts.layout
+    assert kv is not None  # an inference component's facts
     table = Table(
-        title=f"{comp.label}: weights per rank ({model.dtype}) and KV cache of {kv.batch} x "
-        f"{kv.context_len} tokens per replica (--batch, --context-len)"
+        title=f"{facts.comp.label}: weights per rank ({model.dtype}) and KV cache of "
+        f"{kv.batch} x {kv.context_len} tokens per replica (--batch, --context-len)"
     )
     for col in ("rank", "tensors", "elements", "weights", "kv cache", "total"):
         table.add_column(col, justify="right", overflow="fold")
@@ -170,13 +287,15 @@ def _print_inference(
         if layout.world_size <= args.max_ranks
         else [0, layout.world_size // 2, layout.world_size - 1]
     )
-    stages = _stage_of(layout)
     for r in shown:
-        tensors, numel = _weights(model, layout, r)
-        wb = numel * DTYPE_BYTES[model.dtype]
-        cache = kv.stage_bytes(stages[r])
+        row = facts.rows[r]
         table.add_row(
-            str(first + r), str(tensors), f"{numel:,}", human(wb), human(cache), human(wb + cache)
+            str(row["rank"]),
+            str(row["tensors"]),
+            f"{row['elements']:,}",
+            human(row["weight_bytes"]),
+            human(row["kv_cache_bytes"]),
+            human(row["total"]),
         )
     console.print(table)
     console.print(
@@ -192,30 +311,33 @@ def _print_component(
     alloc: Allocation,
     comp: Component,
     args: Any,
+    device: _Device | None,
     pictures: Pictures | None,
 ) -> None:
     from rich.table import Table
     from rich.text import Text
 
-    layout = layout_for(model, comp)
-    rr = alloc.rank_range(comp)
+    facts = _facts(model, alloc, comp, args)
+    layout = facts.layout
     console.print(
         Text.assemble(
             "\n",
             (comp.label, "bold"),
-            f" {comp} ranks {rr.start}..{rr.stop - 1}: meshes ",
+            f" {comp} ranks {facts.first}..{facts.first + layout.world_size - 1}: meshes ",
             ", ".join(str(m) for m in layout.meshes),
         )
     )
-    if comp.is_training:
-        console.print(str(_training_memory(model, comp, layout, args)))
+    if facts.report is not None:
+        console.print(str(facts.report))
     else:
-        _print_inference(console, model, comp, layout, rr.start, args)
+        _print_inference(console, model, facts, args)
     if layout.stages is not None:
         from areal_fn.pipeline.partition import megatron_layout_string
 
         pipeline = megatron_layout_string(layout.stages, mtp_layers=model.mtp_layers)
         console.print(f"pipeline: {pipeline}")
+    if device is not None:
+        console.print(_fit_line(comp.label, _fit_json(facts, device, args), device))
     if args.tensors:
         t2 = Table(title=f"{comp.label}: placements")
         for col in ("tensor", "shape", "placements", "present"):
@@ -226,19 +348,46 @@ def _print_component(
             )
         console.print(t2)
     if args.png and pictures is not None:
-        pictures(console, model, comp, layout, args, rr.start)
+        paths = pictures(model, comp, layout, args, facts.first)
+        console.print("pictures: " + ", ".join(str(p) for p in paths))
+
+
+def _check_inference_flags(alloc: Allocation, args: argparse.Namespace) -> None:
+    """``--context-len``, ``--batch`` and ``--max-ranks`` need an inference component."""
+    if any(not c.is_training for c in alloc.components):
+        return
+    for dest, flag in (
+        ("context_len", "--context-len"),
+        ("batch", "--batch"),
+        ("max_ranks", "--max-ranks"),
+    ):
+        if dest in args.given:
+            raise SpecError(
+                f"{flag} applies to inference components (sglang, vllm); {alloc} has none: "
+                f"drop {flag}"
+            )
 
 
 def cmd_plan(
     console: Any, model: ModelSpec, args: argparse.Namespace, *, pictures: Pictures | None = None
 ) -> int:
     """Print (or with ``args.json`` emit) the plan of ``args.allocation`` for ``model``;
-    ``pictures`` writes the ``--png`` pictures of one component."""
+    ``pictures`` writes the ``--png`` pictures of one component. With
+    ``args.device_memory`` every rank's estimate is checked against it."""
     from rich.text import Text
 
     alloc = parse_allocation(args.allocation)
+    check_plan_ranks(f"ALLOCATION {alloc} has", alloc.world_size)
+    _check_inference_flags(alloc, args)
     if args.seq_len is not None and args.seq_len < 1:
         raise SpecError(f"--seq-len {args.seq_len} must be >= 1")
+    device = None
+    if args.device_memory is not None:
+        device = _Device(
+            text=args.device_memory,
+            nbytes=parse_size(args.device_memory),
+            margin=memory_margin_of(args),
+        )
     check_strategy(model, alloc, seq_len=args.seq_len)
     if args.json:
         emit_json(
@@ -247,7 +396,10 @@ def cmd_plan(
                 "model": model_json(model, args.config),
                 "allocation": str(alloc),
                 "world_size": alloc.world_size,
-                "components": [_component_json(model, alloc, c, args) for c in alloc.components],
+                "components": [
+                    _component_json(model, alloc, c, args, device, pictures)
+                    for c in alloc.components
+                ],
             }
         )
         return 0
@@ -262,5 +414,5 @@ def cmd_plan(
         )
     )
     for comp in alloc.components:
-        _print_component(console, model, alloc, comp, args, pictures)
+        _print_component(console, model, alloc, comp, args, device, pictures)
     return 0

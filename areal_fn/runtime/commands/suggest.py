@@ -20,7 +20,7 @@ from areal_fn.plans.advisor_score import EP_DISPATCHES
 from areal_fn.plans.memory import ActivationModel, PrecisionPolicy
 from areal_fn.runtime.commands.output import emit_json, human, parse_size
 
-__all__ = ["LEFT_OUT", "cmd_suggest", "model_json"]
+__all__ = ["LEFT_OUT", "cmd_suggest", "memory_margin_of", "model_json", "usable_bytes"]
 
 #: What the memory estimate does not count, kept free by the margin.
 LEFT_OUT = (
@@ -81,13 +81,24 @@ def policy_of(args: argparse.Namespace) -> PrecisionPolicy:
     )
 
 
-def _assumptions(args: argparse.Namespace, device_bytes: int) -> dict[str, Any]:
+def memory_margin_of(args: argparse.Namespace) -> float:
+    """``--memory-margin``, checked: a fraction in [0, 1)."""
     margin = float(args.memory_margin)
     if not 0 <= margin < 1:
         raise SpecError(
             f"--memory-margin {args.memory_margin} must be in [0, 1): the fraction of device "
             "memory kept free (e.g. 0.1)"
         )
+    return margin
+
+
+def usable_bytes(device_bytes: int, margin: float) -> int:
+    """What a strategy may use of ``device_bytes``: ``floor(device_bytes * (1 - margin))``."""
+    return int(device_bytes * (1 - margin))
+
+
+def _assumptions(args: argparse.Namespace, device_bytes: int) -> dict[str, Any]:
+    margin = memory_margin_of(args)
     for flag, value in (
         ("--seq-len", seq_len_of(args)),
         ("--micro-batch", args.micro_batch),
@@ -101,7 +112,7 @@ def _assumptions(args: argparse.Namespace, device_bytes: int) -> dict[str, Any]:
             f"--ep-dispatch {args.ep_dispatch!r} is not a token dispatcher the score models; "
             f"use one of {', '.join(EP_DISPATCHES)}"
         )
-    margin_bytes = device_bytes - int(device_bytes * (1 - margin))
+    margin_bytes = device_bytes - usable_bytes(device_bytes, margin)
     return {
         "seq_len": seq_len_of(args),
         "micro_batch": args.micro_batch,

@@ -17,6 +17,7 @@ no partial output under the destination name. Nothing is cast unless ``dtype`` a
 
 import mmap
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -36,11 +37,13 @@ from areal_fn.runtime.hf.files import HfFiles, read_hf_files
 from areal_fn.runtime.hf.io import (
     HfCheckpoint,
     Tally,
+    hf_owned,
     is_write_failure,
     read_safetensors_header,
     write_error,
     write_hf_checkpoint,
 )
+from areal_fn.runtime.replace_dir import check_overwrite, replace_dir
 from areal_fn.strategy.allocation import Allocation
 from areal_fn.strategy.parse import parse_allocation
 from areal_fn.typecheck import beartype
@@ -159,13 +162,6 @@ def _check_ranks(ranks: Sequence[int], world: int) -> tuple[int, ...]:
     return tuple(ranks)
 
 
-def _check_dest(dst: Path, overwrite: bool) -> None:
-    if dst.exists() and not overwrite:
-        raise ConversionError(f"{dst} already exists; pass overwrite=True or choose another path")
-    if dst.exists() and not dst.is_dir():
-        raise ConversionError(f"{dst} exists and is not a directory")
-
-
 # ------------------------------------------------------------ HF -> per rank
 
 
@@ -187,10 +183,15 @@ def convert_to_local(
     ``target`` is an allocation (string or parsed) or a :class:`Layout` of the model
     in ``src_hf_dir/config.json``. The checkpoint is checked against the model first
     (names and shapes); each rank reads only its slices. A new ``dst_dir`` appears
-    whole or not at all; into an existing one (``overwrite=True``, e.g. other ranks
-    converted elsewhere) each file is replaced atomically. ``config.json`` and the other
-    non-weight files of ``src_hf_dir`` are copied next to the rank files unchanged; the
-    summary lists them, and what was not carried (other weight files, subdirectories).
+    whole or not at all; an existing one (``overwrite=True``) is replaced whole, in one
+    step (:func:`~areal_fn.runtime.replace_dir.replace_dir`), and may hold only rank
+    files, ``config.json`` and the files carried
+    (:func:`~areal_fn.runtime.replace_dir.check_overwrite`); with ``ranks`` naming some
+    ranks, their files are written into an existing directory beside the other ranks'
+    files (each file replaced atomically), which must record the same allocation.
+    ``config.json`` and the other non-weight files of ``src_hf_dir`` are copied next to
+    the rank files unchanged; the summary lists them, and what was not carried (other
+    weight files, subdirectories).
     ``progress`` is called with each tensor name written. ``mtp=True``: the model holds
     the config's multi-token-prediction layers (``model_from_hf_config``);
     ``drop_mtp=True``: the checkpoint's are left out, listed as not carried.
@@ -200,14 +201,21 @@ def convert_to_local(
     model = model_from_hf_config(src, mtp=mtp)
     layout, alloc = layout_of(model, target)
     chosen = _check_ranks(range(layout.world_size) if ranks is None else ranks, layout.world_size)
-    _check_dest(dst, overwrite)
     tensors = nbytes = 0
     with HfCheckpoint(src) as ckpt:
         dropped = ckpt.check(model, drop_mtp=drop_mtp)
         hf = read_hf_files(src, weights=ckpt.files)
-        fresh = not dst.exists()
+        owned = rank_files_owned([CONFIG, *hf.names])
+        check_overwrite(
+            dst, overwrite=overwrite, owned=owned, kind="rank files", error=ConversionError
+        )
+        existed = dst.exists()
+        # some ranks into an existing directory: beside the other ranks' files
+        into = existed and len(chosen) < layout.world_size
+        if into:
+            _check_same_conversion(dst, _rank_metadata(layout, alloc, model, 0))
         dst.parent.mkdir(parents=True, exist_ok=True)
-        out = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent)) if fresh else dst
+        out = dst if into else Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
         writing: Path | None = None  # the file being written (None: reading the checkpoint)
         done: list[int] = []
         try:
@@ -229,13 +237,13 @@ def convert_to_local(
                 (out / f".{name}.tmp").write_bytes(data)
                 os.replace(out / f".{name}.tmp", out / name)
             writing = dst
-            if fresh:
-                os.replace(out, dst)
+            if not into:
+                replace_dir(out, dst)
         except BaseException as e:
             names = [rank_file(r) for r in chosen] + [CONFIG] + [n for n, _ in hf.files]
-            _discard(out, fresh=fresh, names=names)
+            _discard(out, whole=not into, names=names)
             if writing is not None and is_write_failure(e):
-                left = _left(dst, fresh=fresh, done=done)
+                left = _left(dst, existed=existed, into=into, done=done)
                 raise write_error(e, writing, dest=dst, left=left) from None
             raise
     return ConvertSummary(
@@ -281,23 +289,59 @@ def _rank_metadata(
     }
 
 
-def _discard(out: Path, *, fresh: bool, names: Sequence[str]) -> None:
-    """Remove what a failed conversion wrote: all of a fresh ``out``, else only the
-    temporary files of ``names`` (not what the directory held)."""
-    if fresh:
+def _discard(out: Path, *, whole: bool, names: Sequence[str]) -> None:
+    """Remove what a failed conversion wrote: all of ``out`` (a temporary directory)
+    when ``whole``, else only the temporary files of ``names`` (not what it held)."""
+    if whole:
         shutil.rmtree(out, ignore_errors=True)
     else:
         for name in names:
             (out / f".{name}.tmp").unlink(missing_ok=True)
 
 
-def _left(dst: Path, *, fresh: bool, done: Sequence[int]) -> str:
+def _left(dst: Path, *, existed: bool, into: bool, done: Sequence[int]) -> str:
     """What a failed conversion left of ``dst`` (``done``: the ranks it wrote there)."""
-    if fresh:
+    if not existed:
         return f"nothing was written to {dst}"
     return f"{dst} holds what it held before" + (
-        f" but the files of ranks {list(done)}, written before the failure" if done else ""
+        f" but the files of ranks {list(done)}, written before the failure" if into and done else ""
     )
+
+
+#: Rank files, and the temporary files a conversion into a directory leaves when killed.
+_RANK_FILE = re.compile(r"\.?rank\d{5}\.safetensors(\.tmp)?")
+
+
+def rank_files_owned(names: Sequence[str]) -> Callable[[str], bool]:
+    """Whether a file in the directory rank files replace is one they replace: one of
+    ``names`` (``config.json`` and the files carried) or its temporary file, or a rank
+    file (``rank00003.safetensors``) of this or an earlier conversion."""
+    written = frozenset([*names, *(f".{n}.tmp" for n in names)])
+    return lambda name: name in written or _RANK_FILE.fullmatch(name) is not None
+
+
+#: Metadata that must agree between the rank files of one conversion.
+_SAME = ("areal_fn", "layout", "allocation", "world_size", "model_type")
+
+
+def _check_same_conversion(dst: Path, ours: Mapping[str, str]) -> None:
+    """``ConversionError`` when a rank file in ``dst`` was written for another
+    allocation (or layout, world size, model type) than ``ours`` (rank 0's metadata)."""
+    for path in sorted(dst.iterdir()):
+        if _rank_of(path.name) is None:
+            continue
+        header, _, _ = read_safetensors_header(path)
+        theirs = header.get("__metadata__") or {}
+        differ = [
+            f"{k} {theirs.get(k)!r}, not {ours[k]!r}" for k in _SAME if theirs.get(k) != ours[k]
+        ]
+        if differ:
+            raise ConversionError(
+                f"{path} was written by another conversion ({'; '.join(differ)}); ranks= "
+                f"writes some ranks beside the other ranks' files, which must be of the same "
+                f"conversion: convert every rank (without ranks=) to replace them all, or "
+                f"choose another directory"
+            )
 
 
 # ------------------------------------------------------------ per rank -> HF
@@ -492,8 +536,14 @@ def convert_back(
         rank_files.check_recorded(metadata, target, str(src))
     layout, alloc = layout_of(model, target)
     _check_files(headers, layout, alloc, model)
-    _check_dest(dst, overwrite)
     hf = read_hf_files(src, weights=[p.name for p in files.values()], config=model.hf_config())
+    check_overwrite(
+        dst,
+        overwrite=overwrite,
+        owned=hf_owned([CONFIG, *hf.names]),
+        kind="HF checkpoint",
+        error=ConversionError,
+    )
     states = {r: read_local(files[r]) for r in range(layout.world_size)}
     unverified = rank_files.check_digests(metadata, {files[r].name: s for r, s in states.items()})
     tally = Tally(progress)

@@ -29,11 +29,21 @@ from areal_fn.errors import ConversionError
 from areal_fn.model.mtp import mtp_names
 from areal_fn.model.spec import ModelSpec
 from areal_fn.plans.convert import check_canonical
-from areal_fn.runtime.replace_dir import replace_dir
+from areal_fn.runtime.replace_dir import check_overwrite, replace_dir
 from areal_fn.sharding.box import Box
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+#: The weight files of an HF checkpoint this module writes (one file, or shards and index).
+_HF_WEIGHTS = re.compile(r"model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json")
+
+
+def hf_owned(names: Iterable[str]) -> Callable[[str], bool]:
+    """Whether a file in the directory an HF checkpoint replaces is one the checkpoint
+    replaces: one of ``names`` (``config.json`` and the files carried) or weights of
+    the HF layout (``model.safetensors``, ``model-*-of-*.safetensors``, the index)."""
+    written = frozenset(names)
+    return lambda name: name in written or _HF_WEIGHTS.fullmatch(name) is not None
 
 
 # -- damaged files and failed writes --------------------------------------------------
@@ -246,13 +256,22 @@ def write_hf_checkpoint(
     ``config`` is written as ``config.json``: bytes as they are (the file as read), a
     mapping with sorted keys; absent, ``model.hf_config()``. ``files`` (name, content)
     are written next to it byte for byte (``generation_config.json``, tokenizer files:
-    see :mod:`areal_fn.runtime.hf.files`).
+    see :mod:`areal_fn.runtime.hf.files`). An existing ``path`` needs ``overwrite=True``
+    and is then replaced whole (:func:`~areal_fn.runtime.replace_dir.check_overwrite`):
+    it may hold only the files the new checkpoint holds and HF weight files.
     """
     from areal_fn.runtime.hf.files import carried_files
 
     extra = carried_files(files)
     dest = Path(path)
     _check_write(dest, config, overwrite=overwrite, max_shard_bytes=max_shard_bytes)
+    check_overwrite(
+        dest,
+        overwrite=overwrite,
+        owned=hf_owned(["config.json", *(name for name, _ in extra)]),
+        kind="HF checkpoint",
+        error=ConversionError,
+    )
     items: Iterator[tuple[str, torch.Tensor]] = iter(
         tensors.items() if isinstance(tensors, Mapping) else tensors
     )
@@ -296,10 +315,6 @@ def _check_write(
 
     if isinstance(config, bytes):
         HfFiles(config=config)  # a JSON object, or ConversionError
-    if dest.exists() and not overwrite:
-        raise ConversionError(
-            f"{dest} already exists; pass overwrite=True or choose another directory"
-        )
     if max_shard_bytes < 1:
         raise ConversionError(f"max_shard_bytes={max_shard_bytes} must be >= 1")
 
