@@ -92,17 +92,30 @@ def _run() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     os.environ.setdefault("AREAL_FN_SYNC_SECRET", os.urandom(32).hex())
+    import torch.distributed as dist
+
+    root = Path(tempfile.mkdtemp(prefix="bench_vllm_"))
+    spec, engine, llm, sync = _setup(root)
+    rows = _updates(engine, sync)
+    rows["disk"] = _disk(engine, llm, root / "disk")
+    _report(spec, rows, _decode_step(llm))
+    dist.destroy_process_group()
+    del llm
+
+
+def _setup(root: Path) -> tuple[Any, Any, Any, Any]:
+    """The trainer (``fsdp:d1``, this process) and an offline vLLM at TP2, connected."""
     import socket
 
     import torch.distributed as dist
-    from safetensors.torch import save_file
+    from vllm import LLM
+    from vllm.config import WeightTransferConfig
 
     from areal_fn.model.spec import model_from_hf_config
     from areal_fn.runtime.engines.fsdp2 import Fsdp2Engine
     from areal_fn.runtime.vllm.trainer import VllmWeightSync
     from areal_fn.strategy.allocation import ParallelDims
 
-    root = Path(tempfile.mkdtemp(prefix="bench_vllm_"))
     served = _model_dir(root)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -111,9 +124,6 @@ def _run() -> None:
     dist.init_process_group("gloo")
     spec = model_from_hf_config(CONFIG)
     engine = Fsdp2Engine(spec, ParallelDims(dp=1), seed=1)
-    from vllm import LLM
-    from vllm.config import WeightTransferConfig
-
     llm = LLM(
         model=str(served),
         tensor_parallel_size=2,
@@ -123,10 +133,13 @@ def _run() -> None:
         skip_tokenizer_init=True,
         weight_transfer_config=WeightTransferConfig(backend="areal_fn"),
     )
-    sync = VllmWeightSync(engine, llm, bucket_bytes=16 << 20)
-    model_bytes = sum(4 * t.numel for t in spec.tensors)
-    version = 0
+    return spec, engine, llm, VllmWeightSync(engine, llm, bucket_bytes=16 << 20)
+
+
+def _updates(engine: Any, sync: Any) -> dict[str, tuple[float, int, int]]:
+    """Median seconds, bytes sent and bound of ``ROUNDS`` updates in each mode."""
     rows: dict[str, tuple[float, int, int]] = {}
+    version = 0
     for mode in ("sharded", "full"):
         times, sent, bound = [], 0, 0
         for _ in range(ROUNDS):
@@ -138,8 +151,15 @@ def _run() -> None:
             times.append(time.perf_counter() - t)
             sent, bound = report.bytes_sent, report.lower_bound
         rows[mode] = (statistics.median(times), sent, bound)
-    disk = root / "disk"
+    return rows
+
+
+def _disk(engine: Any, llm: Any, disk: Path) -> tuple[float, int, int]:
+    """Median seconds of: gather, write an HF checkpoint, vLLM reloads it."""
+    from safetensors.torch import save_file
+
     times = []
+    written = 0
     for _ in range(ROUNDS):
         t = time.perf_counter()
         canonical = engine.export_canonical()
@@ -149,27 +169,30 @@ def _run() -> None:
         )
         llm.collective_rpc("reload_weights", kwargs={"weights_path": str(disk)})
         times.append(time.perf_counter() - t)
-    rows["disk"] = (statistics.median(times), model_bytes, 0)
-    step = _decode_step(llm)
-    ours = rows["sharded"][0]
+        written = (disk / "model.safetensors").stat().st_size
+    return statistics.median(times), written, 0
+
+
+def _report(spec: Any, rows: dict[str, tuple[float, int, int]], step: float) -> None:
+    model_bytes = sum(4 * t.numel for t in spec.tensors)
+    ours, bound = rows["sharded"][0], rows["sharded"][2]
     print(
         f"qwen2 {spec.num_layers} layers, hidden {spec.hidden_size}, vocab {spec.vocab_size}: "
         f"{model_bytes / 2**20:.1f} MiB fp32; trainer fsdp:d1 -> vLLM TP2 (CPU), "
         f"median of {ROUNDS}"
     )
-    print(
-        f"{'path':<14}{'seconds':>9}{'x ours':>9}{'bytes sent':>14}{'x bound':>9}{'x one step':>12}"
-    )
+    print(f"{'path':<14}{'seconds':>9}{'x ours':>9}{'bytes':>14}{'x bound':>9}{'x one step':>12}")
     for name, key in (("ours", "sharded"), ("full tensors", "full"), ("disk reload", "disk")):
-        sec, sent, bound = rows[key]
-        over = f"{sent / rows['sharded'][2]:.2f}" if rows["sharded"][2] else "-"
-        print(f"{name:<14}{sec:>9.3f}{sec / ours:>9.2f}{sent:>14,}{over:>9}{sec / step:>12.1f}")
+        sec, sent, _ = rows[key]
+        print(
+            f"{name:<14}{sec:>9.3f}{sec / ours:>9.2f}{sent:>14,}{sent / bound:>9.2f}"
+            f"{sec / step:>12.1f}"
+        )
     print(
-        f"one vLLM decode step: {step * 1e3:.1f} ms; ours/full = "
+        f"bytes: sent over the wire (disk reload: the file written); bound: {bound:,} B from "
+        f"the layouts; one vLLM decode step: {step * 1e3:.1f} ms; ours/full = "
         f"{ours / rows['full'][0]:.2f}x time, {rows['sharded'][1] / rows['full'][1]:.2f}x bytes"
     )
-    dist.destroy_process_group()
-    del llm
 
 
 if __name__ == "__main__":

@@ -15,6 +15,10 @@ boxes its parameters are made of and writes them where vLLM's own loaders would:
   ranks' blocks end to end, ``Shard(0)`` over ``tp``.
 - ``mlp.gate_up_proj.weight`` (``MergedColumnParallelLinear``): rank ``r`` holds
   ``[gate_r; up_r]``.
+- routed experts (``FusedMoE``, qwen3_moe): one ``mlp.experts.routed_experts.w13_weight``
+  ``[E, 2*I, H]`` per layer, expert ``e``'s rank-``r`` block ``[gate_r; up_r]`` at rows
+  ``r*2I/tp ..`` (``Shard(1)``), and ``w2_weight`` ``[E, H, I]`` (``Shard(2)``), every
+  expert on every rank (no expert parallelism); the router ``mlp.gate.weight`` replicated.
 - every other tensor keeps its HF name and the engines' placement
   (:mod:`areal_fn.layouts.inference`): ``o_proj`` / ``down_proj`` row-wise, the
   vocabulary padded to a multiple of 64 and split, norms replicated.
@@ -33,6 +37,8 @@ head ``tp_rank // num_kv_head_replicas``; ``MergedColumnParallelLinear`` places 
 against real vLLM workers that loaded the same checkpoint.
 """
 
+import re
+
 from areal_fn.errors import LayoutError
 from areal_fn.layouts.inference import inference_layout
 from areal_fn.layouts.layout import FusionPiece, Layout, LayoutKind, LogicalTensor
@@ -47,7 +53,7 @@ from areal_fn.typecheck import beartype
 __all__ = ["VLLM_FAMILIES", "vllm_layout"]
 
 #: The ``model_type`` values whose vLLM parameters this layout describes.
-VLLM_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+VLLM_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 
 _QKV = ("q_proj", "k_proj", "v_proj")
 _GATE_UP = ("gate_proj", "up_proj")
@@ -76,9 +82,16 @@ def vllm_layout(model: ModelSpec, dims: Strategy) -> Layout:
     base = inference_layout(model, dims)
     tensors: list[LogicalTensor] = []
     fused: set[str] = set()
+    experts = _experts(model)
     for t in base.tensors:
         name = t.name
         if name in fused:
+            continue
+        moe = experts.get(name)
+        if moe is not None:
+            layer, expert_names = moe
+            fused.update(expert_names)
+            tensors.extend(_stacked_experts(base, model, dims, layer))
             continue
         parts = _fusion_group(name)
         if parts is None:
@@ -161,3 +174,66 @@ def _fused(
         sharding=Sharding(mesh=mesh, placements=(Replicate(), Replicate(), Shard(dim=0))),
         present=first.present,
     )
+
+
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def _experts(model: ModelSpec) -> dict[str, tuple[int, set[str]]]:
+    """Each layer's first expert tensor -> (layer, every expert tensor of that layer)."""
+    by_layer: dict[int, list[str]] = {}
+    for t in model.tensors:
+        m = _EXPERT.match(t.name)
+        if m is not None:
+            by_layer.setdefault(int(m[1]), []).append(t.name)
+    return {names[0]: (layer, set(names)) for layer, names in by_layer.items()}
+
+
+def _stacked_experts(
+    base: Layout, model: ModelSpec, dims: ParallelDims, layer: int
+) -> list[LogicalTensor]:
+    """``w13_weight [E, tp*2*Ir, H]`` (``Shard(1)``) and ``w2_weight [E, H, I]`` (``Shard(2)``)."""
+    tp, n = dims.tp, model.num_experts
+    prefix = f"model.layers.{layer}.mlp.experts"
+    gate = base.tensor(f"{prefix}.0.gate_proj.weight")
+    inter, hidden = (c.shape for c in base.canonical if c.name == gate.name).__next__()
+    ir = inter // tp
+    w13: list[FusionPiece] = []
+    w2: list[FusionPiece] = []
+    for e in range(n):
+        for r in range(tp):
+            for k, part in enumerate(("gate", "up")):
+                at = r * 2 * ir + k * ir
+                w13.append(
+                    FusionPiece(
+                        canonical=f"{prefix}.{e}.{part}_proj.weight",
+                        canonical_box=Box(ranges=((r * ir, (r + 1) * ir), (0, hidden))),
+                        logical_box=Box(ranges=((e, e + 1), (at, at + ir), (0, hidden))),
+                    )
+                )
+        w2.append(
+            FusionPiece(
+                canonical=f"{prefix}.{e}.down_proj.weight",
+                canonical_box=Box(ranges=((0, hidden), (0, inter))),
+                logical_box=Box(ranges=((e, e + 1), (0, hidden), (0, inter))),
+            )
+        )
+    mesh = gate.sharding.mesh
+    return [
+        LogicalTensor(
+            name=f"{prefix}.routed_experts.w13_weight",
+            shape=(n, 2 * inter, hidden),
+            dtype=gate.dtype,
+            fusion=tuple(w13),
+            sharding=Sharding(mesh=mesh, placements=(Replicate(), Replicate(), Shard(dim=1))),
+            present=gate.present,
+        ),
+        LogicalTensor(
+            name=f"{prefix}.routed_experts.w2_weight",
+            shape=(n, hidden, inter),
+            dtype=gate.dtype,
+            fusion=tuple(w2),
+            sharding=Sharding(mesh=mesh, placements=(Replicate(), Replicate(), Shard(dim=2))),
+            present=gate.present,
+        ),
+    ]

@@ -31,7 +31,8 @@ from areal_fn.plans.activations import ActivationModel
 from areal_fn.plans.census import census_of, fsdp2_census
 from areal_fn.plans.memory import estimate_rows
 
-MODEL = model_from_hf_config(DEMO_CONFIG)
+# four heads (tp up to 4); the demo model itself has two
+MODEL = model_from_hf_config(dict(DEMO_CONFIG, num_attention_heads=4))
 SPECS = Path(__file__).resolve().parents[2] / "specs" / "models"
 
 
@@ -107,7 +108,11 @@ def test_a_name_in_any_case_is_the_embedded_file(given: str) -> None:
 
 
 def test_demo_is_a_name_too() -> None:
-    assert model_from_hf_config("demo") == model_from_hf_config("Demo") == MODEL
+    assert (
+        model_from_hf_config("demo")
+        == model_from_hf_config("Demo")
+        == model_from_hf_config(DEMO_CONFIG)
+    )
 
 
 def test_match_name() -> None:

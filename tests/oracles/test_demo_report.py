@@ -14,7 +14,7 @@ from areal_fn.runtime.launch import LaunchResult
 def _fake_launch(monkeypatch: pytest.MonkeyPatch, *, ok: bool = True, write: bool = True) -> list:
     seen: list = []
 
-    def run_torchrun(script, args, *, nproc, timeout_s, check):
+    def run_torchrun(script, args, *, nproc, timeout_s, env, check):
         workdir = Path(args[args.index("--workdir") + 1])
         seen.append((nproc, workdir))
         if write:
@@ -33,7 +33,20 @@ def _fake_launch(monkeypatch: pytest.MonkeyPatch, *, ok: bool = True, write: boo
         )
 
     monkeypatch.setattr(demo, "run_torchrun", run_torchrun)
+    monkeypatch.setattr(demo, "VllmServer", _NoServer)
+    monkeypatch.setattr(demo, "write_served_model", lambda path, config: path)
     return seen
+
+
+class _NoServer:
+    """The vLLM server the driver starts, left out here (the torchrun test runs it)."""
+
+    def __init__(self, model, *, secret, log):
+        self.url = "http://127.0.0.1:9"
+        log.write_text("")
+
+    def stop(self):
+        pass
 
 
 def test_artefacts_are_printed_where_the_user_put_them(monkeypatch, tmp_path, capsys):

@@ -30,6 +30,8 @@ class Case:
     name: str
     config: dict[str, Any]
     tp: int
+    #: also update the engine from an in-process trainer and compare its generation
+    sync: bool = False
 
     @property
     def spec(self) -> ModelSpec:
@@ -65,6 +67,24 @@ CASES = {
                 head_dim=32,
                 vocab_size=300,
                 tie_word_embeddings=True,
+            ),
+            tp=2,
+        ),
+        Case(
+            name="qwen3_moe-t2",
+            config=_cfg(
+                "qwen3_moe",
+                "Qwen3MoeForCausalLM",
+                num_key_value_heads=2,
+                head_dim=32,
+                vocab_size=300,
+                tie_word_embeddings=False,
+                moe_intermediate_size=64,
+                num_experts=4,
+                num_experts_per_tok=2,
+                norm_topk_prob=True,
+                decoder_sparse_step=1,
+                mlp_only_layers=[],
             ),
             tp=2,
         ),

@@ -41,6 +41,59 @@ def expected(case_name: str, hf_dir: Path, tp: int) -> dict[int, dict[str, objec
     return out
 
 
+def sync_and_generate(llm: object, case: object) -> dict[str, object]:
+    """A one-rank trainer (``fsdp:d1``, this process) updates the offline engine
+    (``LlmDeployment``) in each mode, which then generates; both score the tokens."""
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    from areal_fn.runtime.engines.fsdp2 import Fsdp2Engine
+    from areal_fn.runtime.vllm.trainer import VllmWeightSync
+    from areal_fn.strategy.allocation import ParallelDims
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+    dist.init_process_group("gloo")
+    spec = case.spec  # type: ignore[attr-defined]
+    engine = Fsdp2Engine(spec, ParallelDims(dp=1), seed=5)
+    engine.train_step(
+        torch.randint(0, spec.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    )
+    sync = VllmWeightSync(engine, llm)
+    out: dict[str, object] = {}
+    for version, mode in enumerate(("sharded", "full"), start=1):
+        report = sync.update(version, mode=mode)
+        out[mode] = {
+            "bytes_sent": report.bytes_sent,
+            "lower_bound": report.lower_bound,
+            "weight_version": report.weight_version,
+            "max_diff": _score(llm, engine),
+        }
+    dist.destroy_process_group()
+    return out
+
+
+def _score(llm: object, engine: object) -> float:
+    """vLLM generates greedily; the largest gap between its log-probs and the trainer's."""
+    import torch
+    from vllm import SamplingParams
+
+    prompt = [5, 17, 42, 7]
+    done = llm.generate(  # type: ignore[attr-defined]
+        [{"prompt_token_ids": prompt}],
+        SamplingParams(max_tokens=6, logprobs=0, temperature=0, detokenize=False),
+        use_tqdm=False,
+    )[0].outputs[0]
+    tokens = list(done.token_ids)
+    got = [lp[t].logprob for lp, t in zip(done.logprobs, tokens, strict=True)]
+    want = engine.forward_logprobs(torch.tensor([prompt + tokens]))  # type: ignore[attr-defined]
+    return max(abs(a - float(b)) for a, b in zip(got, want[0, len(prompt) - 1 :], strict=True))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--case", required=True)
@@ -52,7 +105,11 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="vllm_layout_"))
     hf_dir = write_model(work / "hf", case.config, seed=3)
     from vllm import LLM
+    from vllm.config import WeightTransferConfig
 
+    extra = (
+        {"weight_transfer_config": WeightTransferConfig(backend="areal_fn")} if case.sync else {}
+    )
     llm = LLM(
         model=str(hf_dir),
         tensor_parallel_size=case.tp,
@@ -61,6 +118,7 @@ def main() -> int:
         max_model_len=256,
         skip_tokenizer_init=True,
         worker_extension_cls="tests.vllm.vllm_ext.SnapshotExtension",
+        **extra,
     )
     import torch
 
@@ -87,6 +145,8 @@ def main() -> int:
             "elements": sum(int(w[n].numel()) for n in set(g) & set(w)),
         }
         report["ranks"].append(rank)  # type: ignore[attr-defined]
+    if case.sync:
+        report["sync"] = sync_and_generate(llm, case)
     Path(args.out).write_text(json.dumps(report, indent=1))
     del llm
     return 0
@@ -94,4 +154,5 @@ def main() -> int:
 
 if __name__ == "__main__":
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("AREAL_FN_SYNC_SECRET", os.urandom(32).hex())
     sys.exit(main())

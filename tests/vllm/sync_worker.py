@@ -69,6 +69,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--first-version", type=int, default=1)
     ap.add_argument("--fault", default="")
+    ap.add_argument("--case", default="qwen2-t2", help="the served model (tests.vllm.cases)")
     ap.add_argument("--modes", default="sharded", help="the update mode of each step, cycled")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -77,7 +78,7 @@ def main() -> int:
     from areal_fn.runtime.vllm.trainer import VllmWeightSync
     from tests.vllm.cases import CASES
 
-    spec = CASES["qwen2-t2"].spec
+    spec = CASES[args.case].spec
     engine = build_engine(args.strategy, spec)
     sync = VllmWeightSync(
         engine, args.url, timeout_s=15.0, connect_timeout_s=120.0, bucket_bytes=256 << 10
@@ -126,16 +127,10 @@ def main() -> int:
         save_file(
             {k: v.contiguous() for k, v in canonical.items()}, str(export / "model.safetensors")
         )
-        (export / "config.json").write_text(json.dumps(spec_config()))
+        (export / "config.json").write_text(json.dumps(CASES[args.case].config))
         (out / "records.json").write_text(json.dumps(records))
     dist.destroy_process_group()
     return 0
-
-
-def spec_config() -> dict[str, Any]:
-    from tests.vllm.cases import CASES
-
-    return CASES["qwen2-t2"].config
 
 
 def fault(args: Any, sync: Any, engine: Any, rank: int, out: Path) -> None:

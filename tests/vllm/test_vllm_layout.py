@@ -1,7 +1,7 @@
 """``vllm_layout`` against real vLLM workers: every rank's parameters, as vLLM's own
 loaders fill them from the same HF checkpoint (names, shapes, every element), at TP1
 and TP2, with vocabulary padding, replicated KV heads (tp > KV heads), tied and untied
-heads, q/k/v biases and q/k norms. One engine per case, each in a process of its own
+heads, q/k/v biases, q/k norms and stacked routed experts (qwen3_moe). One engine per case, each in a process of its own
 (``layout_worker.py``)."""
 
 import json
@@ -39,3 +39,15 @@ def test_every_rank_holds_what_the_layout_says(reports: dict[str, dict], name: s
         assert rank["value_mismatch"] == [], f"rank {r}"
         assert rank["compared"] == len(rank["our_names"]) > 0
         assert rank["elements"] > 0
+
+
+def test_an_offline_engine_serves_what_a_trainer_sent(reports: dict[str, dict]) -> None:
+    """llama at TP1: a one-rank trainer in the engine's process updates a ``vllm.LLM``
+    (``LlmDeployment``) in both modes: the bytes equal each mode's bound, vLLM's
+    log-probs the trainer's."""
+    sync = reports["llama-t1"]["sync"]
+    for version, mode in enumerate(("sharded", "full"), start=1):
+        got = sync[mode]
+        assert got["weight_version"] == str(version)
+        assert got["bytes_sent"] == got["lower_bound"] > 0
+        assert got["max_diff"] <= 2e-5, (mode, got)

@@ -134,6 +134,37 @@ def test_megatron_trainer_updates_vllm(megatron_run: list[dict[str, Any]]) -> No
     assert full > sharded
 
 
+@pytest.fixture(scope="module")
+def moe_server(megatron_run: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    root = tmp_path_factory.mktemp("vllm_moe")
+    model = write_model(root / "served", CASES["qwen3_moe-t2"].config, seed=11)
+    srv = Server(model, tp=2, secret=SECRET, log=root / "server.log")
+    try:
+        srv.wait()
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_an_moe_trainer_updates_vllm(moe_server: Server, tmp_path: Path) -> None:
+    """qwen3_moe (stacked routed experts in vLLM) at TP2 from ``fsdp:d2``, both modes."""
+    result = trainer(
+        moe_server,
+        tmp_path,
+        "fsdp:d2",
+        "--case",
+        "qwen3_moe-t2",
+        "--steps",
+        "2",
+        "--modes",
+        "sharded,full",
+    )
+    assert result.ok, result.output[-6000:] + moe_server.tail()
+    records = json.loads((tmp_path / "records.json").read_text())
+    check_records(records, 1)
+    assert [r["mode"] for r in records] == ["sharded", "full"]
+
+
 def test_a_stale_version_is_refused(megatron_run: Any, server: Server, tmp_path: Path) -> None:
     before, version = server.checksums(), server.version()
     result = trainer(server, tmp_path, "fsdp:d2", "--fault", "stale", "--first-version", "3")

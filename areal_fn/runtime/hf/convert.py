@@ -15,7 +15,6 @@ Both are strict: every input is checked before anything is written, a mismatch r
 no partial output under the destination name. Nothing is cast unless ``dtype`` asks.
 """
 
-import mmap
 import os
 import re
 import shutil
@@ -43,12 +42,13 @@ from areal_fn.runtime.hf.io import (
     write_error,
     write_hf_checkpoint,
 )
+from areal_fn.runtime.hf.rank_read import _Header, _header, read_local
 from areal_fn.runtime.replace_dir import check_overwrite, replace_dir
 from areal_fn.strategy.allocation import Allocation
 from areal_fn.strategy.parse import parse_allocation
 from areal_fn.typecheck import beartype
 
-__all__ = [
+__all__ = [  # read_local lives in rank_read; kept here for its callers
     "LOCAL_FORMAT",
     "ConvertSummary",
     "convert_back",
@@ -180,21 +180,15 @@ def convert_to_local(
 ) -> ConvertSummary:
     """Write ``rank{r:05d}.safetensors`` for ``ranks`` (default all) of ``target``.
 
-    ``target`` is an allocation (string or parsed) or a :class:`Layout` of the model
-    in ``src_hf_dir/config.json``. The checkpoint is checked against the model first
-    (names and shapes); each rank reads only its slices. A new ``dst_dir`` appears
-    whole or not at all; an existing one (``overwrite=True``) is replaced whole, in one
-    step (:func:`~areal_fn.runtime.replace_dir.replace_dir`), and may hold only rank
-    files, ``config.json`` and the files carried
-    (:func:`~areal_fn.runtime.replace_dir.check_overwrite`); with ``ranks`` naming some
-    ranks, their files are written into an existing directory beside the other ranks'
-    files (each file replaced atomically), which must record the same allocation.
-    ``config.json`` and the other non-weight files of ``src_hf_dir`` are copied next to
-    the rank files unchanged; the summary lists them, and what was not carried (other
-    weight files, subdirectories).
-    ``progress`` is called with each tensor name written. ``mtp=True``: the model holds
-    the config's multi-token-prediction layers (``model_from_hf_config``);
-    ``drop_mtp=True``: the checkpoint's are left out, listed as not carried.
+    ``target``: an allocation or a :class:`Layout` of the model in ``src_hf_dir``, whose
+    checkpoint is checked first (names, shapes); each rank reads only its slices. A new
+    ``dst_dir`` appears whole or not at all; an existing one (``overwrite=True``, holding
+    only rank files, ``config.json`` and the files carried: ``check_overwrite``) is
+    replaced whole in one step (``replace_dir``); ``ranks`` naming some ranks write into
+    an existing directory of the same allocation, file by file. ``config.json`` and the
+    other non-weight files are copied unchanged; the summary lists them and what was not
+    carried. ``progress(name)`` per tensor written; ``mtp=True``: the model holds the
+    config's multi-token-prediction layers; ``drop_mtp=True``: they are left out.
     """
     src, dst = Path(src_hf_dir), Path(dst_dir)
     start = time.perf_counter()
@@ -220,11 +214,9 @@ def convert_to_local(
         done: list[int] = []
         try:
             for r in chosen:
-                state = _rank_state(ckpt, layout, r, dtype=dtype, progress=progress)
+                state, metadata = _rank_payload(ckpt, layout, alloc, model, r, dtype, progress)
                 tensors += len(state)
                 nbytes += sum(t.numel() * t.element_size() for t in state.values())
-                metadata = _rank_metadata(layout, alloc, model, r)
-                metadata[rank_files.CHECKSUM] = rank_files.tensors_digest(state)
                 tmp = out / f".{rank_file(r)}.tmp"
                 writing = dst / rank_file(r)
                 save_file(state, str(tmp), metadata=metadata)
@@ -254,6 +246,22 @@ def convert_to_local(
         seconds=round(time.perf_counter() - start, 4),
         **carried_fields(hf, dropped),
     )
+
+
+def _rank_payload(
+    ckpt: HfCheckpoint,
+    layout: Layout,
+    alloc: str | None,
+    model: ModelSpec,
+    r: int,
+    dtype: torch.dtype | None,
+    progress: Callable[[str], None] | None,
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Rank ``r``'s tensors read from the checkpoint, and its file's metadata (checksum in)."""
+    state = _rank_state(ckpt, layout, r, dtype=dtype, progress=progress)
+    metadata = _rank_metadata(layout, alloc, model, r)
+    metadata[rank_files.CHECKSUM] = rank_files.tensors_digest(state)
+    return state, metadata
 
 
 def _rank_state(
@@ -345,91 +353,6 @@ def _check_same_conversion(dst: Path, ours: Mapping[str, str]) -> None:
 
 
 # ------------------------------------------------------------ per rank -> HF
-
-_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
-
-
-@attrs.frozen(kw_only=True)
-class _Header:
-    path: Path
-    metadata: tuple[tuple[str, str], ...]
-    # name -> (dtype code, shape, (begin, end) byte offsets in the data section)
-    entries: tuple[tuple[str, str, tuple[int, ...], tuple[int, int]], ...]
-    data_start: int
-
-
-def _header(path: Path) -> _Header:
-    raw, data_start, _ = read_safetensors_header(path)
-    try:
-        meta = raw.pop("__metadata__", None) or {}
-        entries = [
-            (
-                name,
-                e["dtype"],
-                tuple(int(d) for d in e["shape"]),
-                (int(e["data_offsets"][0]), int(e["data_offsets"][1])),
-            )
-            for name, e in raw.items()
-        ]
-    except (ValueError, KeyError, TypeError, IndexError) as exc:
-        raise ConversionError(
-            f"{path} is not a readable safetensors file: its header lists a tensor without dtype, "
-            f"shape and data_offsets ({exc!r}); the file is corrupted: convert it again"
-        ) from None
-    for name, code, _, _ in entries:
-        if code not in _DTYPES:
-            raise ConversionError(f"{path}: tensor {name!r} has unsupported dtype {code}")
-    return _Header(
-        path=path,
-        metadata=tuple(sorted((str(k), str(v)) for k, v in meta.items())),
-        entries=tuple(entries),
-        data_start=data_start,
-    )
-
-
-@beartype
-def read_local(path: _PathLike) -> dict[str, torch.Tensor]:
-    """Every tensor of a safetensors file as a zero-copy view of a private memory map.
-
-    Pages are read from disk only when touched, and stay file-backed (the OS can drop
-    them); writing to a view never reaches the file. Falls back to a copy for a tensor
-    whose offset is not aligned to its element size.
-    """
-    header = _header(Path(path))
-    out: dict[str, torch.Tensor] = {}
-    with open(header.path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
-            raise ConversionError(f"{header.path} is empty")
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    buf = torch.frombuffer(mm, dtype=torch.uint8)
-    for name, code, shape, (begin, end) in header.entries:
-        dtype = _DTYPES[code]
-        lo, hi = header.data_start + begin, header.data_start + end
-        if hi > size:
-            raise ConversionError(
-                f"{header.path}: tensor {name!r} runs past the end of the file; the file is "
-                "truncated: convert it again"
-            )
-        raw = buf[lo:hi]
-        item = torch.empty((), dtype=dtype).element_size()
-        if lo % item:
-            raw = raw.clone()
-        out[name] = raw.view(dtype).reshape(shape)
-    return out
 
 
 def _local_files(src: Path) -> dict[int, Path]:

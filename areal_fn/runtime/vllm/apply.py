@@ -16,6 +16,7 @@ Two paths:
   commits straight into the live parameters (:func:`live_tensors`).
 """
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -90,7 +91,7 @@ def apply_reload(
             )
     seen: set[tuple[int, str]] = set()
     initialize_layerwise_reload(model)
-    saved: list[tuple[torch.Tensor, object]] = []
+    saved: list[tuple[Any, object]] = []
     try:
         for module, pname, value in targets:
             if (id(module), pname) in seen:
@@ -99,17 +100,23 @@ def apply_reload(
             meta: Any = module._parameters[pname]
             # the restored (model-format) parameter's loader: ours, wrapped by vLLM's
             # layerwise wrapper so that vLLM counts, processes and copies as it does
-            saved.append((meta, meta.__dict__.get("weight_loader")))
+            # (vLLM's parameter classes hold it behind a property: get and set it as one)
+            saved.append((meta, getattr(meta, "weight_loader", None)))
             meta.weight_loader = _exact_loader
             meta.weight_loader = make_online_process_loader(module, pname)
             meta.weight_loader(meta, value)
     finally:
         finalize_layerwise_reload(model, model_config)
-        for kept, loader in saved:  # vLLM keeps these records for its next reload
+        for kept, loader in reversed(saved):  # vLLM keeps these records for its next reload
             if loader is None:
-                kept.__dict__.pop("weight_loader", None)
-            else:
-                kept.weight_loader = loader  # type: ignore[attr-defined]
+                with contextlib.suppress(AttributeError):
+                    del kept.weight_loader
+            elif kept.is_meta:
+                kept.weight_loader = loader
+            else:  # a live tensor (a bias): vLLM leaves its own loader there, unwrapped
+                while getattr(loader, "__name__", "") == "online_process_loader":
+                    loader = loader.__wrapped__  # type: ignore[attr-defined]
+                kept.weight_loader = loader
 
 
 @torch.no_grad()
