@@ -81,7 +81,7 @@ CASES = {
                 tie_word_embeddings=False,
                 moe_intermediate_size=64,
                 num_experts=4,
-                num_experts_per_tok=2,
+                num_experts_per_tok=4,  # every expert: no routing ties to flip
                 norm_topk_prob=True,
                 decoder_sparse_step=1,
                 mlp_only_layers=[],
@@ -98,6 +98,7 @@ CASES = {
                 tie_word_embeddings=False,
             ),
             tp=1,
+            sync=True,
         ),
     )
 }

@@ -71,6 +71,9 @@ def main() -> int:
     ap.add_argument("--fault", default="")
     ap.add_argument("--case", default="qwen2-t2", help="the served model (tests.vllm.cases)")
     ap.add_argument("--modes", default="sharded", help="the update mode of each step, cycled")
+    ap.add_argument(
+        "--each", action="store_true", help="every step updates once in each mode, in order"
+    )
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     dist.init_process_group("gloo")
@@ -90,34 +93,13 @@ def main() -> int:
         fault(args, sync, engine, rank, out)
         dist.destroy_process_group()
         return 0
+    modes = args.modes.split(",")
+    version = args.first_version
     for step in range(args.steps):
-        version = args.first_version + step
         stats = engine.train_step(ids)
-        modes = args.modes.split(",")
-        report = sync.update(version, mode=modes[step % len(modes)])
-        got: list[Any] = [None, None]
-        if rank == 0:
-            got = list(generate(args.url, args.model))
-        dist.broadcast_object_list(got, src=0)
-        tokens, vllm_lp = got
-        want = engine.forward_logprobs(torch.tensor([PROMPT + tokens]))[0, len(PROMPT) - 1 :]
-        if rank == 0:
-            checks = post(args.url, "/weight_checker", {"action": "checksum"})["checksums"]
-            records.append(
-                {
-                    "version": version,
-                    "loss": stats["loss"],
-                    "tokens": tokens,
-                    "vllm_logprobs": vllm_lp,
-                    "trainer_logprobs": want.tolist(),
-                    "bytes_sent": report.bytes_sent,
-                    "lower_bound": report.lower_bound,
-                    "mode": report.mode,
-                    "weight_version": report.weight_version,
-                    "seconds": report.seconds,
-                    "checksums": checks,
-                }
-            )
+        for mode in modes if args.each else [modes[step % len(modes)]]:
+            records.append(update_and_generate(args, sync, engine, rank, version, mode, stats))
+            version += 1
     canonical = engine.export_canonical()
     if rank == 0:
         from safetensors.torch import save_file
@@ -131,6 +113,34 @@ def main() -> int:
         (out / "records.json").write_text(json.dumps(records))
     dist.destroy_process_group()
     return 0
+
+
+def update_and_generate(
+    args: Any, sync: Any, engine: Any, rank: int, version: int, mode: str, stats: Any
+) -> dict[str, Any]:
+    """One update, vLLM generates, the trainer scores the tokens; rank 0's record."""
+    report = sync.update(version, mode=mode)
+    got: list[Any] = [None, None]
+    if rank == 0:
+        got = list(generate(args.url, args.model))
+    dist.broadcast_object_list(got, src=0)
+    tokens, vllm_lp = got
+    want = engine.forward_logprobs(torch.tensor([PROMPT + tokens]))[0, len(PROMPT) - 1 :]
+    if rank != 0:
+        return {}
+    return {
+        "version": version,
+        "mode": report.mode,
+        "loss": stats["loss"],
+        "tokens": tokens,
+        "vllm_logprobs": vllm_lp,
+        "trainer_logprobs": want.tolist(),
+        "bytes_sent": report.bytes_sent,
+        "lower_bound": report.lower_bound,
+        "weight_version": report.weight_version,
+        "seconds": report.seconds,
+        "checksums": post(args.url, "/weight_checker", {"action": "checksum"})["checksums"],
+    }
 
 
 def fault(args: Any, sync: Any, engine: Any, rank: int, out: Path) -> None:

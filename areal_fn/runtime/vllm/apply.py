@@ -107,6 +107,7 @@ def apply_reload(
             meta.weight_loader(meta, value)
     finally:
         finalize_layerwise_reload(model, model_config)
+        _repack_moe_experts(model)
         for kept, loader in reversed(saved):  # vLLM keeps these records for its next reload
             if loader is None:
                 with contextlib.suppress(AttributeError):
@@ -135,3 +136,24 @@ def apply_full(
         model.load_weights(iter(tensors.items()))  # type: ignore[operator]
     finally:
         finalize_layerwise_reload(model, model_config)
+        _repack_moe_experts(model)
+
+
+def _repack_moe_experts(model: torch.nn.Module) -> None:
+    """Redo the experts' own setup vLLM 0.32 skips when MoE weights are reloaded.
+
+    ``UnquantizedFusedMoEMethod._setup_kernel`` runs the experts' own
+    ``process_weights_after_loading`` (the CPU build prepacks ``w13_weight`` and
+    ``w2_weight`` into its grouped-GEMM layout there) only on the first load; on a reload
+    it copies the weights in the kernel format and stops, so the CPU experts compute with
+    unpacked weights (vLLM's own ``reload_weights`` of the checkpoint it loaded changes
+    its outputs). CPU only: elsewhere the update writes in place, without a reload.
+    """
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        kernel = getattr(method, "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        weight = getattr(module, "w13_weight", None)
+        if experts is None or not isinstance(weight, torch.Tensor) or weight.device.type != "cpu":
+            continue
+        experts.process_weights_after_loading(module)
