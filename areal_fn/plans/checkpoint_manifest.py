@@ -14,7 +14,7 @@ no ranks, no clock.
 
 import hashlib
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import attrs
@@ -166,12 +166,20 @@ class SavedTensor:
     def numel(self) -> int:
         return Box.full(self.shape).numel
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the parameter and its moments as stored (scalars not counted)."""
-        return self.numel * sum(
-            DTYPE_BYTES[d] for d in (self.dtype, *(d for _, d in self.state_dtypes))
+    def element_bytes(self, scalars: Collection[str]) -> int:
+        """Bytes stored per element: the parameter and its per-element states (the
+        states named in ``scalars``, such as Adam's ``step``, hold one value each)."""
+        return DTYPE_BYTES[self.dtype] + sum(
+            DTYPE_BYTES[d] for n, d in self.state_dtypes if n not in scalars
         )
+
+    def scalar_bytes(self, scalars: Collection[str]) -> int:
+        """Bytes of its scalar states (one value each, written by :attr:`scalar_writer`)."""
+        return sum(DTYPE_BYTES[d] for n, d in self.state_dtypes if n in scalars)
+
+    def stored_bytes(self, scalars: Collection[str]) -> int:
+        """Bytes stored for this tensor: every element's, then the scalar states once."""
+        return self.numel * self.element_bytes(scalars) + self.scalar_bytes(scalars)
 
     @property
     def scalar_writer(self) -> int:
@@ -272,6 +280,17 @@ class CheckpointManifest:
     @property
     def nbytes(self) -> int:
         return sum(f.size for f in self.files)
+
+    def bytes_per_rank(self) -> dict[int, int]:
+        """Tensor bytes each rank wrote: its chunks of every parameter and per-element
+        state, and the scalar states (Adam's ``step``) of the tensors it wrote first."""
+        scalars = self.optimizer.scalars
+        out: dict[int, int] = {}
+        for t in self.tensors:
+            for c in t.chunks:
+                out[c.rank] = out.get(c.rank, 0) + c.box.numel * t.element_bytes(scalars)
+            out[t.scalar_writer] = out.get(t.scalar_writer, 0) + t.scalar_bytes(scalars)
+        return dict(sorted(out.items()))
 
     # -- JSON ---------------------------------------------------------------------------
     def content_text(self) -> str:

@@ -23,12 +23,13 @@ import os
 import secrets
 import shutil
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 from areal_fn.errors import SpecError
 
-__all__ = ["check_overwrite", "replace_dir"]
+__all__ = ["check_overwrite", "new_output_dir", "replace_dir"]
 
 #: ``renameat2``'s flag swapping two paths, and the "current directory" descriptor.
 _RENAME_EXCHANGE = 2
@@ -68,6 +69,17 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)
+
+
+def new_output_dir(dest: Path) -> Path:
+    """A new empty directory beside ``dest`` to write its replacement into, with the
+    permissions a directory made by ``mkdir`` gets under the process's umask (a
+    temporary directory is made owner-only, and ``dest`` would keep that mode)."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)
+    return tmp
 
 
 def replace_dir(new: Path, dest: Path) -> None:

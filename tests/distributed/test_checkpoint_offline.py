@@ -138,6 +138,54 @@ def test_inspect_names_strategy_tensors_and_sizes(saved, capsys):
     assert "checksums not verified" in capsys.readouterr().out
 
 
+def test_inspect_counts_the_step_once_per_tensor(saved):
+    """Bytes per tensor and per rank: every element of the parameter and both moments,
+    and Adam's ``step`` (a scalar) once per tensor, from the tensors that were saved."""
+    from areal_fn.runtime.commands.inspect_json import inspect_json
+
+    doc = inspect_json(str(saved), verify=False, max_tensors=None, hmac_key=None)
+    step = torch.tensor(step_value(SALT)).element_size()
+    want = {
+        n: sum(TRUTH[k][n].numel() * TRUTH[k][n].element_size() for k in TRUTH) + step
+        for n in TRUTH["param"]
+    }
+    assert {t["name"]: t["bytes"] for t in doc["tensors"]} == want
+    assert sum(doc["bytes_per_rank"].values()) == sum(want.values())
+    text = inspect_checkpoint(saved, verify=False, max_tensors=len(want))
+    embed = TRUTH["param"]["model.embed_tokens.weight"]
+    per_element = sum(TRUTH[k]["model.embed_tokens.weight"].element_size() for k in TRUTH)
+    assert f"{(embed.numel() * per_element + step) / 1024:.1f} KiB" in text
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_inspect_without_verify_notices_a_missing_or_cut_file(saved, tmp_path, capsys, damage):
+    import shutil
+
+    from areal_fn.cli import main
+    from areal_fn.errors import CheckpointError
+    from areal_fn.runtime.checkpoint.api import resolve_checkpoint
+    from areal_fn.runtime.commands.inspect_json import inspect_json
+
+    copy = tmp_path / "copy"
+    shutil.copytree(saved, copy)
+    folder = resolve_checkpoint(copy)
+    victim = sorted(folder.glob("*.distcp"))[1]
+    if damage == "missing":
+        victim.unlink()
+        found = "is missing"
+    else:
+        victim.write_bytes(victim.read_bytes()[:100])
+        found = "holds 100 B"
+    rule = f"incomplete or damaged: {victim.name} {found}, its manifest records"
+    with pytest.raises(CheckpointError, match=rule):
+        inspect_checkpoint(copy)
+    with pytest.raises(CheckpointError, match=rule):
+        inspect_json(str(copy), verify=False, max_tensors=None, hmac_key=None)
+    assert main(["checkpoint", "inspect", str(copy)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("areal-fn: error:") and rule in err and "Traceback" not in err
+
+
 def test_torch_dcp_tools_read_it_as_a_plain_dcp_checkpoint(saved, tmp_path):
     """The storage is standard DCP: torch's own converter yields the canonical tensors."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save

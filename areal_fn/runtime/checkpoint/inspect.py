@@ -77,7 +77,7 @@ class CheckpointReader:
         self.manifest = (
             verify_checkpoint(self.path, hmac_key=hmac_key)
             if verify
-            else _unverified(self.path, hmac_key)
+            else read_unverified(self.path, hmac_key)
         )
         _check_sizes(self.path, self.manifest)
         metadata = dcp_metadata(self.path, self.manifest, trust_pickle=trust_pickle)
@@ -135,10 +135,21 @@ class CheckpointReader:
         pass
 
 
-def _unverified(folder: Path, hmac_key: bytes | None) -> CheckpointManifest:
+def read_unverified(folder: Path, hmac_key: bytes | None) -> CheckpointManifest:
+    """The manifest, its keyed digest checked when a key is given, and every file it
+    lists present with the size it records (checksums are not read: ``verify`` does)."""
     manifest = read_manifest(folder)
     if hmac_key is not None:
         check_keyed_digest(manifest, hmac_key, source=str(folder))
+    for f in manifest.files:
+        path = folder / f.path
+        size = path.stat().st_size if path.is_file() else None
+        if size != f.size:
+            found = "is missing" if size is None else f"holds {size} B"
+            raise CheckpointError(
+                f"the checkpoint {folder} is incomplete or damaged: {f.path} {found}, its "
+                f"manifest records {f.size} B; restore the file or save the checkpoint again"
+            )
     return manifest
 
 
@@ -232,7 +243,11 @@ def inspect_checkpoint(
     nothing unpickled); with ``hmac_key`` the keyed digest must match it."""
     p = Path(path)
     folder = resolve_checkpoint(p)
-    m = verify_checkpoint(folder, hmac_key=hmac_key) if verify else _unverified(folder, hmac_key)
+    m = (
+        verify_checkpoint(folder, hmac_key=hmac_key)
+        if verify
+        else read_unverified(folder, hmac_key)
+    )
     security = _security_lines(folder, m, hmac_key, verify=verify)
     cfg = m.model
     lines = [f"checkpoint {folder}"]
@@ -262,10 +277,8 @@ def inspect_checkpoint(
         ),
         *security,
     ]
-    per_rank: dict[int, int] = {}
-    for t in m.tensors:
-        for c in t.chunks:
-            per_rank[c.rank] = per_rank.get(c.rank, 0) + c.box.numel * (t.nbytes // max(1, t.numel))
+    scalars = m.optimizer.scalars  # Adam's step: one value per tensor, not one per element
+    per_rank = m.bytes_per_rank()
     lines.append(
         "  bytes written per rank: "
         + ", ".join(f"{r}: {_human(b)}" for r, b in sorted(per_rank.items()))
@@ -273,7 +286,7 @@ def inspect_checkpoint(
     lines.append(f"  {'tensor':<52} {'shape':<16} {'dtype':<9} {'chunks':>6} {'bytes':>10}")
     for t in m.tensors[:max_tensors]:
         lines.append(
-            f"  {t.name:<52} {'x'.join(map(str, t.shape)):<16} {t.dtype:<9} {len(t.chunks):>6} {_human(t.nbytes):>10}"
+            f"  {t.name:<52} {'x'.join(map(str, t.shape)):<16} {t.dtype:<9} {len(t.chunks):>6} {_human(t.stored_bytes(scalars)):>10}"
         )
     if len(m.tensors) > max_tensors:
         lines.append(f"  ... {len(m.tensors) - max_tensors} more tensors")

@@ -11,7 +11,6 @@ is ``convert SRC DST --to-hf`` of such a directory (ours or Megatron's own).
 
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,7 +31,7 @@ from areal_fn.runtime.checkpoint.metadata import METADATA
 from areal_fn.runtime.hf.convert import ConvertSummary, carried_fields, layout_of
 from areal_fn.runtime.hf.files import read_hf_files
 from areal_fn.runtime.hf.io import HfCheckpoint, Tally, hf_owned, write_hf_checkpoint
-from areal_fn.runtime.replace_dir import check_overwrite, replace_dir
+from areal_fn.runtime.replace_dir import check_overwrite, new_output_dir, replace_dir
 from areal_fn.sharding.box import Box
 from areal_fn.strategy.parse import parse_allocation
 from areal_fn.typecheck import beartype
@@ -123,7 +122,7 @@ def convert_to_torch_dist(
         )
         dtypes = _dtypes(ckpt)
         dst.parent.mkdir(parents=True, exist_ok=True)
-        work = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
+        work = new_output_dir(dst)
         try:
             out = export_megatron_checkpoint(
                 ckpt.read,

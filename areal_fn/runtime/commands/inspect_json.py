@@ -11,13 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from areal_fn.plans.checkpoint import CheckpointManifest
-from areal_fn.plans.checkpoint_keyed import check_keyed_digest
 from areal_fn.runtime.checkpoint.files import (
     list_checkpoints,
-    read_manifest,
     resolve_checkpoint,
     verify_checkpoint,
 )
+from areal_fn.runtime.checkpoint.inspect import read_unverified
 from areal_fn.runtime.checkpoint.metadata import METADATA, check_metadata_file
 from areal_fn.runtime.commands.output import emit_json
 from areal_fn.runtime.hf.files import HF_DIR
@@ -28,25 +27,13 @@ __all__ = ["cmd_inspect_json", "inspect_json"]
 def _manifest(folder: Path, verify: bool, hmac_key: bytes | None) -> CheckpointManifest:
     if verify:
         return verify_checkpoint(folder, hmac_key=hmac_key)
-    manifest = read_manifest(folder)
-    if hmac_key is not None:
-        check_keyed_digest(manifest, hmac_key, source=str(folder))
-    return manifest
+    return read_unverified(folder, hmac_key)
 
 
 def _keyed(m: CheckpointManifest, hmac_key: bytes | None) -> str:
     if hmac_key is not None:
         return "matches"  # checked above: a mismatch raised
     return "present, not checked" if m.keyed_digest is not None else "none"
-
-
-def _bytes_per_rank(m: CheckpointManifest) -> dict[str, int]:
-    per_rank: dict[int, int] = {}
-    for t in m.tensors:
-        item = t.nbytes // max(1, t.numel)
-        for c in t.chunks:
-            per_rank[c.rank] = per_rank.get(c.rank, 0) + c.box.numel * item
-    return {str(r): b for r, b in sorted(per_rank.items())}
 
 
 def inspect_json(
@@ -80,7 +67,7 @@ def inspect_json(
         "storage_located": bool(m.storage),
         "keyed_digest": _keyed(m, hmac_key),
         "bytes": m.nbytes,
-        "bytes_per_rank": _bytes_per_rank(m),
+        "bytes_per_rank": {str(r): b for r, b in m.bytes_per_rank().items()},
         "files": [{"path": f.path, "size": f.size, "algorithm": f.algorithm} for f in m.files],
         "tensors": [
             {
@@ -88,7 +75,7 @@ def inspect_json(
                 "shape": list(t.shape),
                 "dtype": t.dtype,
                 "chunks": len(t.chunks),
-                "bytes": t.nbytes,
+                "bytes": t.stored_bytes(m.optimizer.scalars),
             }
             for t in shown
         ],

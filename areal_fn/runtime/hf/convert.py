@@ -18,7 +18,6 @@ no partial output under the destination name. Nothing is cast unless ``dtype`` a
 import os
 import re
 import shutil
-import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -43,7 +42,7 @@ from areal_fn.runtime.hf.io import (
     write_hf_checkpoint,
 )
 from areal_fn.runtime.hf.rank_read import _Header, _header, read_local
-from areal_fn.runtime.replace_dir import check_overwrite, replace_dir
+from areal_fn.runtime.replace_dir import check_overwrite, new_output_dir, replace_dir
 from areal_fn.strategy.allocation import Allocation
 from areal_fn.strategy.parse import parse_allocation
 from areal_fn.typecheck import beartype
@@ -209,7 +208,7 @@ def convert_to_local(
         if into:
             _check_same_conversion(dst, _rank_metadata(layout, alloc, model, 0))
         dst.parent.mkdir(parents=True, exist_ok=True)
-        out = dst if into else Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
+        out = dst if into else new_output_dir(dst)
         writing: Path | None = None  # the file being written (None: reading the checkpoint)
         done: list[int] = []
         try:

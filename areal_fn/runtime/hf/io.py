@@ -16,7 +16,6 @@ import os
 import re
 import shutil
 import struct
-import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ from areal_fn.errors import ConversionError
 from areal_fn.model.mtp import mtp_names
 from areal_fn.model.spec import ModelSpec
 from areal_fn.plans.convert import check_canonical
-from areal_fn.runtime.replace_dir import check_overwrite, replace_dir
+from areal_fn.runtime.replace_dir import check_overwrite, new_output_dir, replace_dir
 from areal_fn.sharding.box import Box
 
 INDEX = "model.safetensors.index.json"
@@ -276,7 +275,7 @@ def write_hf_checkpoint(
         tensors.items() if isinstance(tensors, Mapping) else tensors
     )
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    tmp = new_output_dir(dest)
     left = (
         f"nothing was written to {dest}"
         if not dest.exists()
