@@ -254,6 +254,11 @@ class MemoryReport:
         return self.max_rank.total
 
     def __str__(self) -> str:
+        return self.table()
+
+    def table(self, *, first_rank: int = 0) -> str:
+        """The table in GiB, ranks numbered from ``first_rank`` (a component's first
+        global rank in an allocation; the rows hold the layout's own ranks)."""
         act = str(self.activation) if self.activation else "no activation model"
         if self.optimizer_offload:
             act += "; optimizer state offloaded to host memory"
@@ -268,13 +273,14 @@ class MemoryReport:
             if i < len(self.rows) and self.rows[i].same_bytes(self.rows[start]):
                 continue
             r = self.rows[start]
-            label = str(start) if i - 1 == start else f"{start}-{i - 1}"
+            lo, hi = first_rank + start, first_rank + i - 1
+            label = str(lo) if hi == lo else f"{lo}-{hi}"
             cells = (r.params, r.grads, r.optimizer, r.activations, r.buffers, r.total)
             lines.append(f"{label:<12}" + "".join(f"{c / GIB:9.2f}" for c in cells))
             start = i
         m = self.max_rank
         lines.append(
-            f"max: rank {m.rank}, {m.total / GIB:.2f} GiB ({m.total:,} bytes); params, grads, "
+            f"max: rank {first_rank + m.rank}, {m.total / GIB:.2f} GiB ({m.total:,} bytes); params, grads, "
             f"optim exact for the layout, activ and buffers estimated"
         )
         return "\n".join(lines)

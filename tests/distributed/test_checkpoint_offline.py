@@ -172,11 +172,11 @@ def test_inspect_without_verify_notices_a_missing_or_cut_file(saved, tmp_path, c
     victim = sorted(folder.glob("*.distcp"))[1]
     if damage == "missing":
         victim.unlink()
-        found = "is missing"
+        found = "is listed in the manifest but missing; the checkpoint is incomplete"
     else:
         victim.write_bytes(victim.read_bytes()[:100])
-        found = "holds 100 B"
-    rule = f"incomplete or damaged: {victim.name} {found}, its manifest records"
+        found = "has 100 bytes, the manifest says"
+    rule = f"{victim.name} {found}"
     with pytest.raises(CheckpointError, match=rule):
         inspect_checkpoint(copy)
     with pytest.raises(CheckpointError, match=rule):

@@ -79,3 +79,22 @@ def test_json_and_png_together_write_the_pictures_and_list_them(
     listed = doc["components"][0]["pictures"]
     assert listed == [str(pics / f"megatron-d1p2.{kind}.png") for kind in ("ranks", "stages")]
     assert all(Path(p).stat().st_size > 0 for p in listed)
+
+
+def test_the_text_memory_table_numbers_ranks_as_the_json_does(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A training component after an inference one: its rows start at its first global
+    rank, in the text table as in ``--json`` (and the pictures)."""
+    argv = ["plan", "Qwen3-8B", "sglang:d2t2+megatron:d2p2"]
+    doc = json.loads(_out(capsys, [*argv, "--json"]))
+    megatron = next(c for c in doc["components"] if c["backend"] == "megatron")
+    ranks = [r["rank"] for r in megatron["memory"]["per_rank"]]
+    assert ranks == list(range(4, 8)) and megatron["first_rank"] == 4
+    text = _out(capsys, argv)
+    table = text[text.index("MemoryReport megatron") :].splitlines()
+    labels = [line.split()[0] for line in table[2:] if line[:1].isdigit()]
+    assert labels and all(int(x.split("-")[0]) >= 4 for x in labels), table
+    covered = [r for x in labels for r in range(int(x.split("-")[0]), int(x.split("-")[-1]) + 1)]
+    assert covered == ranks
+    assert f"max: rank {megatron['memory']['max_rank']}," in text

@@ -122,7 +122,7 @@ def _verify_files(folder: Path, manifest: CheckpointManifest, share: slice) -> N
             raise CheckpointError(problem)
 
 
-def _check_sizes(folder: Path, manifest: CheckpointManifest) -> None:
+def check_sizes(folder: Path, manifest: CheckpointManifest) -> None:
     """Every listed file present with the size the manifest says (no read: what ``verify=False``
     still checks, so that a truncated file is refused before any tensor is touched)."""
     for want in manifest.files:

@@ -21,8 +21,8 @@ from areal_fn.plans.checkpoint import (
 from areal_fn.plans.checkpoint_keyed import KEY_ENV, check_keyed_digest
 from areal_fn.runtime.checkpoint.dcp import _ChunkReader, _LoadPlanner, _read_into, _Reshaped
 from areal_fn.runtime.checkpoint.files import (
-    _check_sizes,
     _latest_name,
+    check_sizes,
     list_checkpoints,
     read_manifest,
     resolve_checkpoint,
@@ -77,9 +77,8 @@ class CheckpointReader:
         self.manifest = (
             verify_checkpoint(self.path, hmac_key=hmac_key)
             if verify
-            else read_unverified(self.path, hmac_key)
+            else read_unverified(self.path, hmac_key)  # sizes checked there
         )
-        _check_sizes(self.path, self.manifest)
         metadata = dcp_metadata(self.path, self.manifest, trust_pickle=trust_pickle)
         self._storage = _ChunkReader(self.path, metadata=metadata)
         self._storage.set_up_storage_reader(metadata, True)
@@ -141,15 +140,7 @@ def read_unverified(folder: Path, hmac_key: bytes | None) -> CheckpointManifest:
     manifest = read_manifest(folder)
     if hmac_key is not None:
         check_keyed_digest(manifest, hmac_key, source=str(folder))
-    for f in manifest.files:
-        path = folder / f.path
-        size = path.stat().st_size if path.is_file() else None
-        if size != f.size:
-            found = "is missing" if size is None else f"holds {size} B"
-            raise CheckpointError(
-                f"the checkpoint {folder} is incomplete or damaged: {f.path} {found}, its "
-                f"manifest records {f.size} B; restore the file or save the checkpoint again"
-            )
+    check_sizes(folder, manifest)
     return manifest
 
 

@@ -47,8 +47,8 @@ from areal_fn.runtime.checkpoint.dcp import (
     dcp_error,
 )
 from areal_fn.runtime.checkpoint.files import (
-    _check_sizes,
     _verify_files,
+    check_sizes,
     read_manifest,
     resolve_checkpoint,
 )
@@ -123,7 +123,7 @@ def _open(
         check_model(manifest, layout.canonical, source=source)
         check_optimizer(manifest, opt, source=source)
         _check_states(layout, states, opt)
-        _check_sizes(folder, manifest)
+        check_sizes(folder, manifest)
         if verify:
             _verify_files(folder, manifest, slice(g.rank, None, g.size))
         metadata = dcp_metadata(folder, manifest, trust_pickle=trust_pickle)

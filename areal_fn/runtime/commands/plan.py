@@ -328,7 +328,7 @@ def _print_component(
         )
     )
     if facts.report is not None:
-        console.print(str(facts.report))
+        console.print(facts.report.table(first_rank=facts.first))  # global ranks
     else:
         _print_inference(console, model, facts, args)
     if layout.stages is not None:
