@@ -5,7 +5,6 @@ random weights with transformers and a word-level tokenizer (built locally, one 
 per id) so that vLLM's OpenAI server can answer ``/v1/completions``.
 """
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -105,22 +104,8 @@ CASES = {
 
 
 def write_model(path: Path, config: dict[str, Any], *, seed: int = 0) -> Path:
-    """Random weights of ``config`` (transformers), its config and a tokenizer, in ``path``."""
-    import torch
-    import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    """Random weights of ``config``, its config and a tokenizer in ``path`` (the main
+    job's own writer)."""
+    from areal_fn.runtime.demo.vllm_stage import write_served_model
 
-    path.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(seed)
-    hf_config = transformers.AutoConfig.for_model(**config)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    model.save_pretrained(path)
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    vocab = {f"t{i}": i for i in range(int(config["vocab_size"]))}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="t0", eos_token="t1"
-    )
-    fast.save_pretrained(path)
-    return path
+    return write_served_model(path, config, seed=seed)
