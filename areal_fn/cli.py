@@ -68,7 +68,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     check_plan_flags(args)
     if args.png:
+        from areal_fn.runtime.commands.os_errors import prepare_png_dir
+
         _require_pictures()
+        prepare_png_dir(args.png)
     console = text_console()
     model = _model(args.config, mtp=args.mtp)
     if args.mtp and not model.mtp_layers:
@@ -193,8 +196,10 @@ def _add_checkpoint_parser(sub: "argparse._SubParsersAction[argparse.ArgumentPar
     insp.add_argument("--json", action="store_true", help="print one JSON document (docs/cli.md)")
     insp.set_defaults(func=cmd_checkpoint_inspect)
     exp = csub.add_parser("export-hf", help="write a checkpoint's parameters as an HF checkpoint")
-    exp.add_argument("dir")
-    exp.add_argument("dest")
+    exp.add_argument(
+        "dir", metavar="DIR", help="a checkpoint directory, or a root holding 'latest'"
+    )
+    exp.add_argument("dest", metavar="DST", help="output directory: the HF checkpoint")
     exp.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     exp.add_argument(
         "--trust-pickle",
@@ -222,7 +227,7 @@ def _add_convert_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser
         nargs="?",
         help="e.g. megatron:t2p2; with --to-hf optional: the files record it",
     )
-    conv.add_argument("dst", help="output directory")
+    conv.add_argument("dst", metavar="DST", help="output directory")
     conv.add_argument(
         "--component",
         metavar="NAME",
@@ -329,13 +334,44 @@ def cli_words(message: str) -> str:
     return message
 
 
+class _Parser(argparse.ArgumentParser):
+    """A command's parser that takes flags between positionals (``plan CONFIG --json
+    ALLOCATION``, ``convert SRC --overwrite ALLOCATION DST``): argparse's intermixed parse,
+    for parsers without subcommands."""
+
+    _inner = False
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        nested = any(isinstance(a, argparse._SubParsersAction) for a in self._actions)
+        if self._inner or nested:
+            return super().parse_known_args(args, namespace)
+        self._inner = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._inner = False
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="areal-fn",
         description="Plan, convert, checkpoint and run distributed LLM training layouts.",
     )
     p.add_argument("--version", action="version", version=f"areal-fn {__version__}")
-    sub = p.add_subparsers(dest="command", required=True)
+    p.add_argument(
+        "--json",
+        dest="global_json",
+        action="store_true",
+        help="print one JSON document: the same as the command's own --json (plan, convert, "
+        "checkpoint inspect)",
+    )
+    sub: "argparse._SubParsersAction[argparse.ArgumentParser]" = p.add_subparsers(
+        dest="command",
+        required=True,
+        parser_class=_Parser,  # type: ignore[arg-type]
+    )
     add_plan_parser(sub, cmd_plan)
     _add_convert_parser(sub)
     _add_checkpoint_parser(sub)
@@ -361,13 +397,47 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+#: The commands' outputs a user names: (flag or argument, its ``args`` attribute).
+_OUTPUTS = (("DST", "dst"), ("DST", "dest"), ("--png", "png"), ("--workdir", "workdir"))
+
+
+def _outputs(args: argparse.Namespace) -> list[tuple[str, Path]]:
+    """The output paths given to this command, each with the flag that gave it."""
+    return [(flag, Path(value)) for flag, dest in _OUTPUTS if (value := getattr(args, dest, None))]
+
+
+def _command_words(args: argparse.Namespace) -> str:
+    """``plan``, ``checkpoint inspect``: the command as typed."""
+    sub = getattr(args, "checkpoint_command", None)
+    return f"{args.command} {sub}" if sub else str(args.command)
+
+
+def error_line(e: SpecError | OSError, args: argparse.Namespace, argv: Sequence[str]) -> str:
+    """The one line a failed command prints after ``areal-fn: error: ``: the library's
+    message in the command line's words (:func:`cli_words`), or an OS error naming the
+    path the user gave (``argv``) rather than a temporary one beside it."""
+    if isinstance(e, SpecError):
+        return cli_words(str(e))
+    from areal_fn.runtime.commands.os_errors import os_error_message
+
+    return os_error_message(e, _outputs(args))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    words = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(words)
+    if args.global_json:
+        if not hasattr(args, "json"):
+            parser.error(
+                f"--json: areal-fn {_command_words(args)} has no JSON output; drop --json "
+                "(plan, convert and checkpoint inspect have one)"
+            )
+        args.json = True
     try:
         return int(args.func(args))
     except (SpecError, OSError) as e:
-        print(f"areal-fn: error: {cli_words(str(e))}", file=sys.stderr)
+        print(f"areal-fn: error: {error_line(e, args, words)}", file=sys.stderr)
         return 2
 
 

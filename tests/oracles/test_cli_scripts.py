@@ -91,6 +91,7 @@ COMPONENT_KEYS = {
     "weights",
     "kv_cache",
     "fit",
+    "notes",
 }
 
 

@@ -24,9 +24,14 @@ from areal_fn.plans.kv_cache import KVCache, kv_cache
 from areal_fn.plans.memory import MemoryReport, PrecisionPolicy, estimate_memory
 from areal_fn.runtime.commands.output import emit_json, human, parse_size
 from areal_fn.runtime.commands.plan_flags import check_plan_ranks
-from areal_fn.runtime.commands.suggest import memory_margin_of, model_json, usable_bytes
+from areal_fn.runtime.commands.suggest import (
+    memory_margin_of,
+    model_json,
+    stored_line,
+    usable_bytes,
+)
 from areal_fn.sharding.mesh import Axis
-from areal_fn.strategy.allocation import Allocation, Component
+from areal_fn.strategy.allocation import Allocation, Backend, Component
 from areal_fn.strategy.check import check_strategy
 from areal_fn.strategy.parse import parse_allocation
 
@@ -228,6 +233,25 @@ def _fit_line(label: str, fit: dict[str, Any], device: _Device) -> str:
     )
 
 
+def _etp_note(model: ModelSpec, comp: Component) -> str | None:
+    """What a Megatron user should know of a MoE component's ``etp`` when the plain form
+    gave it (``etp`` 1, AReaL's reading) and Megatron-Core's own default (``etp = tp``)
+    differs; None when they agree."""
+    dims = comp.dims
+    if not model.is_moe or comp.backend is not Backend.MEGATRON or dims.etp != 1 or dims.tp == 1:
+        return None
+    head = (
+        f"experts: etp=1, as AReaL reads the plain form {comp}; Megatron-Core's own default "
+        f"is etp=tp={dims.tp}"
+    )
+    try:
+        other = attrs.evolve(comp, dims=attrs.evolve(dims, etp=dims.tp))
+        check_strategy(model, parse_allocation(str(other)))
+    except SpecError as e:
+        return f"{head}, which is refused here ({e})"
+    return f"{head}: write {other} for that"
+
+
 def _component_json(
     model: ModelSpec,
     alloc: Allocation,
@@ -255,6 +279,7 @@ def _component_json(
         "weights": None if facts.kv is None else list(facts.rows),
         "kv_cache": None if facts.kv is None else _kv_json(facts.kv),
         "fit": None if device is None else _fit_json(facts, device, args),
+        "notes": [n for n in (_etp_note(model, comp),) if n is not None],
     }
     if args.tensors:
         out["tensors"] = [
@@ -327,6 +352,8 @@ def _print_component(
             ", ".join(str(m) for m in layout.meshes),
         )
     )
+    if (note := _etp_note(model, comp)) is not None:
+        console.print(note, markup=False, highlight=False)
     if facts.report is not None:
         console.print(facts.report.table(first_rank=facts.first))  # global ranks
     else:
@@ -413,6 +440,8 @@ def cmd_plan(
             f" on {alloc.world_size} ranks",
         )
     )
+    if (stored := stored_line(model, args.config)) is not None:
+        console.print(stored, markup=False, highlight=False)
     for comp in alloc.components:
         _print_component(console, model, alloc, comp, args, device, pictures)
     return 0

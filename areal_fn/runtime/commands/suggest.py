@@ -31,6 +31,28 @@ LEFT_OUT = (
 )
 
 
+def stored_quantization(config: str) -> str | None:
+    """How the published checkpoint of ``config`` (as ``plan`` takes it) stores its
+    weights when quantised (:func:`~areal_fn.model.quantized.checkpoint_quantization`)."""
+    from areal_fn.model.quantized import checkpoint_quantization
+    from areal_fn.model.spec import load_hf_config
+
+    return checkpoint_quantization(load_hf_config(config))
+
+
+def stored_line(model: ModelSpec, config: str) -> str | None:
+    """The line that says sizes are in ``model.dtype`` while the checkpoint of ``config``
+    is stored quantised; None when it is not."""
+    stored = stored_quantization(config)
+    if stored is None:
+        return None
+    return (
+        f"sizes are of {model.dtype} weights, as the engines hold them; the published "
+        f"checkpoint stores its weights as {stored} (quantization_config), which is not "
+        "what is sized here"
+    )
+
+
 def model_json(model: ModelSpec, config: str) -> dict[str, Any]:
     """The ``model`` object of the JSON documents."""
     return {
@@ -40,6 +62,7 @@ def model_json(model: ModelSpec, config: str) -> dict[str, Any]:
         "mtp_layers": model.mtp_layers,
         "num_params": model.num_params,
         "dtype": model.dtype,
+        "checkpoint_quantization": stored_quantization(config),
     }
 
 
@@ -210,8 +233,9 @@ def cmd_suggest(console: Any, model: ModelSpec, args: argparse.Namespace) -> int
             }
         )
         return 0
-    for line in _assumption_lines(a, device_bytes):
-        console.print(line)
+    for line in [*_assumption_lines(a, device_bytes), stored_line(model, args.config)]:
+        if line is not None:
+            console.print(line, markup=False, highlight=False)
     table = Table(
         title=f"strategies for {model.model_type} ({model.num_params:,} parameters) on "
         f"{args.suggest} devices of {args.device_memory}"
