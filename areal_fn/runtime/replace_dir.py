@@ -24,7 +24,7 @@ import secrets
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 
 from areal_fn.errors import SpecError
@@ -100,6 +100,24 @@ def replace_dir(new: Path, dest: Path) -> None:
     _remove(aside)
 
 
+def _foreign(folder: Path, owned: Callable[[str], bool], subdirs: Collection[str]) -> Iterator[str]:
+    """The entries of ``folder`` neither ``owned`` (a file) nor in ``subdirs`` (a
+    directory whose own entries are judged by ``owned`` with ``dir/name``), by name."""
+    for p in folder.iterdir():
+        is_dir = p.is_dir() and not p.is_symlink()
+        if p.is_file() and not p.is_symlink() and owned(p.name):
+            continue
+        if is_dir and p.name in subdirs:
+            yield from (f"{p.name}/{n}" for n in _foreign(p, _within(p.name, owned), ()))
+            continue
+        yield p.name + ("/" if is_dir else "")
+
+
+def _within(subdir: str, owned: Callable[[str], bool]) -> Callable[[str], bool]:
+    """``owned`` of a name in ``subdir``, judged by ``subdir/name``."""
+    return lambda name: owned(f"{subdir}/{name}")
+
+
 def check_overwrite(
     dest: Path,
     *,
@@ -107,22 +125,21 @@ def check_overwrite(
     owned: Callable[[str], bool],
     kind: str,
     error: type[SpecError],
+    subdirs: Collection[str] = (),
 ) -> None:
     """Refuse (``error``, one line) to write a ``kind`` (``HF checkpoint``, ``rank
     files``) at ``dest`` when ``dest`` exists and ``overwrite`` is False, is not a
     directory, or holds an entry ``owned`` (called with each name in ``dest``) does not
-    claim: the files named, with the remedy. Nothing is read or written otherwise."""
+    claim: the files named, with the remedy. ``subdirs`` are directories the new output
+    holds: in one of them, ``owned`` judges each file by ``dir/name``. Nothing is read
+    or written otherwise."""
     if not dest.exists() and not dest.is_symlink():
         return
     if not overwrite:
         raise error(f"{dest} already exists; pass overwrite=True or choose another directory")
     if not dest.is_dir():
         raise error(f"{dest} exists and is not a directory; remove it or choose another path")
-    foreign = sorted(
-        p.name + ("/" if p.is_dir() and not p.is_symlink() else "")
-        for p in dest.iterdir()
-        if not (p.is_file() and not p.is_symlink() and owned(p.name))
-    )
+    foreign = sorted(_foreign(dest, owned, subdirs))
     if foreign:
         named = ", ".join(foreign[:_NAMED])
         more = f" and {len(foreign) - _NAMED} more" if len(foreign) > _NAMED else ""

@@ -18,9 +18,11 @@ bias): the same three steps, Megatron saving under ep=2 and loading our export
 (``layer_spec="local"``, the spec built here) under other EP/ETP strategies.
 
 The CLI's checkpoints (``--cli SPEC.json``, written by the installed ``areal-fn convert
-... --format torch_dist`` from a ``transformers`` checkpoint): Megatron-Core loads each
-under the allocation it was written for and under another; every parameter bitwise
-equal to ``to_megatron`` of the HF weights (read with :class:`HfCheckpoint`).
+... --format torch_dist`` from a ``transformers`` checkpoint): the directory Megatron-LM's
+``--load OUT`` reads is found by Megatron-LM's rules (:func:`megatron_lm_load_dir`), and
+Megatron-Core loads it under the allocation it was written for and under another; every
+parameter bitwise equal to ``to_megatron`` of the HF weights (read with
+:class:`HfCheckpoint`).
 
 Megatron's ``torch_dist`` writer logs the process memory through ``psutil`` (in the dev
 extra); where psutil is missing the worker stubs that logging probe (it only feeds a
@@ -177,15 +179,17 @@ def megatron_loads(
     path: Path,
 ) -> str:
     """Megatron builds ``spec`` under ``strategy`` and loads ``path`` with its own
-    loader: "" when every tensor equals ``to_megatron(source)`` bitwise."""
+    loader, the model's state under ``model`` as Megatron-LM's ``load_checkpoint``
+    asks (the common state lands beside it): "" when every tensor equals
+    ``to_megatron(source)`` bitwise."""
     from megatron.core import dist_checkpointing
 
     dims = dims_of(strategy)
     with megatron_session(sizes_of(dims), seed=1):
         gpt = build(spec, sizes_of(dims), vocab)
         try:
-            state = dist_checkpointing.load(gpt.sharded_state_dict(), str(path))
-            gpt.load_state_dict(state)
+            state = dist_checkpointing.load({"model": gpt.sharded_state_dict()}, str(path))
+            gpt.load_state_dict(state["model"])
             want = to_megatron(source, megatron_layout(spec, dims), dist.get_rank())
             have = tensors_of(gpt)
             bad = [
@@ -259,17 +263,52 @@ def optimizer_checks(checks: dict[str, str], out: Path) -> None:
     checks["optimizer state dropped on request"] = f"differ: {bad[:4]}" if bad else ""
 
 
+def megatron_lm_load_dir(root: Path) -> Path:
+    """The directory Megatron-LM's ``--load root`` reads, by its rules
+    (``megatron/training/checkpointing.py``): ``read_metadata`` of
+    ``root/latest_checkpointed_iteration.txt`` (an iteration or ``release``; releases
+    before November 2025 assert ``iteration > 0 or release``), ``get_checkpoint_name``
+    (``release`` or ``iter_{iteration:07d}``), ``find_checkpoint_rank_0``
+    (``check_is_distributed_checkpoint``); then what ``load_checkpoint`` takes from the
+    common state: ``checkpoint_version`` (absent reads as 0, the pre-2.0 QKV order) and,
+    for an iteration, ``iteration`` (else it exits unless ``--finetune``)."""
+    from megatron.core import dist_checkpointing
+
+    text = (root / "latest_checkpointed_iteration.txt").read_text().strip()
+    release = text == "release"
+    iteration = 0 if release else int(text)
+    if not (iteration > 0 or release):
+        raise ValueError(f"tracker {text!r}: neither an iteration > 0 nor release")
+    folder = root / ("release" if release else f"iter_{iteration:07d}")
+    if not dist_checkpointing.check_is_distributed_checkpoint(str(folder)):
+        raise ValueError(f"{folder} is not a Megatron-Core dist checkpoint")
+    common = dist_checkpointing.load_common_state_dict(str(folder))
+    if common.get("checkpoint_version", 0) < 2.0:
+        raise ValueError(f"{folder}: checkpoint_version {common.get('checkpoint_version')}")
+    if not release and "iteration" not in common:
+        raise ValueError(f"{folder}: no iteration in the common state")
+    return folder
+
+
 def cli_checks(checks: dict[str, str], cases: list[dict[str, Any]]) -> None:
-    """Megatron loads each CLI output under its strategies; the HF weights are the truth."""
+    """Megatron loads each CLI output under its strategies, from the directory
+    Megatron-LM's ``--load`` reads; the HF weights are the truth."""
     from areal_fn.runtime.hf.io import HfCheckpoint
 
     for case in cases:
         spec = model_from_hf_config(case["hf"])
         with HfCheckpoint(case["hf"]) as hf:
             truth = {n: hf.read_full(n) for n in hf.names}
+        try:
+            folder = megatron_lm_load_dir(Path(case["ckpt"]))
+        except Exception:
+            problem = traceback.format_exc()[-2000:]
+            for strategy in case["loads"]:
+                checks[f"cli {case['name']}: megatron loads it under {strategy}"] = problem
+            continue
         for strategy in case["loads"]:
             checks[f"cli {case['name']}: megatron loads it under {strategy}"] = megatron_loads(
-                spec, truth, strategy, case["vocab"], Path(case["ckpt"])
+                spec, truth, strategy, case["vocab"], folder
             )
 
 

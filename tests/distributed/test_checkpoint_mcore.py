@@ -10,8 +10,9 @@ without it on request.
 
 Before the launch the installed ``areal-fn convert ... --format torch_dist`` writes
 ``transformers`` checkpoints (dense for ``megatron:t2``, MoE for ``megatron:d2e2``);
-Megatron-Core loads each under that strategy and another one, bitwise equal to
-``to_megatron`` of the HF weights.
+the worker finds the checkpoint in each OUT by Megatron-LM's ``--load`` rules (tracker,
+directory, common state) and Megatron-Core loads it under that strategy and another
+one, bitwise equal to ``to_megatron`` of the HF weights.
 """
 
 import importlib.util

@@ -169,3 +169,35 @@ def test_torch_dist_overwrite_refuses_a_foreign_file(hf, tmp_path, capsys):
     err = _err(capsys, argv)
     assert f"{out} holds 1 entry the new torch_dist checkpoint would not replace: run.sh;" in err
     assert _tree(out) == {"common.pt": b"old", "run.sh": b"mine"}
+
+
+def test_torch_dist_overwrite_replaces_the_flat_layout_and_its_own(hf, tmp_path, capsys):
+    out = tmp_path / "td"
+    out.mkdir()
+    for name in (".metadata", "__0_0.distcp", "common.pt", "metadata.json", "config.json"):
+        (out / name).write_bytes(b"old")  # what --format torch_dist wrote before the tracker
+    argv = ["convert", str(hf), "megatron:t2", str(out), "--format", "torch_dist", "--overwrite"]
+    assert main(argv) == 0
+    tracker = "latest_checkpointed_iteration.txt"
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", tracker, "release"]
+    (out / "release" / "common.pt").write_bytes(b"stale")
+    assert main(argv) == 0
+    assert (out / "release" / "common.pt").read_bytes() != b"stale"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["td"]
+
+
+def test_torch_dist_overwrite_refuses_what_megatron_lm_or_a_user_left(hf, tmp_path, capsys):
+    out = tmp_path / "td"
+    argv = ["convert", str(hf), "megatron:t2", str(out), "--format", "torch_dist", "--overwrite"]
+    assert main(argv) == 0
+    (out / "release" / "notes.txt").write_text("mine")
+    (out / "iter_0000100").mkdir()  # Megatron-LM's training saved there
+    (out / "iter_0000100" / "common.pt").write_bytes(b"trained")
+    before = _tree(out)
+    err = _err(capsys, argv)
+    assert err.endswith(
+        f"{out} holds 2 entries the new torch_dist checkpoint would not replace: "
+        f"iter_0000100/, release/notes.txt; --overwrite replaces the directory whole and would "
+        f"delete them: move them out of {out}, or choose another directory"
+    ), err
+    assert _tree(out) == before

@@ -2,13 +2,17 @@
 
 The installed command runs as a subprocess: a ``transformers`` checkpoint becomes a
 Megatron-Core dist checkpoint and back, and ``from_pretrained`` of the result equals the
-original bitwise (dense, MoE with stacked and with per-layer keys). That Megatron-Core's
-own loader reads these checkpoints is ``tests/distributed/test_checkpoint_mcore.py``.
-Bad inputs are one line, exit 2, and leave nothing behind.
+original bitwise (dense, MoE with stacked and with per-layer keys). OUT is laid out as
+Megatron-LM's ``--load OUT`` reads it (its tracker says ``release``, the checkpoint is in
+``release/``); ``--to-hf`` also reads the flat layout (the dist checkpoint itself) and a
+tracker naming an iteration. That Megatron-Core's own loader reads these checkpoints,
+found by Megatron-LM's rules, is ``tests/distributed/test_checkpoint_mcore.py``. Bad
+inputs are one line, exit 2, and leave nothing behind.
 """
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +24,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 EXE = Path(sys.executable).with_name("areal-fn")
+#: Megatron-LM's tracker file (``get_checkpoint_tracker_filename``)
+TRACKER = "latest_checkpointed_iteration.txt"
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "qwen2": dict(
@@ -136,12 +142,18 @@ def test_torch_dist_round_trip_is_bitwise(
         "layer_keys": keys,
     }
     assert {"config.json", "generation_config.json"} <= set(doc["carried"])
-    names = sorted(p.name for p in ckpt.iterdir())
-    assert {".metadata", "common.pt", "metadata.json", "config.json"} <= set(names)
-    assert json.loads((ckpt / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
+    names = {p.name for p in ckpt.iterdir()}
+    assert names == {TRACKER, "release", *doc["carried"]}
+    assert (ckpt / TRACKER).read_text() == "release"
+    release = {p.name for p in (ckpt / "release").iterdir()}
+    assert release == {".metadata", "__0_0.distcp", "common.pt", "metadata.json"}
+    backend = json.loads((ckpt / "release" / "metadata.json").read_text())
+    assert backend["sharded_backend"] == "torch_dist"
+    assert torch.load(ckpt / "release" / "common.pt") == {"checkpoint_version": 3.0}
     back_doc = _ok("convert", str(ckpt), str(back), "--to-hf", "--trust-pickle")
     assert back_doc["format"] == "torch_dist" and back_doc["direction"] == "to-hf"
     assert back_doc["allocation"] is None and back_doc["torch_dist"] is None
+    assert back_doc["carried"] == doc["carried"] and back_doc["not_carried"] == []
     a, b = _state(back), _state(src)
     assert list(a) == list(b)
     assert [k for k in a if a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k])] == []
@@ -263,9 +275,71 @@ def test_cli_errors(
         f"{td} has no config.json; pass --model CONFIG"
     )
     missing = _error("convert", str(td), str(out), "--to-hf", "--trust-pickle", "--model", other)
-    assert missing.startswith(f"{td}: the Megatron checkpoint lacks") and "mixtral" in missing
+    assert missing.startswith(f"{td / 'release'}: the Megatron checkpoint lacks")
+    assert "mixtral" in missing
+    (td / TRACKER).write_text("latest\n")
+    assert _error("convert", str(td), str(out), "--to-hf", "--trust-pickle", "--model", src) == (
+        f"{td / TRACKER} holds 'latest'; Megatron-LM's tracker holds the iteration to load or "
+        "'release': write one of them, or pass the checkpoint directory itself"
+    )
+    (td / TRACKER).write_text("12")
+    assert _error("convert", str(td), str(out), "--to-hf", "--trust-pickle", "--model", src) == (
+        f"{td / TRACKER} names {td / 'iter_0000012'}, which holds no Megatron-Core dist "
+        "checkpoint (no metadata.json); point the tracker at a checkpoint directory beside "
+        "it, or pass the checkpoint directory itself"
+    )
+    (td / TRACKER).write_text("release")
     assert not out.exists()
     # --model stands in for the config Megatron's own checkpoints do not hold
     _ok("convert", str(td), str(out), "--to-hf", "--trust-pickle", "--model", src)
     a, b = _state(out), _state(saved["qwen2"])
     assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+def test_to_hf_reads_the_flat_layout_and_the_iteration_a_tracker_names(
+    saved: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The dist checkpoint itself (what --format torch_dist wrote before the tracker: its
+    files and the HF files in one directory, an empty common state) and a tracker naming
+    ``iter_0000007`` (as Megatron-LM's training saves): both convert back bitwise."""
+    src, td = saved["qwen2"], tmp_path / "td"
+    code, _, err = _here(
+        capsys, "convert", str(src), "megatron:t2", str(td), "--format", "torch_dist"
+    )
+    assert code == 0, err
+    flat = tmp_path / "flat"
+    shutil.copytree(td / "release", flat)
+    torch.save({}, flat / "common.pt")
+    for p in td.iterdir():
+        if p.is_file() and p.name != TRACKER:
+            shutil.copy(p, flat / p.name)
+    iters = tmp_path / "iters"
+    shutil.copytree(td, iters)
+    (iters / "release").rename(iters / "iter_0000007")
+    (iters / TRACKER).write_text("7")
+    for folder in (flat, iters):
+        back = tmp_path / f"{folder.name}-hf"
+        argv = ["convert", str(folder), str(back), "--to-hf", "--trust-pickle", "--json"]
+        code, out, err = _here(capsys, *argv)
+        assert code == 0, err
+        doc = json.loads(out)
+        assert doc["format"] == "torch_dist" and doc["not_carried"] == [], doc
+        a, b = _state(back), _state(src)
+        assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in b)
+
+
+def test_a_source_file_named_as_megatron_lms_own_is_refused(
+    saved: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(saved["qwen2"], src)
+    (src / TRACKER).write_text("100")
+    out = tmp_path / "out"
+    code, _, err = _here(
+        capsys, "convert", str(src), "megatron:t2", str(out), "--format", "torch_dist"
+    )
+    assert code == 2 and err.strip() == (
+        f"areal-fn: error: {src / TRACKER}: --format torch_dist writes Megatron-LM's own "
+        f"{TRACKER} in DST, so this file of SRC cannot be carried; move it out of {src}"
+    )
+    assert not out.exists()

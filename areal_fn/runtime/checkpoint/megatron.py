@@ -1,7 +1,8 @@
 """Interop with Megatron-Core's own ``dist_checkpointing`` (``torch_dist``) checkpoints.
 
 Where each tensor lies is :mod:`~areal_fn.runtime.checkpoint.megatron_keys`; this module
-reads and writes the files.
+reads and writes the files. The readers take a dist checkpoint directory or a directory
+Megatron-LM's ``--load`` reads (:mod:`~areal_fn.runtime.checkpoint.megatron_lm`).
 """
 
 import functools
@@ -42,6 +43,7 @@ from areal_fn.runtime.checkpoint.megatron_keys import (
     mcore_layout,
     pick_keys,
 )
+from areal_fn.runtime.checkpoint.megatron_lm import dist_checkpoint_dir, is_megatron_lm_dir
 from areal_fn.runtime.checkpoint.metadata import METADATA, trust_pickle_rule, unpickle_metadata
 from areal_fn.runtime.replace_dir import check_overwrite, replace_dir
 from areal_fn.sharding.box import Box
@@ -79,8 +81,12 @@ def torch_dist_owned(names: Iterable[str]) -> Callable[[str], bool]:
 
 
 def is_megatron_checkpoint(path: "str | os.PathLike[str]") -> bool:
-    """Whether ``path`` holds a Megatron-Core dist checkpoint (its ``metadata.json``)."""
-    return (Path(path) / "metadata.json").is_file() and (Path(path) / METADATA).is_file()
+    """Whether ``path`` holds a Megatron-Core dist checkpoint (its ``metadata.json`` and
+    ``.metadata``) or Megatron-LM's tracker file (the checkpoint it names is checked
+    when read)."""
+    folder = Path(path)
+    flat = (folder / "metadata.json").is_file() and (folder / METADATA).is_file()
+    return flat or is_megatron_lm_dir(folder)
 
 
 def _backend(folder: Path) -> None:
@@ -164,7 +170,9 @@ def import_megatron_checkpoint(
     drop_optimizer: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Canonical parameters of a Megatron-Core ``dist_checkpointing`` (``torch_dist``)
-    checkpoint of ``model`` (a ``GPTModel`` under any TP/PP/EP/ETP), bitwise.
+    checkpoint of ``model`` (a ``GPTModel`` under any TP/PP/EP/ETP), bitwise. ``path``
+    is the checkpoint's directory or a directory Megatron-LM's ``--load`` reads (the
+    checkpoint its ``latest_checkpointed_iteration.txt`` names).
 
     Dense and MoE models; experts stored per expert (any EP at save time), layers
     stacked or per layer, the Transformer-Engine or the local layer spec's key names:
@@ -195,7 +203,7 @@ def read_megatron_state(
 ) -> tuple[dict[str, torch.Tensor], Layout]:
     """What :func:`import_megatron_checkpoint` reads before ``to_hf``: the one rank's
     local tensors of the unsharded layout it returns too (for ``iter_to_hf``)."""
-    folder = Path(path)
+    folder = dist_checkpoint_dir(path)
     _backend(folder)
     if not trust_pickle:
         raise CheckpointError(
@@ -296,8 +304,10 @@ def export_megatron_checkpoint(
     Tensors are written in their source's dtype, nothing cast: a mapping's own, else
     ``dtypes`` (canonical name -> dtype; default the model's). ``progress`` hears each
     local tensor's name as it is written. Parameters only: no optimizer state is
-    written. An existing ``dest`` needs ``overwrite=True`` and is then replaced whole;
-    it may hold only torch_dist files
+    written, and the common state (``common.pt``) is empty: ``dest`` is what
+    Megatron-Core's ``dist_checkpointing.load`` reads (Megatron-LM's ``--load`` reads
+    what ``convert_to_torch_dist`` writes). An existing ``dest`` needs
+    ``overwrite=True`` and is then replaced whole; it may hold only torch_dist files
     (:func:`~areal_fn.runtime.replace_dir.check_overwrite`).
     """
     from areal_fn.plans.convert import check_canonical, mapping_reader

@@ -2,17 +2,21 @@
 
 :func:`convert_to_torch_dist` is ``areal-fn convert SRC megatron:... DST --format
 torch_dist``: the HF checkpoint is read lazily, one local tensor at a time, and written
-as the dist checkpoint that Megatron-Core's ``dist_checkpointing.load`` reads into a
-``GPTModel`` under the allocation's strategy or any other (TP/PP/EP/ETP), the
-vocabulary padded as Megatron pads it for the allocation's TP. ``config.json`` and the
-other non-weight files of SRC are copied next to it. :func:`convert_torch_dist_to_hf`
-is ``convert SRC DST --to-hf`` of such a directory (ours or Megatron's own).
+as the directory Megatron-LM's ``--load DST`` reads
+(:mod:`~areal_fn.runtime.checkpoint.megatron_lm`): ``DST/latest_checkpointed_iteration.txt``
+says ``release`` and ``DST/release/`` holds the dist checkpoint that Megatron-Core's
+``dist_checkpointing.load`` reads into a ``GPTModel`` under the allocation's strategy or
+any other (TP/PP/EP/ETP), the vocabulary padded as Megatron pads it for the allocation's
+TP. ``config.json`` and the other non-weight files of SRC are copied into DST.
+:func:`convert_torch_dist_to_hf` is ``convert SRC DST --to-hf`` of such a directory, of
+one Megatron-LM saved, or of a dist checkpoint directory itself (ours before the
+tracker, or Megatron-Core's own).
 """
 
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -27,6 +31,12 @@ from areal_fn.runtime.checkpoint.megatron import (
     torch_dist_owned,
 )
 from areal_fn.runtime.checkpoint.megatron_keys import LayerKeys, LayerSpec, default_layer_keys
+from areal_fn.runtime.checkpoint.megatron_lm import (
+    RELEASE,
+    TRACKER,
+    dist_checkpoint_dir,
+    make_release,
+)
 from areal_fn.runtime.checkpoint.metadata import METADATA
 from areal_fn.runtime.hf.convert import ConvertSummary, carried_fields, layout_of
 from areal_fn.runtime.hf.files import read_hf_files
@@ -44,7 +54,40 @@ MCORE_FILES = (METADATA, "common.pt", "metadata.json")
 
 
 def _mcore_files(folder: Path) -> list[str]:
+    """The entries of ``folder`` that are the checkpoint (not carried to HF): the dist
+    checkpoint's files, or Megatron-LM's tracker and the directory it names."""
+    ckpt = dist_checkpoint_dir(folder)
+    if ckpt != folder:
+        return [TRACKER, ckpt.name]
     return [*MCORE_FILES, *sorted(p.name for p in folder.glob("*.distcp"))]
+
+
+def _owned(names: Iterable[str]) -> Callable[[str], bool]:
+    """What ``convert_to_torch_dist`` replaces in DST: Megatron-LM's tracker, the files
+    of ``release/`` and those of a flat torch_dist checkpoint, and ``names``."""
+    flat = torch_dist_owned(names)
+    inner = torch_dist_owned(())
+    prefix = f"{RELEASE}/"
+    return lambda n: n == TRACKER or flat(n) or (n.startswith(prefix) and inner(n[len(prefix) :]))
+
+
+def _check_dst(src: Path, dst: Path, names: Iterable[str], overwrite: bool) -> None:
+    """Refuse an HF file that would take the name of Megatron-LM's tracker or checkpoint,
+    and a ``dst`` the conversion may not replace (``check_overwrite``)."""
+    for name in names:
+        if name in (TRACKER, RELEASE):
+            raise ConversionError(
+                f"{src / name}: --format torch_dist writes Megatron-LM's own {name} in DST, so "
+                f"this file of SRC cannot be carried; move it out of {src}"
+            )
+    check_overwrite(
+        dst,
+        overwrite=overwrite,
+        owned=_owned(names),
+        kind="torch_dist checkpoint",
+        error=ConversionError,
+        subdirs=(RELEASE,),
+    )
 
 
 @beartype
@@ -86,7 +129,11 @@ def convert_to_torch_dist(
     drop_mtp: bool = False,
 ) -> tuple[ConvertSummary, dict[str, object]]:
     """Write the HF checkpoint in ``src_hf_dir`` as a Megatron-Core ``torch_dist``
-    checkpoint for ``allocation`` (one megatron component) at ``dst_dir``, atomically.
+    checkpoint for ``allocation`` (one megatron component) in ``dst_dir``, atomically:
+    what Megatron-LM's ``--load dst_dir`` reads (``latest_checkpointed_iteration.txt``
+    saying ``release``, the checkpoint in ``release/`` with Megatron-LM's
+    ``checkpoint_version`` in its common state), with ``config.json`` and the other
+    non-weight files of ``src_hf_dir`` beside them.
 
     The model must fit the allocation (checked first); the vocabulary is padded to
     Megatron's size for its TP. ``layer_spec`` / ``layer_keys``: see
@@ -113,21 +160,17 @@ def convert_to_torch_dist(
     with HfCheckpoint(src) as ckpt:
         dropped = ckpt.check(model, drop_mtp=drop_mtp)
         hf = read_hf_files(src, weights=ckpt.files)
-        check_overwrite(
-            dst,
-            overwrite=overwrite,
-            owned=torch_dist_owned(hf.names),
-            kind="torch_dist checkpoint",
-            error=ConversionError,
-        )
+        _check_dst(src, dst, hf.names, overwrite)
         dtypes = _dtypes(ckpt)
         dst.parent.mkdir(parents=True, exist_ok=True)
         work = new_output_dir(dst)
         try:
-            out = export_megatron_checkpoint(
+            out = work / "ckpt"
+            out.mkdir()
+            export_megatron_checkpoint(
                 ckpt.read,
                 model,
-                work / "ckpt",
+                out / RELEASE,
                 vocab_size_padded=rows,
                 layer_spec=layer_spec,
                 layer_keys=keys,
@@ -136,6 +179,7 @@ def convert_to_torch_dist(
             )
             for name, data in (("config.json", hf.config), *hf.files):
                 (out / name).write_bytes(data)
+            make_release(out)
             replace_dir(out, dst)
         finally:
             shutil.rmtree(work, ignore_errors=True)
@@ -181,7 +225,9 @@ def convert_torch_dist_to_hf(
     progress: Callable[[str], None] | None = None,
 ) -> ConvertSummary:
     """A Megatron-Core ``torch_dist`` checkpoint (saved under any strategy) -> an HF
-    checkpoint, bitwise. ``model`` defaults to ``src_dir/config.json`` (which our
+    checkpoint, bitwise. ``src_dir`` is a directory Megatron-LM's ``--load`` reads (the
+    checkpoint its ``latest_checkpointed_iteration.txt`` names) or the dist checkpoint
+    itself. ``model`` defaults to ``src_dir/config.json`` (which our
     export carries; Megatron's own checkpoints need ``model``). ``trust_pickle`` and
     ``drop_optimizer``: see
     :func:`~areal_fn.runtime.checkpoint.megatron.import_megatron_checkpoint`. The
