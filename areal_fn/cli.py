@@ -305,6 +305,10 @@ CLI_WORDS = (
     ("pass trust_pickle=True only", "pass --trust-pickle only"),
     ("pass drop_optimizer=True", "pass --drop-optimizer"),
     (
+        "so drop_optimizer=True has nothing to drop: pass drop_optimizer=False",
+        "so --drop-optimizer has nothing to drop: drop --drop-optimizer",
+    ),
+    (
         "(model_from_hf_config(config), mtp=False, the default; on the command line leave out "
         "--mtp)",
         "(leave out --mtp)",

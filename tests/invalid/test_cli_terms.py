@@ -229,3 +229,83 @@ def test_plan_says_a_quantised_checkpoint_is_sized_in_the_compute_dtype(
     ]
     rc, out, _ = _run(["plan", name, "--suggest", "64", "--device-memory", "1TB"], capsys)
     assert rc == 0 and line[0] in out.splitlines()
+
+
+@pytest.fixture(scope="module")
+def converted(hf: Path) -> dict[str, Path]:
+    """``hf`` as megatron:t2 rank files and as a torch_dist checkpoint."""
+    local, td = hf.parent / "local", hf.parent / "td"
+    assert main(["convert", str(hf), "megatron:t2", str(local)]) == 0
+    assert main(["convert", str(hf), "megatron:t2", str(td), "--format", "torch_dist"]) == 0
+    return {"hf": hf, "local": local, "td": td}
+
+
+#: (command line after ``convert``, its one line): a flag of the other direction or
+#: format, which convert used to ignore.
+OTHER_DIRECTION = [
+    (
+        ["{local}", "{out}", "--to-hf", "--rank", "1"],
+        "--rank 1 with --to-hf: --to-hf reads every rank's file to write the whole HF "
+        "checkpoint; drop --rank",
+    ),
+    (
+        ["{td}", "{out}", "--to-hf", "--layer-spec", "local"],
+        "--layer-spec local with --to-hf: the key names are read from the torch_dist "
+        "checkpoint itself; --layer-spec applies to writing one: drop it",
+    ),
+    (
+        ["{hf}", "megatron:t2", "{out}", "--model", "demo"],
+        "--model demo applies to --to-hf (the model of rank files without a config.json); "
+        "converting an HF checkpoint reads its own config.json: drop --model",
+    ),
+    (
+        ["{local}", "{out}", "--to-hf", "--component", "actor"],
+        "--component actor picks a component of the ALLOCATION given, and none was: pass the "
+        "ALLOCATION, or drop --component",
+    ),
+    (
+        ["{hf}", "megatron:t2", "{out}", "--drop-optimizer"],
+        "--drop-optimizer applies to --to-hf of a torch_dist SRC; reading an HF checkpoint "
+        "needs neither --trust-pickle nor --drop-optimizer: drop it",
+    ),
+    (
+        ["{hf}", "megatron:t2", "{out}", "--format", "torch_dist", "--trust-pickle"],
+        "--trust-pickle applies to --to-hf of a torch_dist SRC; reading an HF checkpoint "
+        "needs neither --trust-pickle nor --drop-optimizer: drop it",
+    ),
+    (
+        ["{local}", "{out}", "--to-hf", "--trust-pickle"],
+        "--trust-pickle applies to --to-hf of a torch_dist SRC; rank files need neither "
+        "--trust-pickle nor --drop-optimizer: drop it",
+    ),
+]
+
+
+@pytest.mark.parametrize(("argv", "line"), OTHER_DIRECTION)
+def test_convert_refuses_a_flag_it_would_not_use(
+    argv: list[str],
+    line: str,
+    converted: dict[str, Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    out = tmp_path / "out"
+    words = [w.format(out=out, **converted) for w in argv]
+    rc, stdout, err = _run(["convert", *words], capsys)
+    assert (rc, stdout, err) == (2, "", f"areal-fn: error: {line}\n")
+    assert not out.exists()
+
+
+def test_drop_optimizer_of_a_checkpoint_without_optimizer_state_is_refused(
+    converted: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--drop-optimizer where there is nothing to drop changed nothing: refused."""
+    td, out = converted["td"], tmp_path / "out"
+    argv = ["convert", str(td), str(out), "--to-hf", "--trust-pickle", "--drop-optimizer"]
+    assert _run(argv, capsys) == (
+        2,
+        "",
+        f"areal-fn: error: {td}/release: the Megatron checkpoint holds no optimizer state, so "
+        "--drop-optimizer has nothing to drop: drop --drop-optimizer\n",
+    )
+    assert not out.exists()

@@ -47,6 +47,15 @@ REFUSED = [
         ["Qwen3-8B", "megatron:t2", "--tensors", "-1"],
         r"--tensors -1 must be >= 0: how many tensors to list \(0: none\)$",
     ),
+    (
+        ["demo", "vllm:d2t2", "--seq-len", "1"],
+        r"--seq-len shapes a training component's activations; vllm:d2t2 has none: drop "
+        r"--seq-len \(--context-len and --batch size the KV cache of inference components\)$",
+    ),
+    (
+        ["demo", "sglang:t2", "--seq-len", "64", "--micro-batch", "2"],
+        r"--micro-batch shapes a training component's activations; sglang:d1t2 has none",
+    ),
     (["demo", "sglang:t2", "--batch", "0"], r"--batch 0 must be >= 1: sequences per engine"),
     (["demo", "sglang:t2", "--context-len", "-1"], r"--context-len -1 must be >= 1: tokens per"),
     (["demo", *SUGGEST, "--top", "0"], r"--top 0 must be >= 1: how many suggestions to show$"),

@@ -114,6 +114,11 @@ def _optimizer_entries(folder: Path, stored: Mapping[str, Any], drop: bool) -> N
             "store it per data-parallel bucket or per Megatron parameter, not per canonical "
             "tensor; pass drop_optimizer=True to import the parameters alone"
         )
+    if drop and not found:
+        raise CheckpointError(
+            f"{folder}: the Megatron checkpoint holds no optimizer state, so drop_optimizer=True "
+            "has nothing to drop: pass drop_optimizer=False"
+        )
 
 
 def _stored_box(lt: LocalTensor, where: McoreKey) -> Box:

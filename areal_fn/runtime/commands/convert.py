@@ -110,6 +110,7 @@ def _bar(description: str, total: int | None) -> Iterator[Callable[[str], None]]
             yield lambda _name: progress.advance(task)
         except BaseException:
             progress.remove_task(task)
+            progress.console.quiet = True  # the bar's own console: nothing more, no empty line
             raise
 
 
@@ -141,12 +142,43 @@ def _format(args: argparse.Namespace) -> str:
             "--format torch_dist"
         )
     _check_mtp_flags(args, fmt)
-    if args.to_hf and fmt != "torch_dist" and (args.trust_pickle or args.drop_optimizer):
-        raise ConversionError(
-            "--trust-pickle and --drop-optimizer apply to a torch_dist SRC; rank files need "
-            "neither: drop them"
-        )
+    _check_direction_flags(args, fmt)
     return fmt
+
+
+def _check_direction_flags(args: argparse.Namespace, fmt: str) -> None:
+    """Flags of one direction (or one format) given to the other: refused, never ignored."""
+    flag = next((f for f in ("--trust-pickle", "--drop-optimizer") if _given(args, f)), None)
+    if flag and not (args.to_hf and fmt == "torch_dist"):
+        raise ConversionError(
+            f"{flag} applies to --to-hf of a torch_dist SRC; "
+            + ("rank files need" if args.to_hf else "reading an HF checkpoint needs")
+            + " neither --trust-pickle nor --drop-optimizer: drop it"
+        )
+    if args.to_hf and args.rank is not None:
+        raise ConversionError(
+            f"--rank {args.rank} with --to-hf: --to-hf reads every rank's file to write the "
+            "whole HF checkpoint; drop --rank"
+        )
+    if args.to_hf and args.layer_spec is not None:
+        raise ConversionError(
+            f"--layer-spec {args.layer_spec} with --to-hf: the key names are read from the "
+            "torch_dist checkpoint itself; --layer-spec applies to writing one: drop it"
+        )
+    if not args.to_hf and args.model is not None:
+        raise ConversionError(
+            f"--model {args.model} applies to --to-hf (the model of rank files without a "
+            "config.json); converting an HF checkpoint reads its own config.json: drop --model"
+        )
+    if args.component is not None and args.allocation is None:
+        raise ConversionError(
+            f"--component {args.component} picks a component of the ALLOCATION given, and "
+            "none was: pass the ALLOCATION, or drop --component"
+        )
+
+
+def _given(args: argparse.Namespace, flag: str) -> bool:
+    return bool(getattr(args, flag[2:].replace("-", "_")))
 
 
 def _torch_dist(args: argparse.Namespace, fmt: str) -> int:

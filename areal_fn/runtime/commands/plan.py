@@ -380,7 +380,20 @@ def _print_component(
 
 
 def _check_inference_flags(alloc: Allocation, args: argparse.Namespace) -> None:
-    """``--context-len``, ``--batch`` and ``--max-ranks`` need an inference component."""
+    """``--context-len``, ``--batch`` and ``--max-ranks`` need an inference component;
+    ``--seq-len``, ``--micro-batch`` and ``--recompute`` a training one."""
+    if not any(c.is_training for c in alloc.components):
+        given = [f for d, f in (("micro_batch", "--micro-batch"),) if d in args.given]
+        given += ["--seq-len"] if args.seq_len is not None else []
+        given += [("--recompute" if args.recompute else "--no-recompute")] * (
+            "recompute" in args.given
+        )
+        if given:
+            raise SpecError(
+                f"{given[0]} shapes a training component's activations; {alloc} has none: "
+                f"drop {given[0]} (--context-len and --batch size the KV cache of inference "
+                "components)"
+            )
     if any(not c.is_training for c in alloc.components):
         return
     for dest, flag in (
