@@ -36,7 +36,7 @@ BLOCK = re.compile(
 RUNS = "<!-- runs -->\n"
 NOT_RUN = re.compile(r"<!-- not run: \S.*-->\n")
 #: Every block of these pages runs, in page order, in one directory.
-IN_ORDER = ("howto.md",)
+IN_ORDER = ("howto.md", "cli.md")
 #: On a page of IN_ORDER: the blocks that run, and those that show output (json is checked).
 COMMANDS = ("bash", "python")
 SHOWN = ("json", "text", "")

@@ -82,8 +82,9 @@ class ConvertSummary:
     unverified: tuple[str, ...] = ()
 
     def __str__(self) -> str:
+        ranks = f" for {len(self.ranks)} rank(s)" if self.ranks else ""  # torch_dist: none
         text = (
-            f"{self.tensors} tensors, {self.bytes / 2**20:.1f} MiB for {len(self.ranks)} rank(s) "
+            f"{self.tensors} tensors, {self.bytes / 2**20:.1f} MiB{ranks} "
             f"in {self.seconds:.2f} s -> {self.path}"
         )
         if self.carried:
