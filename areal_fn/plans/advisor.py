@@ -111,12 +111,14 @@ import attrs
 
 from areal_fn.errors import PlanError, SpecError
 from areal_fn.layouts.megatron import stages_for
+from areal_fn.model.lora import LoraConfig
 from areal_fn.model.spec import ModelSpec
 from areal_fn.plans.advisor_score import CommEstimate as CommEstimate
 from areal_fn.plans.advisor_score import CommTerm as CommTerm
 from areal_fn.plans.advisor_score import Hardware as Hardware
 from areal_fn.plans.advisor_score import _estimate, _Workload
 from areal_fn.plans.census import Census, CensusIndex, fsdp2_census, megatron_census
+from areal_fn.plans.lora_memory import estimate_lora_memory, lora_adapter_census, lora_rows
 from areal_fn.plans.memory import (
     GIB,
     ActivationModel,
@@ -165,6 +167,7 @@ class _Candidate:
     census: Census
     peak: RankMemory
     comm: CommEstimate
+    adapters: Census | None = None  # LoRA's trained adapters (the census is then frozen)
 
     @property
     def allocation(self) -> str:
@@ -227,7 +230,9 @@ def _census(w: _Workload, backend: Backend, dims: ParallelDims) -> Census:
     return megatron_census(w.model, dims, stages=stages_for(w.model, dims))
 
 
-def _screen(w: _Workload, dims: ParallelDims, census: Census) -> RankMemory:
+def _screen(
+    w: _Workload, dims: ParallelDims, census: Census, adapters: Census | None
+) -> RankMemory:
     """The largest row among one rank per pipeline stage (coordinate 0 elsewhere)."""
     reps = [s * (w.n // dims.pp) for s in range(dims.pp)]
     rows = estimate_rows(
@@ -239,6 +244,9 @@ def _screen(w: _Workload, dims: ParallelDims, census: Census) -> RankMemory:
         dims=dims,
         optimizer_offload=w.offload,
     )
+    if adapters is not None:
+        trained = estimate_rows(adapters, reps, w.policy, optimizer_offload=w.offload)
+        rows = lora_rows(rows, trained)
     return max(rows, key=lambda r: (r.total, -r.rank))
 
 
@@ -329,6 +337,7 @@ def suggest_strategy(
     memory_margin: float = 0.1,
     hardware: Hardware = _DEFAULT_HARDWARE,
     optimizer_offload: bool = False,
+    lora: LoraConfig | None = None,
 ) -> tuple[Suggestion, ...]:
     """The best ``top`` training strategies for ``model`` on ``n_devices`` devices of
     ``device_memory_bytes`` each, best first (see the module docstring for the search,
@@ -339,7 +348,9 @@ def suggest_strategy(
     fraction of device memory kept free for what the estimate leaves out (CUDA context,
     communication buffers, allocator fragmentation). ``optimizer_offload``: the
     optimizer's master copy and states live in host memory (not counted on the device;
-    the time of the offloaded optimizer step is not scored). Raises
+    the time of the offloaded optimizer step is not scored). ``lora``: LoRA training, its
+    memory as :func:`~areal_fn.plans.lora_memory.estimate_lora_memory` counts it (a frozen
+    base, trained adapters); the score stays that of full training. Raises
     :class:`~areal_fn.errors.PlanError` naming what was tried when nothing fits.
     """
     chosen = _check_args(
@@ -355,7 +366,7 @@ def suggest_strategy(
         offload=optimizer_offload,
     )
     capacity = math.floor(device_memory_bytes * (1 - memory_margin))
-    fitting, tried, skipped, smallest = _screened(w, chosen, capacity)
+    fitting, tried, skipped, smallest = _screened(w, chosen, capacity, lora)
     out = _suggestions(w, fitting, top, capacity, device_memory_bytes)
     if not out:
         raise PlanError(_nothing_fits(w, chosen, tried, skipped, smallest, device_memory_bytes))
@@ -363,7 +374,7 @@ def suggest_strategy(
 
 
 def _screened(
-    w: _Workload, chosen: tuple[Backend, ...], capacity: int
+    w: _Workload, chosen: tuple[Backend, ...], capacity: int, lora: LoraConfig | None
 ) -> tuple[list[_Candidate], dict[Backend, int], list[str], tuple[int, str] | None]:
     """Every enumerated strategy screened: those whose screened peak fits ``capacity``
     (with their score), the count tried per backend, the labels the checks rejected,
@@ -378,11 +389,13 @@ def _screened(
             label = str(Component(backend=backend, dims=dims))
             try:
                 census = _census(w, backend, dims)
+                comp = Component(backend=backend, dims=dims)
+                adapters = None if lora is None else lora_adapter_census(w.model, comp, lora)
             except SpecError:  # a rule only the full layout checks (e.g. uneven FSDP2+TP rows)
                 skipped.append(label)
                 continue
             tried[backend] = tried.get(backend, 0) + 1
-            peak = _screen(w, dims, census)
+            peak = _screen(w, dims, census, adapters)
             if smallest is None or (peak.total, label) < smallest:
                 smallest = (peak.total, label)
             if peak.total > capacity:
@@ -390,9 +403,38 @@ def _screened(
             reps = [s * (w.n // dims.pp) for s in range(dims.pp)]
             comm = _estimate(w, backend, dims, CensusIndex(census), reps)
             fitting.append(
-                _Candidate(backend=backend, dims=dims, census=census, peak=peak, comm=comm)
+                _Candidate(
+                    backend=backend,
+                    dims=dims,
+                    census=census,
+                    peak=peak,
+                    comm=comm,
+                    adapters=adapters,
+                )
             )
     return fitting, tried, skipped, smallest
+
+
+def _report(w: _Workload, c: _Candidate) -> MemoryReport:
+    """The full per-rank report of a candidate (LoRA's when it has adapters)."""
+    if c.adapters is not None:
+        return estimate_lora_memory(
+            c.census,
+            c.adapters,
+            w.policy,
+            activation=w.act,
+            model=w.model,
+            dims=c.dims,
+            optimizer_offload=w.offload,
+        )
+    return estimate_memory(
+        c.census,
+        w.policy,
+        activation=w.act,
+        model=w.model,
+        dims=c.dims,
+        optimizer_offload=w.offload,
+    )
 
 
 def _suggestions(
@@ -404,14 +446,7 @@ def _suggestions(
     for c in fitting:
         if len(out) == top:
             break
-        report = estimate_memory(
-            c.census,
-            w.policy,
-            activation=w.act,
-            model=w.model,
-            dims=c.dims,
-            optimizer_offload=w.offload,
-        )
+        report = _report(w, c)
         if report.max_total > capacity:
             continue
         c = attrs.evolve(c, peak=report.max_rank)

@@ -1,0 +1,228 @@
+"""LoRA adapters in any layout: placed beside the base layer that holds their weight.
+
+:func:`with_lora` adds to a layout (FSDP2, Megatron, inference, vLLM) the adapter
+tensors of :mod:`areal_fn.model.lora` as logical tensors, so that conversion, transfer
+plans, checkpoints and memory see them like any other tensor. For a base logical
+tensor ``W`` (``[out, in]``, possibly fused) that holds targeted weights:
+
+- ``<W's name stem>.lora_A.weight``: the members' ``lora_A`` stacked in the order the
+  fusion map first meets them, ``[k * r, in]`` for ``k`` fused members (PEFT's
+  ``lora_A`` itself when ``W`` is one weight);
+- ``<W's name stem>.lora_B.weight``: ``[out, r]``, its rows laid out exactly like
+  ``W``'s (Megatron's ``linear_qkv`` interleaves q/k/v rows per query group, and so
+  does its ``lora_B``; ``linear_fc1`` is ``[gate; up]``, and so is its ``lora_B``). The
+  rows of member ``i`` are computed from rows ``i*r .. (i+1)*r`` of ``lora_A x``, so the
+  fused pair computes what PEFT's separate adapters compute, and converting to and from
+  PEFT's tensors is a copy of boxes (bitwise).
+
+Placements, per mesh axis, from ``W``'s: a split of ``W``'s rows (column parallel:
+q/k/v/gate/up) splits ``lora_B``'s rows alike and replicates ``lora_A``; a split of
+``W``'s columns (row parallel: o/down) splits ``lora_A``'s columns alike and replicates
+``lora_B``; on FSDP2's ``dp_shard`` axis both are sharded on dim 0 like every other
+parameter (``lora_B`` exactly like ``W``, ``lora_A`` ``Shard(0)``).
+
+Refused (``LayoutError``): a fused tensor holding targeted and untargeted weights, or
+members of different ranks; a weight split over several logical tensors; pieces that
+are strided, tied, stacked or cut in the input dimension.
+"""
+
+from collections.abc import Sequence
+
+from areal_fn.errors import LayoutError
+from areal_fn.layouts.layout import FusionPiece, Layout, LogicalTensor
+from areal_fn.model.lora import LoraConfig, LoraTarget, lora_targets
+from areal_fn.model.spec import ModelSpec
+from areal_fn.sharding.box import Box
+from areal_fn.sharding.mesh import Axis
+from areal_fn.sharding.placement import Placement, Replicate, Shard, StridedShard
+from areal_fn.sharding.sharding import Sharding
+from areal_fn.typecheck import beartype
+
+__all__ = ["adapter_layout", "adapter_shardings", "with_lora"]
+
+
+def _rows_dim0(p: Placement) -> bool:
+    return isinstance(p, Shard | StridedShard) and p.dim == 0
+
+
+@beartype
+def adapter_shardings(name: str, base: Sharding) -> tuple[Sharding, Sharding]:
+    """``(lora_A, lora_B)`` shardings of the adapters of base tensor ``name`` sharded ``base``."""
+    a: list[Placement] = []
+    b: list[Placement] = []
+    for axis, p in zip(base.mesh.names, base.placements, strict=True):
+        if isinstance(p, Replicate):
+            a.append(p)
+            b.append(p)
+        elif axis == Axis.DP_SHARD and _rows_dim0(p):
+            a.append(Shard(dim=0))
+            b.append(p)
+        elif _rows_dim0(p):
+            a.append(Replicate())
+            b.append(p)
+        elif isinstance(p, Shard) and p.dim == 1:
+            a.append(p)
+            b.append(Replicate())
+        else:
+            raise LayoutError(
+                f"{name}: placement {p} on axis {axis!r} is neither a split of the rows nor of the "
+                "columns of a linear weight; LoRA adapters cannot be placed beside it"
+            )
+    return (
+        Sharding(mesh=base.mesh, placements=tuple(a)),
+        Sharding(mesh=base.mesh, placements=tuple(b)),
+    )
+
+
+def _stem(name: str) -> str:
+    return name.removesuffix(".weight")
+
+
+def _members(t: LogicalTensor, targets: dict[str, LoraTarget]) -> list[LoraTarget]:
+    """The targets ``t`` holds, in fusion order; refusals for the forms not modelled."""
+    names: list[str] = []
+    for f in t.fusion:
+        if f.canonical not in names and not f.tied:
+            names.append(f.canonical)
+    found = [targets[n] for n in names if n in targets]
+    if not found:
+        return []
+    other = [n for n in names if n not in targets]
+    if other:
+        raise LayoutError(
+            f"{t.name} fuses {names}; LoRA targets {[m.base for m in found]} of them but not "
+            f"{other}: target all of its modules or none"
+        )
+    ranks = {m.rank for m in found}
+    if len(ranks) > 1:
+        raise LayoutError(
+            f"{t.name} fuses {names} whose adapters have ranks {[m.rank for m in found]}; a fused "
+            "tensor's adapters share one rank: give its modules one rank (module_ranks)"
+        )
+    cols = found[0].in_features
+    if len(t.shape) != 2 or t.shape[1] != cols:
+        raise LayoutError(
+            f"{t.name} has shape {t.shape}, not [rows, {cols}]; LoRA is placed beside 2-D "
+            "linear weights only"
+        )
+    for f in t.fusion:
+        if f.view is not None or f.tied or f.stacked_dims:
+            raise LayoutError(
+                f"{t.name}: a strided, tied or stacked piece of {f.canonical}; not LoRA-able"
+            )
+        if f.canonical_box.ranges[1] != (0, cols) or f.logical_box.ranges[1] != (0, cols):
+            raise LayoutError(
+                f"{t.name}: its piece of {f.canonical} covers columns {f.canonical_box.ranges[1]} "
+                f"of {cols}; LoRA needs whole input rows"
+            )
+    return found
+
+
+def _adapters(t: LogicalTensor, members: Sequence[LoraTarget]) -> tuple[LogicalTensor, ...]:
+    r, cols = members[0].rank, members[0].in_features
+    a_name = {m.base: m.lora_a for m in members}
+    b_name = {m.base: m.lora_b for m in members}
+    a_fusion = tuple(
+        FusionPiece(
+            canonical=m.lora_a,
+            canonical_box=Box.full((r, cols)),
+            logical_box=Box(ranges=((i * r, (i + 1) * r), (0, cols))),
+        )
+        for i, m in enumerate(members)
+    )
+    b_fusion = tuple(
+        FusionPiece(
+            canonical=b_name[f.canonical],
+            canonical_box=Box(ranges=(f.canonical_box.ranges[0], (0, r))),
+            logical_box=Box(ranges=(f.logical_box.ranges[0], (0, r))),
+        )
+        for f in t.fusion
+        if f.canonical in a_name
+    )
+    sa, sb = adapter_shardings(t.name, t.sharding)
+    stem = _stem(t.name)
+    return (
+        LogicalTensor(
+            name=stem + ".lora_A.weight",
+            shape=(len(members) * r, cols),
+            dtype=members[0].tensors[0].dtype,
+            fusion=a_fusion,
+            sharding=sa,
+            present=t.present,
+        ),
+        LogicalTensor(
+            name=stem + ".lora_B.weight",
+            shape=(t.shape[0], r),
+            dtype=members[0].tensors[1].dtype,
+            fusion=b_fusion,
+            sharding=sb,
+            present=t.present,
+        ),
+    )
+
+
+def _adapter_tensors(
+    layout: Layout, model: ModelSpec, config: LoraConfig
+) -> list[tuple[int, tuple[LogicalTensor, ...]]]:
+    """(index of the base logical tensor, its adapters), in layout order."""
+    targets = {t.base: t for t in lora_targets(model, config)}
+    known = {c.name for c in layout.canonical}
+    absent = [n for n in targets if n not in known]
+    if absent:
+        raise LayoutError(
+            f"LoRA targets {absent[:3]} are not canonical tensors of this {layout.kind} layout; "
+            "pass the model the layout was built from"
+        )
+    held: dict[str, str] = {}
+    out = []
+    for i, t in enumerate(layout.tensors):
+        members = _members(t, targets)
+        for m in members:
+            if m.base in held:
+                raise LayoutError(
+                    f"{m.base} is held by {held[m.base]} and {t.name}; LoRA adapters are placed "
+                    "beside a weight one logical tensor holds"
+                )
+            held[m.base] = t.name
+        if members:
+            out.append((i, _adapters(t, members)))
+    lost = [n for n in targets if n not in held]
+    if lost:
+        raise LayoutError(
+            f"LoRA targets {lost[:3]} are held by no tensor of this {layout.kind} layout"
+        )
+    return out
+
+
+@beartype
+def with_lora(layout: Layout, model: ModelSpec, config: LoraConfig) -> Layout:
+    """``layout`` with the adapters of ``config`` beside their base tensors (each base tensor
+    followed by its ``lora_A`` and ``lora_B``; canonical tensors: the model's, then the
+    adapters in checkpoint order). ``model`` is the one ``layout`` was built from."""
+    adapters = dict(_adapter_tensors(layout, model, config))
+    tensors: list[LogicalTensor] = []
+    for i, t in enumerate(layout.tensors):
+        tensors.append(t)
+        tensors.extend(adapters.get(i, ()))
+    specs = tuple(s for t in lora_targets(model, config) for s in t.tensors)
+    return Layout(
+        kind=layout.kind,
+        world_size=layout.world_size,
+        canonical=layout.canonical + specs,
+        tensors=tuple(tensors),
+        stages=layout.stages,
+    )
+
+
+@beartype
+def adapter_layout(layout: Layout, model: ModelSpec, config: LoraConfig) -> Layout:
+    """The adapters of :func:`with_lora` alone (the trained part of a LoRA layout)."""
+    tensors = tuple(t for _, pair in _adapter_tensors(layout, model, config) for t in pair)
+    specs = tuple(s for t in lora_targets(model, config) for s in t.tensors)
+    return Layout(
+        kind=layout.kind,
+        world_size=layout.world_size,
+        canonical=specs,
+        tensors=tensors,
+        stages=layout.stages,
+    )
