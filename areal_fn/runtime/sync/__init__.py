@@ -4,9 +4,11 @@
 from :mod:`areal_fn.runtime.sync.executor`). The modules: ``group`` (the group and
 its store), ``auth`` (the group's secret, the members' proofs, the MACs of messages,
 votes and decisions), ``messages`` (what travels, packed, authenticated and checked),
-``progress`` (buckets started, the commit vote), ``executor`` (``send_and_receive``).
+``progress`` (buckets started, the commit vote), ``delta`` (delta syncs: ``DeltaState``),
+``executor`` (``send_and_receive``).
 """
 
+from areal_fn.runtime.sync.delta import DeltaState as DeltaState
 from areal_fn.runtime.sync.executor import SyncReport as SyncReport
 from areal_fn.runtime.sync.executor import send_and_receive as send_and_receive
 from areal_fn.runtime.sync.group import SyncError as SyncError

@@ -58,6 +58,13 @@ import torch
 from areal_fn.errors import PlanError
 from areal_fn.plans.transfer import BucketPlan, Transfer
 from areal_fn.plans.transfer_apply import copy_box, with_views
+from areal_fn.runtime.sync.delta import (
+    DeltaStaged,
+    DeltaState,
+    check_delta_tensors,
+    commit_delta,
+    run_delta_steps,
+)
 from areal_fn.runtime.sync.group import SyncError, SyncGroup, Transport, _fail, open_store
 from areal_fn.runtime.sync.messages import _Arrival, _exchange, _Message, _message, _Sealed
 from areal_fn.runtime.sync.progress import _Progress
@@ -65,7 +72,15 @@ from areal_fn.runtime.sync.staging import _buffers, release_staging
 from areal_fn.sharding.box import Box
 from areal_fn.typecheck import beartype
 
-__all__ = ["SyncError", "SyncGroup", "SyncReport", "Transport", "open_store", "send_and_receive"]
+__all__ = [
+    "DeltaState",
+    "SyncError",
+    "SyncGroup",
+    "SyncReport",
+    "Transport",
+    "open_store",
+    "send_and_receive",
+]
 
 
 @attrs.frozen(kw_only=True)
@@ -82,6 +97,11 @@ class SyncReport:
     buckets: int
     messages: int
     seconds: float
+    #: payload bytes this rank's messages hold dense (sent and received): what a full
+    #: sync moves; ``bytes_sent + bytes_received`` is what travelled
+    bytes_full: int = 0
+    #: messages this rank sent or received as deltas (``delta=``), not dense
+    delta_messages: int = 0
 
 
 # -- execution -------------------------------------------------------------------------
@@ -95,6 +115,7 @@ def send_and_receive(
     wire_dtype: torch.dtype | None = None,
     on_bucket: Callable[[int], None] | None = None,
     keep_staging: bool = False,
+    delta: DeltaState | None = None,
 ) -> SyncReport:
     """Execute ``plan`` on this rank: send its sources, receive and commit its destinations.
 
@@ -110,14 +131,19 @@ def send_and_receive(
     lives; reused memory is faster to fill); by default it is handed back when the sync
     ends: large CPU buffers keep their mappings with their pages given to the kernel
     (``MADV_FREE``: taken when memory is needed, else reused without page faults), the
-    rest is freed (:mod:`areal_fn.runtime.sync.staging`).
+    rest is freed (:mod:`areal_fn.runtime.sync.staging`). ``delta``: this rank's
+    :class:`~areal_fn.runtime.sync.delta.DeltaState` (every member passes one, or none
+    does): each message carries only the elements changed since the version its
+    receiver holds, else it goes dense (:mod:`areal_fn.runtime.sync.delta`).
 
     Raises :class:`~areal_fn.errors.PlanError` when this rank's tensors do not fit the
     plan and :class:`SyncError` when the sync fails; either way no live tensor
     changed, and the group is spent (:meth:`SyncGroup.renew`).
     """
     try:
-        return _send_and_receive(plan, src_tensors, dst_tensors, group, wire_dtype, on_bucket)
+        return _send_and_receive(
+            plan, src_tensors, dst_tensors, group, wire_dtype, on_bucket, delta
+        )
     finally:
         if not keep_staging:
             release_staging(group)
@@ -130,6 +156,7 @@ def _send_and_receive(
     group: SyncGroup,
     wire_dtype: torch.dtype | None,
     on_bucket: Callable[[int], None] | None,
+    delta: DeltaState | None = None,
 ) -> SyncReport:
     start = time.perf_counter()
     version, me = plan.version, group.rank
@@ -140,11 +167,22 @@ def _send_and_receive(
         src_tensors = with_views(plan.src_views, src_tensors, "source")
         dst_tensors = with_views(plan.dst_views, dst_tensors, "destination")
         steps, covered, device = _prepare(plan, me, src_tensors, dst_tensors, wire_dtype)
-        shadows = _shadows(group, covered, dst_tensors)
+        if delta is None:
+            shadows = _shadows(group, covered, dst_tensors)
+        else:
+            check_delta_tensors(steps, dst_tensors)
     except PlanError as e:
         _fail(group, seq, f"rank {me}: {e}")
         raise
     progress = _Progress(group, seq)
+    if delta is not None:
+        staged = run_delta_steps(
+            group, seq, version, steps, progress, src_tensors, device, on_bucket, delta
+        )
+        progress.advance(plan.buckets[-1].index + 2 if plan.buckets else 1, version)
+        progress.vote(version)
+        commit_delta(staged, version, src_tensors, dst_tensors, delta)
+        return _delta_report(staged, version, me, len(plan.buckets), start)
     counts = _run_steps(
         group, seq, version, steps, progress, src_tensors, shadows, device, on_bucket
     )
@@ -165,6 +203,26 @@ def _send_and_receive(
         buckets=len(plan.buckets),
         messages=messages,
         seconds=time.perf_counter() - start,
+        bytes_full=sent + received,
+    )
+
+
+def _delta_report(
+    staged: DeltaStaged, version: int, me: int, buckets: int, start: float
+) -> SyncReport:
+    copied = sum(t.nbytes for t in staged.copies)
+    return SyncReport(
+        version=version,
+        rank=me,
+        bytes_sent=staged.sent_bytes,
+        bytes_received=staged.received_bytes,
+        bytes_copied=copied,
+        overhead_bytes=staged.overhead,
+        buckets=buckets,
+        messages=len(staged.sent),
+        seconds=time.perf_counter() - start,
+        bytes_full=staged.full_bytes,
+        delta_messages=staged.deltas,
     )
 
 
@@ -331,7 +389,7 @@ def _forget(group: SyncGroup, seq: int) -> None:
     """Delete the store keys of sync ``seq`` (every member is past it by now)."""
     if seq < 0:
         return
-    keys = [f"at/{group.rank}", f"vote/{group.rank}"]
+    keys = [f"at/{group.rank}", f"vote/{group.rank}", f"holds/{group.rank}"]
     if group.rank == group.members[0]:
         keys += ["progress", "votes", "decision"]
     with contextlib.suppress(Exception):  # housekeeping only

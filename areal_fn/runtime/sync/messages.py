@@ -312,6 +312,17 @@ class _HeaderMismatch(RuntimeError):
     pass
 
 
+#: why a message that fails its MAC is refused (full and delta messages alike)
+AUTH_FAILED = (
+    "the message fails authentication: its MAC does not match this group's key over "
+    "the header (version, bucket, sender, receiver, sync) and the payload's GMAC, "
+    "so a process without the group's secret sent it, or its bytes were altered on "
+    "the way. Refused before unpacking; live tensors keep the previous version. Give "
+    "every member the same secret and keep other processes off the group's store and "
+    "ports"
+)
+
+
 def _pack(
     m: _Message,
     version: int,
@@ -401,14 +412,7 @@ def _check_header(
     if got[3] == want[3] and not hmac.compare_digest(
         bytes(payload_view(buf[FIELD_BYTES:HEADER_BYTES])), _tag(m, buf, key, seq, payload)
     ):
-        raise _HeaderMismatch(
-            "the message fails authentication: its MAC does not match this group's key over "
-            "the header (version, bucket, sender, receiver, sync) and the payload's GMAC, "
-            "so a process without the group's secret sent it, or its bytes were altered on "
-            "the way. Refused before unpacking; live tensors keep the previous version. Give "
-            "every member the same secret and keep other processes off the group's store and "
-            "ports"
-        )
+        raise _HeaderMismatch(AUTH_FAILED)
     if got[1] != want[1]:
         raise _HeaderMismatch(
             f"the sender syncs version {got[1]}, this rank expects version {want[1]}; both "
