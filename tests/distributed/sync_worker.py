@@ -18,6 +18,16 @@ Sections, in order (each needs the ranks alive that the previous ones left):
     ``k > 0``: every rank raises ``SyncError`` (receivers naming bucket ``k``, peer 1
     and the tensors), the inference weights stay v1 bitwise; then ``renew()`` and v2
     succeeds.
+``delta``
+    the trainer's AdamW at an RL learning rate (1e-5), fp32, synced as bf16
+    (``wire_dtype``) into plain bf16 tensors of the inference layout on ranks 2-3, each
+    version twice, over two groups: a full sync and a delta sync
+    (``delta=DeltaState()``); after each, the two are compared bitwise with each
+    other and with the trained weights. v11 goes full (no version held), v12-13 as
+    deltas; in v14 rank 2 claims a version no source kept (its messages go dense, rank
+    3's stay deltas); v15's delta messages are altered on the way from rank 0: every
+    rank raises, the delta tensors stay v14 bitwise; after ``renew()`` v16 lands as
+    a delta against v14.
 ``colocated``
     trainer ``fsdp:d2t2`` on ranks 0-3, inference ``t2`` on ranks 0-1 (local copies).
 ``auth``
@@ -75,6 +85,7 @@ from areal_fn.runtime.engines.fsdp2_apply import (  # noqa: E402
 )
 from areal_fn.runtime.sync.auth import SECRET_ENV  # noqa: E402
 from areal_fn.runtime.sync.executor import (  # noqa: E402
+    DeltaState,
     SyncError,
     SyncGroup,
     SyncReport,
@@ -194,6 +205,8 @@ class Recorder:
             "buckets": r.buckets,
             "messages": r.messages,
             "seconds": round(r.seconds, 4),
+            "bytes_full": r.bytes_full,
+            "delta_messages": r.delta_messages,
         }
 
     def error(self, key: str, e: SyncError, seconds: float) -> None:
@@ -450,6 +463,141 @@ def section_stall(rec: Recorder, st: State) -> None:
         check_logits(rec, "stall.retry", st.infer, reference_logits(s, new))
 
 
+DELTA_LR = 1e-5  # an RL learning rate: most bf16 weights do not change in a step
+DELTA_STEPS = 3
+
+
+class Tamper:
+    """A transport that flips the last byte of every buffer it sends (a man in the middle)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int, /) -> Any:
+        tensors[0][-1] ^= 0xFF
+        return self.inner.send(tensors, dst, tag)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int, /) -> Any:
+        return self.inner.recv(tensors, src, tag)
+
+    def abort(self) -> None:
+        self.inner.abort()
+
+
+def _bf16_live(
+    st: State, rank: int, canonical: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    if rank not in INFER:
+        return {}
+    assert st.infer_layout is not None
+    bf16 = {n: t.to(torch.bfloat16) for n, t in canonical.items()}
+    return {lt.name: materialize_local(lt, bf16) for lt in st.infer_layout.local_tensors(rank - 2)}
+
+
+def _delta_round(
+    rec: Recorder,
+    st: State,
+    groups: dict[str, SyncGroup],
+    lives: dict[str, dict[str, torch.Tensor]],
+    state: DeltaState,
+    version: int,
+    key: str,
+) -> None:
+    """One AdamW step, then sync ``version`` both ways (full, delta) and compare bitwise
+    with each other and with the trained weights in bf16."""
+    rank = rec.rank
+    assert st.fsdp is not None and st.infer_layout is not None
+    canonical = broadcast_canonical(trainer_step(st, rank) if rank in TRAINER else None)
+    bp = bucket(
+        plan_transfers(st.fsdp, st.infer_layout, src_ranks=TRAINER, dst_ranks=INFER),
+        BUCKET_BYTES,
+        version=version,
+    )
+    src = sources(st, rank)
+    full = send_and_receive(
+        bp,
+        src_tensors=src,
+        dst_tensors=lives["full"],
+        group=groups["full"],
+        wire_dtype=torch.bfloat16,
+    )
+    rec.report(f"{key}.full", full)
+    report = send_and_receive(
+        bp,
+        src_tensors=src,
+        dst_tensors=lives["delta"],
+        group=groups["delta"],
+        wire_dtype=torch.bfloat16,
+        delta=state,
+    )
+    rec.report(key, report)
+    if rank in INFER:
+        want = _bf16_live(st, rank, canonical)
+        for name, t in lives["delta"].items():
+            rec.check(
+                same(t, lives["full"][name]), "delta.equals_full", version=version, tensor=name
+            )
+            rec.check(same(t, want[name]), "delta.equals_trained", version=version, tensor=name)
+
+
+def section_delta(rec: Recorder, st: State) -> None:
+    """Delta syncs after real AdamW steps (fp32 trainer, bf16 on the wire and in the
+    destinations) against full syncs of the same versions; a version mismatch; a
+    tampered delta."""
+    rank = rec.rank
+    assert st.optimizer is not None or rank not in TRAINER
+    if st.optimizer is not None:
+        for g in st.optimizer.param_groups:
+            g["lr"] = DELTA_LR
+    groups = {
+        w: SyncGroup.from_world(
+            range(WORLD), timeout_s=TIMEOUT_S, connect_timeout_s=60, name=f"delta_{w}"
+        )
+        for w in ("full", "delta")
+    }
+    start = _bf16_live(st, rank, st.canonical)
+    lives = {"full": start, "delta": {n: t.clone() for n, t in start.items()}}
+    state = DeltaState()
+    for i in range(DELTA_STEPS):  # v11 is full (no version held), then deltas
+        _delta_round(rec, st, groups, lives, state, 11 + i, f"delta.v{11 + i}")
+    rec.measured["delta.kept_bytes"] = state.kept_bytes
+    # a mismatch: rank 2 claims a version no source kept; its messages go dense
+    if rank == 2:
+        state.holds = 999
+    _delta_round(rec, st, groups, lives, state, 14, "delta.mismatch")
+    # a tampered delta: refused like a tampered full message, nothing changes
+    held = {n: t.clone() for n, t in lives["delta"].items()}
+    assert st.fsdp is not None and st.infer_layout is not None
+    if rank in TRAINER:
+        st.optimizer.step()  # type: ignore[union-attr]
+    bp = bucket(
+        plan_transfers(st.fsdp, st.infer_layout, src_ranks=TRAINER, dst_ranks=INFER),
+        BUCKET_BYTES,
+        version=15,
+    )
+    if rank == 0:
+        groups["delta"]._pg = Tamper(groups["delta"].pg)
+    try:
+        send_and_receive(
+            bp,
+            src_tensors=sources(st, rank),
+            dst_tensors=lives["delta"],
+            group=groups["delta"],
+            wire_dtype=torch.bfloat16,
+            delta=state,
+        )
+        rec.fail("delta.tampered.raised", what="the tampered delta sync returned")
+    except SyncError as e:
+        rec.error("delta.tampered", e, 0.0)
+    for name, t in lives["delta"].items():
+        rec.check(same(t, held[name]), "delta.tampered_unchanged", tensor=name)
+    rec.measured["delta.holds_after_tamper"] = state.holds
+    groups["delta"] = groups["delta"].renew()
+    _delta_round(rec, st, groups, lives, state, 16, "delta.after_tamper")
+    for g in groups.values():
+        g.abort()
+
+
 def section_colocated(rec: Recorder, st: State) -> None:
     rank, meshes = rec.rank, st.meshes
     s = spec()
@@ -658,6 +806,7 @@ def main() -> int:
         st = State(meshes)
         guarded(rec, "split", lambda: section_split(rec, st))
         guarded(rec, "stall", lambda: section_stall(rec, st))
+        guarded(rec, "delta", lambda: section_delta(rec, st))
         guarded(rec, "colocated", lambda: section_colocated(rec, st))
         guarded(rec, "auth", lambda: section_auth(rec, st))
         guarded(rec, "death", lambda: section_death(rec, st, out))

@@ -872,3 +872,50 @@ class TestLaunch:
             c = records[rank]["counts"]
             assert c["death.unchanged.checked"] == c["death.retry_weights.checked"] == N_TENSORS
             assert records[rank]["measured"]["death.retry.logits_max_abs_diff"] <= 2e-6
+
+    def test_delta_syncs_equal_full_syncs_after_adamw_steps(
+        self, records: list[dict[str, Any]]
+    ) -> None:
+        steps = [f"delta.v{v}" for v in (11, 12, 13)] + ["delta.mismatch", "delta.after_tamper"]
+        for rank in (2, 3):
+            c = records[rank]["counts"]
+            n = c["delta.equals_full.checked"]
+            assert n == c["delta.equals_trained.checked"] == 5 * N_TENSORS
+            reps = records[rank]["reports"]
+            assert all(s in reps and f"{s}.full" in reps for s in steps), sorted(reps)
+            first = reps["delta.v11"]
+            assert first["delta_messages"] == 0
+            assert (
+                first["bytes_received"]
+                == first["bytes_full"]
+                == reps["delta.v11.full"]["bytes_received"]
+            )
+            for s in ("delta.v12", "delta.v13", "delta.after_tamper"):
+                assert reps[s]["delta_messages"] > 0
+                assert reps[s]["bytes_full"] == reps[f"{s}.full"]["bytes_received"]
+                assert reps[s]["bytes_received"] < 0.5 * reps[s]["bytes_full"], reps[s]
+        for rank in (0, 1):
+            assert records[rank]["measured"]["delta.kept_bytes"] > 0
+
+    def test_a_delta_version_mismatch_falls_back_to_full(
+        self, records: list[dict[str, Any]]
+    ) -> None:
+        stray, kept = (
+            records[2]["reports"]["delta.mismatch"],
+            records[3]["reports"]["delta.mismatch"],
+        )
+        assert stray["delta_messages"] == 0 and stray["bytes_received"] == stray["bytes_full"]
+        assert kept["delta_messages"] > 0 and kept["bytes_received"] < kept["bytes_full"]
+
+    def test_a_tampered_delta_is_refused_like_a_tampered_full_message(
+        self, records: list[dict[str, Any]]
+    ) -> None:
+        for rec in records:
+            assert rec["errors"]["delta.tampered"]["version"] == 15
+        direct = [records[r]["errors"]["delta.tampered"] for r in (2, 3)]
+        assert any(e["peer"] == 0 for e in direct), direct
+        for e in direct:
+            assert "the message fails authentication: its MAC does not match" in e["message"]
+        for rank in (2, 3):
+            assert records[rank]["counts"]["delta.tampered_unchanged.checked"] == N_TENSORS
+            assert records[rank]["measured"]["delta.holds_after_tamper"] == 14
