@@ -286,8 +286,20 @@ def _add_convert_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser
         action="store_true",
         help="leave out the checkpoint's multi-token-prediction layers (listed as not carried)",
     )
+    _add_fp8_flag(conv)
     conv.add_argument("--json", action="store_true", help="print one JSON document (docs/cli.md)")
     conv.set_defaults(func=cmd_convert)
+
+
+def _add_fp8_flag(conv: argparse.ArgumentParser) -> None:
+    conv.add_argument(
+        "--fp8",
+        metavar="ROWSxCOLS",
+        default=None,
+        help="--to-hf from rank files: write the decoder layers' Linear weights as block FP8 "
+        "(float8_e4m3fn and one float32 weight_scale_inv per block, e.g. 128x128), with its "
+        "quantization_config in config.json (docs/conversion.md)",
+    )
 
 
 #: What the library's messages say in Python, and what the command line says instead.

@@ -58,22 +58,22 @@ def check_canonical(
         )
 
 
-_QUANTISED = ("weight_scale_inv", "_blocks", "_scales")
-
-
 def _unexpected_hint(unexpected: Sequence[str], specs: tuple[TensorSpec, ...]) -> str:
     """What unexpected names usually mean: quantised weights, multi-token-prediction layers."""
     hints = []
-    if any(n.endswith(_QUANTISED) for n in unexpected):
+    if any(n.endswith("weight_scale_inv") for n in unexpected):
         hints.append(
-            "; the checkpoint holds quantised weights (FP8 'weight_scale_inv', MXFP4 "
-            "'_blocks'/'_scales'): dequantise it to the dtype of its config.json first"
+            "; the checkpoint holds FP8 weights ('weight_scale_inv') its config.json does not "
+            "declare: block FP8 is read, dequantised, when config.json's quantization_config "
+            "says quant_method fp8 (put the config.json published with the weights beside them)"
         )
     if any(n.endswith(("_blocks", "_scales")) for n in unexpected):
         hints.append(
-            " (MXFP4 gpt-oss experts: transformers' from_pretrained with "
-            "quantization_config=Mxfp4Config(dequantize=True), then save_pretrained, writes "
-            "the bf16 'gate_up_proj' / 'down_proj' this model reads)"
+            "; the checkpoint holds MXFP4 weights ('_blocks'/'_scales'), which are not read: "
+            "dequantise it to the dtype of its config.json first (MXFP4 gpt-oss experts: "
+            "transformers' from_pretrained with quantization_config=Mxfp4Config(dequantize="
+            "True), then save_pretrained, writes the bf16 'gate_up_proj' / 'down_proj' this "
+            "model reads)"
         )
     layers = {n.split(".")[2] for n in (s.name for s in specs) if n.startswith("model.layers.")}
     extra = sorted(

@@ -63,6 +63,7 @@ STRINGS: dict[str, tuple[list[str], list[str]]] = {
     "component": (["actor", "megatron", "megatron[actor]"], ["sglang", "fsdp", "x"]),
     "model": (["demo", "Qwen3-8B"], ["{hf}", "nope", "{file}"]),
     "format": (["rank-files", "torch_dist"], ["safetensors"]),
+    "fp8": (["128x128", "16x16"], ["0x128", "128", "x16"]),
 }
 #: Positionals of each command: pools per positional ("" leaves an optional one out).
 POSITIONALS: dict[str, list[tuple[list[str], list[str]]]] = {

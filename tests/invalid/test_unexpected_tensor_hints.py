@@ -1,5 +1,6 @@
-"""Unexpected checkpoint tensors that usually mean something: quantised weights (FP8 /
-MXFP4 scales) and multi-token-prediction layers past ``num_hidden_layers``."""
+"""Unexpected checkpoint tensors that usually mean something: quantised weights (FP8
+scales without a config that declares them, MXFP4 blocks) and multi-token-prediction
+layers past ``num_hidden_layers``."""
 
 import pytest
 import torch
@@ -24,8 +25,9 @@ CASES = [
         "FP8 scales",
         ["model.layers.0.self_attn.q_a_proj.weight_scale_inv"],
         r"unexpected 1: \['model\.layers\.0\.self_attn\.q_a_proj\.weight_scale_inv'\].*the "
-        r"checkpoint holds quantised weights \(FP8 'weight_scale_inv', MXFP4 "
-        r"'_blocks'/'_scales'\): dequantise it to the dtype of its config\.json first$",
+        r"checkpoint holds FP8 weights \('weight_scale_inv'\) its config\.json does not "
+        r"declare: block FP8 is read, dequantised, when config\.json's quantization_config says "
+        r"quant_method fp8 \(put the config\.json published with the weights beside them\)$",
     ),
     (
         "an MTP layer",
@@ -74,7 +76,8 @@ def test_mxfp4_gpt_oss_checkpoint_is_refused_with_the_way_to_dequantise() -> Non
     with pytest.raises(
         ConversionError,
         match=r"missing 2: \['model\.layers\.0\.mlp\.experts\.gate_up_proj', .*unexpected 4: "
-        r".*gate_up_proj_blocks.*dequantise it to the dtype of its config\.json first \(MXFP4 "
+        r".*gate_up_proj_blocks.*; the checkpoint holds MXFP4 weights \('_blocks'/'_scales'\), "
+        r"which are not read: dequantise it to the dtype of its config\.json first \(MXFP4 "
         r"gpt-oss experts: transformers' from_pretrained with "
         r"quantization_config=Mxfp4Config\(dequantize=True\), then save_pretrained, writes the "
         r"bf16 'gate_up_proj' / 'down_proj' this model reads\)$",

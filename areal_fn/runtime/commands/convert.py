@@ -170,6 +170,16 @@ def _check_direction_flags(args: argparse.Namespace, fmt: str) -> None:
             f"--model {args.model} applies to --to-hf (the model of rank files without a "
             "config.json); converting an HF checkpoint reads its own config.json: drop --model"
         )
+    if args.fp8 is not None and not (args.to_hf and fmt == "rank-files"):
+        raise ConversionError(
+            f"--fp8 {args.fp8} writes the HF checkpoint of --to-hf from rank files as block "
+            "FP8; "
+            + (
+                "a torch_dist SRC is written unquantised: convert it to HF, then to rank files"
+                if args.to_hf
+                else "reading an HF checkpoint reads its FP8 weights as they are: drop it"
+            )
+        )
     if args.component is not None and args.allocation is None:
         raise ConversionError(
             f"--component {args.component} picks a component of the ALLOCATION given, and "
@@ -272,7 +282,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
         model = None if args.model is None else _model(args.model)
         with _bar("to HF", _total_hf(src, args.model)) as tick:
             summary = convert_back(
-                src, alloc, dst, model=model, overwrite=args.overwrite, progress=tick
+                src,
+                alloc,
+                dst,
+                model=model,
+                overwrite=args.overwrite,
+                progress=tick,
+                fp8=_fp8(args),
             )
         recorded = _recorded(src, alloc)
     else:
@@ -318,6 +334,21 @@ def _recorded(src: str, given: str | None) -> str | None:
         return given
     header, _, _ = read_safetensors_header(Path(src) / rank_file(0))
     return str((header.get("__metadata__") or {}).get("allocation")) or None
+
+
+def _fp8(args: argparse.Namespace) -> Any:
+    """The FP8 format ``--fp8 ROWSxCOLS`` asks for (None without it)."""
+    from areal_fn.model.quantized import Fp8Format
+
+    if args.fp8 is None:
+        return None
+    rows, x, cols = args.fp8.partition("x")
+    if not (x and rows.isdigit() and cols.isdigit() and int(rows) > 0 and int(cols) > 0):
+        raise ConversionError(
+            f"--fp8 {args.fp8!r} is not a block size; pass ROWSxCOLS, e.g. --fp8 128x128 "
+            "(DeepSeek-V3's)"
+        )
+    return Fp8Format(block=(int(rows), int(cols)))
 
 
 def _model(arg: str) -> Any:

@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 
 from areal_fn.errors import ConversionError
 from areal_fn.layouts.layout import Layout
+from areal_fn.model.quantized import Fp8Format
 from areal_fn.model.spec import ModelSpec, load_hf_config, model_from_hf_config
 from areal_fn.plans.convert import iter_to_hf, iter_to_megatron
 from areal_fn.runtime.hf import rank_files
@@ -409,6 +410,21 @@ def _check_files(
         )
 
 
+def _model_of(src: Path, model: ModelSpec | None, *, mtp: bool) -> ModelSpec:
+    """``model``, else the one of ``src/config.json``; the two must agree when both are."""
+    if model is None:
+        if not (src / CONFIG).is_file():
+            raise ConversionError(f"{src} has no {CONFIG}; pass model= (a ModelSpec)")
+        return model_from_hf_config(load_hf_config(src / CONFIG), mtp=mtp)
+    if (src / CONFIG).is_file():
+        config = load_hf_config(src / CONFIG)
+        if model_from_hf_config(config, mtp=mtp).tensors != model.tensors:
+            raise ConversionError(
+                f"{src / CONFIG} describes another model than model=; drop model= or the file"
+            )
+    return model
+
+
 @beartype
 def convert_back(
     src_dir: _PathLike,
@@ -420,6 +436,7 @@ def convert_back(
     check_replicas: bool = True,
     overwrite: bool = False,
     progress: Callable[[str], None] | None = None,
+    fp8: Fp8Format | None = None,
 ) -> ConvertSummary:
     """Per-rank safetensors files (every rank of ``target``) -> a sharded HF checkpoint.
 
@@ -434,6 +451,10 @@ def convert_back(
     With ``check_replicas`` every replicated copy must agree bitwise. Every file's
     recorded checksum (:mod:`~areal_fn.runtime.hf.rank_files`) is verified before
     anything is written. ``progress`` is called with each canonical tensor name written.
+    ``fp8`` writes the weights it quantises as block FP8 with their scales and says so in
+    ``config.json`` (``write_hf_checkpoint(fp8=)``); the summary counts the tensors and
+    bytes of the model in its own dtype. Without it a ``config.json`` saying FP8 (carried
+    from an FP8 source) loses its ``quantization_config``: the weights are not FP8.
     """
     src, dst = Path(src_dir), Path(dst_hf_dir)
     start = time.perf_counter()
@@ -441,18 +462,7 @@ def convert_back(
     headers = {r: _header(p) for r, p in files.items()}
     metadata = {h.path.name: dict(h.metadata) for h in headers.values()}
     mtp = any(m.get("mtp_layers", "0") != "0" for m in metadata.values())  # written with them
-    config: dict[str, object] | None = None
-    if model is None:
-        if not (src / CONFIG).is_file():
-            raise ConversionError(f"{src} has no {CONFIG}; pass model= (a ModelSpec)")
-        config = load_hf_config(src / CONFIG)
-        model = model_from_hf_config(config, mtp=mtp)
-    elif (src / CONFIG).is_file():
-        config = load_hf_config(src / CONFIG)
-        if model_from_hf_config(config, mtp=mtp).tensors != model.tensors:
-            raise ConversionError(
-                f"{src / CONFIG} describes another model than model=; drop model= or the file"
-            )
+    model = _model_of(src, model, mtp=mtp)
     if target is None:
         target = rank_files.recorded_allocation(metadata, str(src))
     elif not isinstance(target, Layout):
@@ -479,6 +489,7 @@ def convert_back(
         files=hf.files,
         max_shard_bytes=max_shard_bytes,
         overwrite=overwrite,
+        fp8=fp8,
     )
     return ConvertSummary(
         path=str(dst),

@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 
 from areal_fn.errors import ConversionError
 from areal_fn.model.mtp import mtp_names
+from areal_fn.model.quantized import Fp8Format, scale_name
 from areal_fn.model.spec import ModelSpec
 from areal_fn.plans.convert import check_canonical
 from areal_fn.runtime.replace_dir import check_overwrite, new_output_dir, replace_dir
@@ -168,6 +169,15 @@ class HfCheckpoint:
         else:
             raise ConversionError(f"{self.path} holds neither {SINGLE} nor {INDEX}")
         self._handles: dict[str, object] = {}
+        from areal_fn.runtime.hf.fp8_io import fp8_weights
+
+        stored = tuple(self._file_of)
+        self.fp8 = fp8_weights(
+            self.path, stored, lambda n: tuple(self._slice(n).get_shape()), self._stored_dtype
+        )
+        self._fp8_names = self.fp8.names if self.fp8 is not None else frozenset()
+        hidden = self.fp8.hidden if self.fp8 is not None else frozenset()
+        self._names = tuple(n for n in stored if n not in hidden)
 
     def _handle(self, fname: str):  # type: ignore[no-untyped-def]
         if fname not in self._handles:
@@ -179,6 +189,12 @@ class HfCheckpoint:
 
     @property
     def names(self) -> tuple[str, ...]:
+        """The checkpoint's tensors (an FP8 checkpoint's weights, not their scales)."""
+        return self._names
+
+    @property
+    def stored(self) -> tuple[str, ...]:
+        """Every tensor the files hold (an FP8 checkpoint's scales too)."""
         return tuple(self._file_of)
 
     @property
@@ -191,6 +207,13 @@ class HfCheckpoint:
         return tuple(self._slice(name).get_shape())
 
     def dtype(self, name: str) -> str:
+        """The dtype ``read`` gives (an FP8 weight's: the config's ``torch_dtype``)."""
+        if name in self._fp8_names:
+            assert self.fp8 is not None
+            return str(self.fp8.dtype).removeprefix("torch.")
+        return self._stored_dtype(name)
+
+    def _stored_dtype(self, name: str) -> str:
         return str(self._slice(name).get_dtype())
 
     def _slice(self, name: str):  # type: ignore[no-untyped-def]
@@ -199,7 +222,8 @@ class HfCheckpoint:
         return self._handle(self._file_of[name]).get_slice(name)
 
     def read(self, name: str, box: Box) -> torch.Tensor:
-        """Only ``box`` of tensor ``name`` (memory-mapped, copied out)."""
+        """Only ``box`` of tensor ``name`` (memory-mapped, copied out; an FP8 weight's
+        values and the scales of its blocks, dequantised)."""
         sl = self._slice(name)
         if box.ndim != len(sl.get_shape()):
             raise ConversionError(
@@ -207,9 +231,15 @@ class HfCheckpoint:
             )
         if box.ndim == 0:
             return self._handle(self._file_of[name]).get_tensor(name)
+        if name in self._fp8_names:
+            assert self.fp8 is not None
+            scales = self._slice(scale_name(name))
+            return self.fp8.read(name, box, lambda b: sl[b.slices()], lambda g: scales[g.slices()])
         return sl[box.slices()]
 
     def read_full(self, name: str) -> torch.Tensor:
+        if name in self._fp8_names:
+            return self.read(name, Box.full(self.shape(name)))
         return self._handle(self._file_of[name]).get_tensor(name)
 
     def check(
@@ -247,6 +277,7 @@ def write_hf_checkpoint(
     files: "Mapping[str, bytes] | Iterable[tuple[str, bytes]]" = (),
     max_shard_bytes: int = 5 << 30,
     overwrite: bool = False,
+    fp8: "Fp8Format | None" = None,
 ) -> Path:
     """Write tensors as a (sharded) HF safetensors checkpoint at ``path``, atomically.
 
@@ -258,8 +289,16 @@ def write_hf_checkpoint(
     see :mod:`areal_fn.runtime.hf.files`). An existing ``path`` needs ``overwrite=True``
     and is then replaced whole (:func:`~areal_fn.runtime.replace_dir.check_overwrite`):
     it may hold only the files the new checkpoint holds and HF weight files.
+
+    ``fp8`` (an :class:`~areal_fn.model.quantized.Fp8Format`) writes block-quantised FP8
+    weights: each tensor :func:`~areal_fn.model.quantized.is_fp8_quantized` names as
+    ``float8_e4m3fn`` values and its ``weight_scale_inv``, with the format's
+    ``quantization_config`` in ``config.json``. Without it, a ``config.json`` that says
+    FP8 loses its ``quantization_config`` when no FP8 tensor is written (the weights are
+    then in their own dtype, as transformers must read them).
     """
     from areal_fn.runtime.hf.files import carried_files
+    from areal_fn.runtime.hf.fp8_io import quantized_stream
 
     extra = carried_files(files)
     dest = Path(path)
@@ -274,6 +313,11 @@ def write_hf_checkpoint(
     items: Iterator[tuple[str, torch.Tensor]] = iter(
         tensors.items() if isinstance(tensors, Mapping) else tensors
     )
+    scales: set[str] = set()
+    if fp8 is not None:
+        items = quantized_stream(items, fp8, scales)
+    fp8_seen: list[str] = []
+    items = _noting_fp8(items, fp8_seen)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = new_output_dir(dest)
     left = (
@@ -286,12 +330,13 @@ def write_hf_checkpoint(
             items, tmp, dest=dest, max_shard_bytes=max_shard_bytes, left=left
         )
         if model is not None:
-            fake = {n: torch.empty(s, device="meta") for n, s in shapes.items()}
+            fake = {n: torch.empty(s, device="meta") for n, s in shapes.items() if n not in scales}
             check_canonical(fake, model.tensors)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     try:  # completing the checkpoint in ``tmp``, then putting it in place
+        config = _quantization(config, model, fp8, quantised=bool(fp8_seen))
         _complete(tmp, shards, total, config=config, model=model, files=extra)
         replace_dir(tmp, dest)
         return dest
@@ -300,6 +345,37 @@ def write_hf_checkpoint(
         if is_write_failure(e):
             raise write_error(e, _written(e, tmp, dest), dest=dest, left=left) from None
         raise
+
+
+def _noting_fp8(
+    items: Iterator[tuple[str, torch.Tensor]], seen: list[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``items`` unchanged, the names of those stored as FP8 appended to ``seen``."""
+    for name, t in items:
+        if t.dtype == torch.float8_e4m3fn:
+            seen.append(name)
+        yield name, t
+
+
+def _quantization(
+    config: Mapping[str, object] | bytes | None,
+    model: ModelSpec | None,
+    fp8: "Fp8Format | None",
+    *,
+    quantised: bool,
+) -> Mapping[str, object] | bytes | None:
+    """The ``config.json`` to write: with ``fp8``'s ``quantization_config``, or without
+    an FP8 one when nothing quantised was written; else ``config`` as given."""
+    from areal_fn.model.quantized import fp8_format
+    from areal_fn.runtime.hf.fp8_io import fp8_config
+
+    cfg = config if config is not None else (model.hf_config() if model is not None else None)
+    if cfg is None:
+        return None
+    parsed = json.loads(cfg) if isinstance(cfg, bytes) else cfg
+    if fp8 is None and (quantised or fp8_format(parsed) is None):
+        return config
+    return fp8_config(parsed, fp8 if quantised else None)
 
 
 def _check_write(

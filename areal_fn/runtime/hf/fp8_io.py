@@ -1,0 +1,170 @@
+"""Block-quantised FP8 HF checkpoints: read as the model's dtype, written from it.
+
+Reading: a checkpoint whose ``config.json`` has ``quantization_config`` ``quant_method:
+fp8`` (:func:`~areal_fn.model.quantized.fp8_format`) holds, beside each quantised
+``x.weight`` (``float8_e4m3fn``), its ``x.weight_scale_inv`` (float32, one per block).
+:class:`Fp8Weights` says which tensors those are; the readers
+(:class:`~areal_fn.runtime.hf.io.HfCheckpoint`, :func:`~areal_fn.runtime.hf.load_into.load_into`)
+then show each such weight under its own name, shape and the config's ``torch_dtype``,
+and dequantise only the box read (:func:`~areal_fn.plans.fp8.dequantize_fp8`), one
+tensor at a time. The scales are not shown as tensors of their own.
+
+Writing: :func:`quantized_stream` turns a stream of canonical tensors into the stored
+ones (each weight :func:`~areal_fn.model.quantized.is_fp8_quantized` names as its FP8
+values and scales, the rest unchanged) and :func:`fp8_config` the ``config.json`` that
+says so.
+"""
+
+import json
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+
+import attrs
+import torch
+
+from areal_fn.errors import ConversionError
+from areal_fn.model.quantized import Fp8Format, fp8_format, is_fp8_quantized, scale_name
+from areal_fn.model.tensor_spec import torch_dtype
+from areal_fn.plans.fp8 import block_amax, dequantize_fp8, quantize_fp8, scale_grid
+from areal_fn.plans.tensor_check import listing
+from areal_fn.sharding.box import Box
+
+__all__ = ["Fp8Weights", "fp8_config", "fp8_weights", "quantized_stream"]
+
+#: safetensors' names of the dtypes an FP8 weight and its scale are stored in
+_FP8, _F32 = "F8_E4M3", "F32"
+_SAFETENSORS = {"float8_e4m3fn": _FP8, "float32": _F32}
+
+
+def _stored(dtype: str) -> str:
+    """safetensors' dtype name (``F8_E4M3``) of a dtype as a reader reports it."""
+    return _SAFETENSORS.get(dtype.removeprefix("torch."), dtype)
+
+
+@attrs.frozen(kw_only=True)
+class Fp8Weights:
+    """The quantised weights of a checkpoint: ``scales`` maps each to its scale tensor."""
+
+    fmt: Fp8Format
+    dtype: torch.dtype
+    scales: tuple[tuple[str, str], ...]
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(w for w, _ in self.scales)
+
+    @property
+    def hidden(self) -> frozenset[str]:
+        """The scale tensors, which readers do not show."""
+        return frozenset(s for _, s in self.scales)
+
+    def read(
+        self,
+        name: str,
+        box: Box,
+        values: Callable[[Box], torch.Tensor],
+        scales: Callable[[Box], torch.Tensor],
+    ) -> torch.Tensor:
+        """``box`` of weight ``name`` dequantised: ``values(box)`` its FP8 values,
+        ``scales(grid_box)`` the scales of the blocks the box touches."""
+        (r0, r1), (c0, c1) = box.ranges
+        bm, bn = self.fmt.block
+        grid = Box._trusted(((r0 // bm, -(-r1 // bm)), (c0 // bn, -(-c1 // bn))))
+        return dequantize_fp8(
+            values(box), scales(grid), block=self.fmt.block, dtype=self.dtype, origin=(r0, c0)
+        )
+
+
+def _config(path: Path) -> Mapping[str, object] | None:
+    f = path / "config.json"
+    if not f.is_file():
+        return None
+    try:
+        data = json.loads(f.read_text())
+    except ValueError as e:
+        raise ConversionError(f"{f} is not JSON ({e})") from None
+    return data if isinstance(data, dict) else None
+
+
+def fp8_weights(
+    path: Path,
+    names: "tuple[str, ...]",
+    shape: Callable[[str], tuple[int, ...]],
+    dtype: Callable[[str], str],
+) -> Fp8Weights | None:
+    """The FP8 weights of the checkpoint in ``path`` (``names``: its stored tensors,
+    ``shape``/``dtype``: theirs, asked only of an FP8 checkpoint), None when its
+    ``config.json`` says nothing of FP8.
+
+    ``ConversionError`` when a scale belongs to no FP8 weight or has the wrong shape, or
+    an FP8 weight has no scale: the file does not match its ``quantization_config``.
+    """
+    config = _config(path)
+    fmt = fp8_format(config) if config is not None else None
+    if fmt is None:
+        return None
+    assert config is not None
+    target = torch_dtype(str(config.get("torch_dtype") or config.get("dtype") or "bfloat16"))
+    shapes = {n: shape(n) for n in names}
+    dtypes = {n: dtype(n) for n in names}
+    pairs, problems = [], []
+    for name, dims in shapes.items():
+        s = scale_name(name)
+        quantised = _stored(dtypes[name]) == _FP8
+        if s not in shapes:
+            if quantised:
+                problems.append(f"{name} is FP8 without {s}")
+            continue
+        want = scale_grid((dims[0], dims[1]), fmt.block) if len(dims) == 2 else None
+        if not quantised or want != shapes[s] or _stored(dtypes[s]) != _F32:
+            problems.append(
+                f"{name} ({dtypes[name]}, {dims}) and {s} ({dtypes[s]}, {shapes[s]}): an FP8 "
+                f"weight's float32 scales of {fmt.block[0]}x{fmt.block[1]} blocks are {want}"
+            )
+            continue
+        pairs.append((name, s))
+    orphans = [
+        n for n in shapes if n.endswith("_scale_inv") and n.removesuffix("_scale_inv") not in shapes
+    ]
+    if orphans:
+        problems.append(f"scales of no tensor {listing(orphans)}")
+    if problems:
+        raise ConversionError(
+            f"{path} does not hold what its quantization_config says (block FP8 weights, "
+            f"{fmt.block[0]}x{fmt.block[1]} blocks): {'; '.join(problems[:6])}; download or "
+            "save it again, or fix weight_block_size"
+        )
+    return Fp8Weights(fmt=fmt, dtype=target, scales=tuple(sorted(pairs)))
+
+
+def fp8_config(config: Mapping[str, object], fmt: Fp8Format | None) -> dict[str, object]:
+    """``config`` with the ``quantization_config`` of ``fmt`` (None: without an FP8 one,
+    the weights being written unquantised). ``ConversionError`` for a config quantised
+    by another method."""
+    out = dict(config)
+    q = out.get("quantization_config")
+    if isinstance(q, Mapping) and q.get("quant_method") != "fp8" and fmt is not None:
+        raise ConversionError(
+            f"config.json says quant_method={q.get('quant_method')!r}: an FP8 checkpoint "
+            "of it would say two formats; write it without FP8"
+        )
+    if fmt is not None:
+        out["quantization_config"] = fmt.quantization_config()
+    elif isinstance(q, Mapping) and q.get("quant_method") == "fp8":
+        del out["quantization_config"]
+    return out
+
+
+def quantized_stream(
+    items: Iterator[tuple[str, torch.Tensor]], fmt: Fp8Format, scales: set[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``items`` as an FP8 checkpoint stores them: every weight the rule quantises
+    followed by its scale (whose name is added to ``scales``), the rest as given."""
+    for name, t in items:
+        if not is_fp8_quantized(name, tuple(t.shape), fmt):
+            yield name, t
+            continue
+        q, s = quantize_fp8(t, block_amax(t, block=fmt.block), block=fmt.block, name=name)
+        scales.add(scale_name(name))
+        yield name, q
+        yield scale_name(name), s
