@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 
 from areal_fn.errors import SpecError, UnsupportedConfigError
 from areal_fn.model.families import FAMILIES, MODEL_TYPE_ALIASES, Family, family
+from areal_fn.model.layer_types import sliding_fields, split_layer_rope
 from areal_fn.model.mla import mla_fields
 from areal_fn.model.mtp import MTP_KEY
 from areal_fn.model.tensor_spec import dtype_name
@@ -177,13 +178,14 @@ def _rope(c: _Config) -> tuple[float, tuple[tuple[str, object], ...]]:
 def _check_computation(c: _Config, layers: int) -> None:
     """Refuse keys that change what the model computes in a way the family does not model."""
     fam, mt = c.fam, c.fam.model_type
-    act = c.cfg.get("hidden_act")
+    key = fam.act_key
+    act = c.cfg.get(key)
     if act is not None and act != fam.hidden_act:
         raise UnsupportedConfigError(
-            f"{mt} config has hidden_act={act!r}; the {mt} family models a SwiGLU MLP with "
-            f"hidden_act={fam.hidden_act!r} only (the engines and the Megatron builder apply "
+            f"{mt} config has {key}={act!r}; the {mt} family models a gated MLP with "
+            f"{key}={fam.hidden_act!r} only (the engines and the Megatron builder apply "
             f"{fam.hidden_act}), so this model would compute differently; use a config with "
-            f"hidden_act={fam.hidden_act!r} or add the activation to the family"
+            f"{key}={fam.hidden_act!r} or add the activation to the family"
         )
     if not fam.partial_rotary:
         _check_full_rotary(c, "partial_rotary_factor", c.cfg.get("partial_rotary_factor"))
@@ -236,7 +238,7 @@ def _check_sliding_window(c: _Config, layers: int) -> None:
                     f"'full_attention'"
                 )
     if fam.sliding_window == "layer_types":
-        return  # modelled: read by _sliding
+        return  # modelled: read by layer_types.sliding_fields
     has_key = "sliding_window" in c.cfg
     window = c.cfg["sliding_window"] if has_key else None
     if fam.sliding_window == "when_set":
@@ -284,26 +286,17 @@ def _check_sliding_window(c: _Config, layers: int) -> None:
         )
 
 
-def _sliding(c: _Config, layers: int) -> dict[str, object]:
-    """``sliding_window`` and ``sliding_layers`` of a family that models sliding windows:
-    the layers ``layer_types`` marks ``sliding_attention`` (by default the even ones, as
-    transformers' gpt-oss config) attend to the last ``sliding_window`` tokens. A null
-    window is refused: transformers' gpt-oss builds a sliding mask in every forward and
-    fails without one."""
-    kinds = c.cfg.get("layer_types")
-    if kinds is None:
-        kinds = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
-    if "sliding_window" in c.cfg and c.cfg["sliding_window"] is None:
-        mt = c.fam.model_type
-        raise UnsupportedConfigError(
-            f"{mt} config has sliding_window=None; transformers' {mt} model builds a "
-            "sliding-window mask in every forward and fails without a window (even with every "
-            "layer full_attention); give a window (128 in the published configs)"
+def _local_theta(c: _Config, nested: object) -> float:
+    """The sliding layers' rope base: ``rope_local_base_freq``, or the sliding entry of
+    nested ``rope_parameters`` (both given: they must agree)."""
+    top = c.cfg.get("rope_local_base_freq")
+    if top is not None and nested is not None and top != nested:
+        raise SpecError(
+            f"config sets rope_local_base_freq={top!r} and rope_parameters.sliding_attention."
+            f"rope_theta={nested!r}; they must agree"
         )
-    return {
-        "sliding_window": c.integer("sliding_window"),
-        "sliding_layers": tuple(k == "sliding_attention" for k in kinds),  # type: ignore[attr-defined]
-    }
+    value = nested if nested is not None else c.get("rope_local_base_freq")
+    return c.number("rope_local_base_freq", value)
 
 
 def _clamped_swiglu(c: _Config) -> dict[str, object]:
@@ -321,7 +314,8 @@ def _spec_fields(raw: Mapping[str, object], *, mtp: bool = False) -> dict[str, o
         )
     model_type = _resolve_alias(raw, model_type)
     fam = family(model_type)
-    c = _Config(raw, fam)
+    flat, local_theta = split_layer_rope(raw, fam)
+    c = _Config(flat, fam)
     hidden = c.integer("hidden_size")
     heads = c.integer("num_attention_heads")
     layers = c.integer("num_hidden_layers")
@@ -364,7 +358,11 @@ def _spec_fields(raw: Mapping[str, object], *, mtp: bool = False) -> dict[str, o
     if fam.mla:
         fields.update(mla_fields(c.cfg, c.get, c.integer, model_type))
     if fam.sliding_window == "layer_types":
-        fields.update(_sliding(c, layers))
+        fields.update(sliding_fields(c.cfg, fam, layers, c.integer))
+    if fam.has_default("rope_local_base_freq"):
+        fields["rope_local_theta"] = _local_theta(c, local_theta)
+    if fam.attn_scalar:
+        fields["query_pre_attn_scalar"] = c.integer("query_pre_attn_scalar")
     if fam.clamped_swiglu:
         fields.update(_clamped_swiglu(c))
     if fam.moe:

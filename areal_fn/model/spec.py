@@ -29,6 +29,7 @@ from areal_fn.model.families import FAMILIES, Family, family
 from areal_fn.model.families.mapping import CONDITIONS, Dim, layer_tensors
 from areal_fn.model.hf_config import ROPE_TYPES as ROPE_TYPES
 from areal_fn.model.hf_config import _positive_float, _rope_pairs, _spec_fields
+from areal_fn.model.layer_types import layer_type_config
 from areal_fn.model.mla import mla_config
 from areal_fn.model.mtp import MTP_KEY, mtp_shapes
 from areal_fn.model.routing import ROUTER_SCORES as ROUTER_SCORES
@@ -123,7 +124,10 @@ class ModelSpec:
     always has a window, whether or not a layer slides). Clamped
     SwiGLU experts (gpt-oss): ``swiglu_alpha`` and ``swiglu_limit`` (``None`` elsewhere).
     ``mtp_layers``: multi-token-prediction layers held as canonical tensors after the
-    others (:mod:`areal_fn.model.mtp`; 0 unless read with ``mtp=True``).
+    others (:mod:`areal_fn.model.mtp`; 0 unless read with ``mtp=True``). Gemma 3:
+    ``rope_local_theta`` the sliding layers' rope base (``None`` elsewhere: one base),
+    ``query_pre_attn_scalar`` the attention scale's ``d`` in ``d ** -0.5`` (0 elsewhere:
+    ``head_dim``).
     """
 
     model_type: str = attrs.field(validator=_check_model_type)
@@ -168,6 +172,8 @@ class ModelSpec:
     swiglu_alpha: float | None = attrs.field(default=None, converter=_optional_float)
     swiglu_limit: float | None = attrs.field(default=None, converter=_optional_float)
     mtp_layers: int = attrs.field(default=0, validator=_nonneg)
+    rope_local_theta: float | None = attrs.field(default=None, converter=_optional_float)
+    query_pre_attn_scalar: int = attrs.field(default=0, validator=_nonneg)
 
     def __attrs_post_init__(self) -> None:
         check_model(self)
@@ -357,13 +363,9 @@ class ModelSpec:
             cfg.update(mla_config(self))
         if fam.sliding_window == "when_set":
             cfg["sliding_window"] = None
-        if fam.sliding_window == "layer_types":
-            cfg["sliding_window"] = self.sliding_window
-            cfg["layer_types"] = [
-                "sliding_attention" if s else "full_attention" for s in self.sliding_layers
-            ]
         if fam.clamped_swiglu:
             cfg["swiglu_alpha"], cfg["swiglu_limit"] = self.swiglu_alpha, self.swiglu_limit
+        cfg = layer_type_config(self, cfg)
         if fam.mtp:
             cfg[MTP_KEY] = self.mtp_layers
         return dict(sorted(cfg.items()))

@@ -73,6 +73,30 @@ def _check_window_and_swiglu(spec: Any) -> None:
         )
 
 
+def _check_layer_rope(spec: Any) -> None:
+    """A local rope base and an attention scalar only where the family has them."""
+    fam = spec.family
+    local = fam.has_default("rope_local_base_freq")
+    if local != (spec.rope_local_theta is not None):
+        raise SpecError(
+            f"ModelSpec.rope_local_theta={spec.rope_local_theta}: {fam.model_type} "
+            + (
+                "rotates its sliding layers with a base of their own; give it"
+                if local
+                else "rotates every layer with rope_theta; leave it None"
+            )
+        )
+    if fam.attn_scalar != (spec.query_pre_attn_scalar > 0):
+        raise SpecError(
+            f"ModelSpec.query_pre_attn_scalar={spec.query_pre_attn_scalar}: {fam.model_type} "
+            + (
+                "scales attention by query_pre_attn_scalar ** -0.5; give it (>= 1)"
+                if fam.attn_scalar
+                else "scales attention by head_dim ** -0.5; leave it 0"
+            )
+        )
+
+
 def _check_mtp(spec: Any) -> None:
     """Multi-token-prediction layers only for the families that have them."""
     if spec.mtp_layers and not spec.family.mtp:
@@ -89,6 +113,7 @@ def check_model(spec: Any) -> None:
     _check_family_shape(spec)
     _check_mtp(spec)
     _check_window_and_swiglu(spec)
+    _check_layer_rope(spec)
     heads, kv = spec.num_attention_heads, spec.num_key_value_heads
     if heads % kv:
         raise SpecError(

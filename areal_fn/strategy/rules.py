@@ -94,6 +94,12 @@ def _dense_experts(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None
     return None
 
 
+def _megatron_family(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
+    """A family Megatron-Core cannot express (its ``megatron_refusal``), at any degrees."""
+    why = m.family.megatron_refusal
+    return Problem(field="tp", reads=(), fixed=True, text=why) if why else None
+
+
 def _heads(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
     nq = m.num_attention_heads
     if nq % d.tp == 0:
@@ -322,6 +328,7 @@ _RULES: dict[str, tuple[_Rule, ...]] = {
         *FSDP2_RULES,
     ),
     "megatron": (
+        _megatron_family,
         *_fixed(_MEGATRON_FIXED),
         _dense_experts,
         _heads,

@@ -80,5 +80,19 @@ def _ulysses_kv(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
     )
 
 
+def _fsdp2_family_tp(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
+    """A family the FSDP2 engine cannot split over TP (its ``fsdp2_tp_refusal``)."""
+    why = m.family.fsdp2_tp_refusal
+    if d.tp == 1 or not why:
+        return None
+    return Problem(field="tp", reads=("tp",), text=f"tp={d.tp}: {why}")
+
+
 #: In the order ``check_dims`` applies them, after the rules FSDP2 shares.
-FSDP2_RULES: tuple[_Rule, ...] = (_ulysses_heads, _ulysses_kv, _fsdp2_vocab, _fsdp2_shared)
+FSDP2_RULES: tuple[_Rule, ...] = (
+    _fsdp2_family_tp,
+    _ulysses_heads,
+    _ulysses_kv,
+    _fsdp2_vocab,
+    _fsdp2_shared,
+)

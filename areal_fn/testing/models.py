@@ -9,12 +9,23 @@ exercised. Everything shrinks towards one layer, one head, small sizes and omitt
 
 from hypothesis import strategies as st
 
-from areal_fn.model.families import FAMILIES
+from areal_fn.model.families import FAMILIES, Family
 from areal_fn.model.families import family as _family
 from areal_fn.model.spec import ModelSpec, model_from_hf_config
 
 #: Every family name, sorted.
 FAMILY_NAMES: tuple[str, ...] = tuple(sorted(FAMILIES))
+
+#: The families Megatron-Core can express (the others' Megatron layouts are refused:
+#: :attr:`~areal_fn.model.families.Family.megatron_refusal`), sorted.
+MEGATRON_FAMILY_NAMES: tuple[str, ...] = tuple(
+    n for n in FAMILY_NAMES if not FAMILIES[n].megatron_refusal
+)
+
+#: The families that model sliding-window layers (``layer_types``), sorted.
+SLIDING_FAMILY_NAMES: tuple[str, ...] = tuple(
+    n for n in FAMILY_NAMES if FAMILIES[n].sliding_window == "layer_types"
+)
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -34,9 +45,12 @@ def hf_configs(
     max_kv_heads: int = 3,
     max_group: int = 3,
     max_experts: int = 4,
+    megatron: bool = False,
 ) -> dict[str, object]:
-    """A tiny, valid ``config.json`` dict of ``family`` (any family when None)."""
-    name = draw(st.sampled_from(FAMILY_NAMES)) if family is None else family
+    """A tiny, valid ``config.json`` dict of ``family`` (any family when None; with
+    ``megatron``, any of :data:`MEGATRON_FAMILY_NAMES`)."""
+    names = MEGATRON_FAMILY_NAMES if megatron else FAMILY_NAMES
+    name = draw(st.sampled_from(names)) if family is None else family
     fam = _family(name)
     if fam.mla:
         return _mla_config(draw, name, max_layers=max_layers, max_experts=max_experts)
@@ -58,7 +72,8 @@ def hf_configs(
         "intermediate_size": draw(st.integers(1, 16)),
         "num_hidden_layers": layers,
         "num_attention_heads": heads,
-        "vocab_size": draw(st.integers(1, 64)),
+        # OLMo 3's embedding pads token 1 (pad_token_id's default): two tokens at least
+        "vocab_size": draw(st.integers(2 if name == "olmo3" else 1, 64)),
     }
     kv_default = (
         fam.default("num_key_value_heads") if fam.has_default("num_key_value_heads") else None
@@ -149,6 +164,8 @@ def _draw_moe(
         cfg["num_experts_per_tok"] = draw(st.integers(1, experts))
     elif name == "gpt_oss":
         _draw_gpt_oss(draw, cfg, max_experts)
+    elif fam.sliding_window == "layer_types":
+        _draw_layer_types(draw, cfg, fam)
     elif fam.moe:
         experts = draw(st.integers(1, max_experts))
         cfg["num_local_experts" if draw(st.booleans()) else "num_experts"] = experts
@@ -172,9 +189,31 @@ def _draw_gpt_oss(draw: st.DrawFn, cfg: dict[str, object], max_experts: int) -> 
     _maybe(draw, cfg, "rope_scaling", st.just({"rope_type": "default"}))
 
 
+def _draw_layer_types(draw: st.DrawFn, cfg: dict[str, object], fam: Family) -> None:
+    """A dense family with sliding layers (OLMo 3, Gemma 3): the window, the pattern key,
+    Gemma 3's local rope base and attention scalar; the layers follow the default pattern
+    (:func:`sliding_layer_types` draws explicit ones)."""
+    _maybe(draw, cfg, "sliding_window", st.integers(1, 8))
+    if fam.sliding_every_key:
+        _maybe(draw, cfg, fam.sliding_every_key, st.integers(1, 4))
+    if fam.has_default("rope_local_base_freq"):
+        _maybe(draw, cfg, "rope_local_base_freq", st.sampled_from([10000.0, 1000.0]))
+    if fam.attn_scalar:
+        _maybe(draw, cfg, "query_pre_attn_scalar", st.integers(1, 64))
+    if not fam.has_default("rope_local_base_freq") and "rope_theta" in cfg:
+        # one base for both layer types: nested, as transformers applies a top-level
+        # rope_theta to the full-attention layers only
+        theta = cfg.pop("rope_theta")
+        cfg["rope_parameters"] = {
+            kind: {"rope_type": "default", "rope_theta": theta}
+            for kind in ("full_attention", "sliding_attention")
+        }
+
+
 @st.composite
 def gpt_oss_layer_types(draw: st.DrawFn, cfg: dict[str, object]) -> dict[str, object]:
-    """``cfg`` (a gpt-oss config) with an explicit ``layer_types`` pattern drawn."""
+    """``cfg`` (a config of a family with sliding layers: gpt-oss, OLMo 3, Gemma 3) with
+    an explicit ``layer_types`` pattern drawn."""
     layers = int(cfg["num_hidden_layers"])  # type: ignore[call-overload]
     kinds = st.sampled_from(["sliding_attention", "full_attention"])
     return {**cfg, "layer_types": draw(st.lists(kinds, min_size=layers, max_size=layers))}
@@ -182,8 +221,14 @@ def gpt_oss_layer_types(draw: st.DrawFn, cfg: dict[str, object]) -> dict[str, ob
 
 @st.composite
 def model_specs(
-    draw: st.DrawFn, family: str | None = None, *, mtp: bool = False, **kwargs: int
+    draw: st.DrawFn,
+    family: str | None = None,
+    *,
+    mtp: bool = False,
+    megatron: bool = False,
+    **kwargs: int,
 ) -> ModelSpec:
     """A :class:`ModelSpec` of a tiny config drawn by :func:`hf_configs` (``mtp``: with
-    the multi-token-prediction layers the config declares)."""
-    return model_from_hf_config(draw(hf_configs(family, **kwargs)), mtp=mtp)
+    the multi-token-prediction layers the config declares; ``megatron``: of a family
+    Megatron-Core can express)."""
+    return model_from_hf_config(draw(hf_configs(family, megatron=megatron, **kwargs)), mtp=mtp)

@@ -138,9 +138,9 @@ CASES: list[tuple[str, Callable[..., object], type[Exception], str]] = [
         "unsupported model_type",
         cfg("llama", model_type="gpt2"),
         SpecError,
-        r"model_type='gpt2' is not supported; supported model types are \['deepseek_v3', 'glm4_moe', 'gpt_oss', 'llama', "
+        r"model_type='gpt2' is not supported; supported model types are \['deepseek_v3', 'gemma3_text', 'glm4_moe', 'gpt_oss', 'llama', "
         r"'mistral', "
-        r"'mixtral', 'qwen2', 'qwen3', 'qwen3_moe'\]",
+        r"'mixtral', 'olmo3', 'qwen2', 'qwen3', 'qwen3_moe'\]",
     ),
     (
         "mistral window by default",
@@ -197,7 +197,7 @@ CASES: list[tuple[str, Callable[..., object], type[Exception], str]] = [
         "no model_type",
         cfg("llama", model_type=None),
         SpecError,
-        r"config has model_type=None.*one of \['deepseek_v3', 'glm4_moe', 'gpt_oss', 'llama'",
+        r"config has model_type=None.*one of \['deepseek_v3', 'gemma3_text', 'glm4_moe', 'gpt_oss', 'llama'",
     ),
     (
         "missing hidden_size",
@@ -301,7 +301,7 @@ CASES: list[tuple[str, Callable[..., object], type[Exception], str]] = [
         "hidden_act other than silu",
         cfg("llama", hidden_act="gelu"),
         UnsupportedConfigError,
-        r"llama config has hidden_act='gelu'; the llama family models a SwiGLU MLP with "
+        r"llama config has hidden_act='gelu'; the llama family models a gated MLP with "
         r"hidden_act='silu' only \(the engines and the Megatron builder apply silu\), so this "
         r"model would compute differently; use a config with hidden_act='silu'",
     ),
@@ -341,7 +341,7 @@ CASES: list[tuple[str, Callable[..., object], type[Exception], str]] = [
         UnsupportedConfigError,
         r"gpt_oss config has sliding_window=None; transformers' gpt_oss model builds a "
         r"sliding-window mask in every forward and fails without a window \(even with every "
-        r"layer full_attention\); give a window \(128 in the published configs\)$",
+        r"layer full_attention\); give a window \(128 is the config class's default\)$",
     ),
     (
         "gpt_oss with moe_intermediate_size",

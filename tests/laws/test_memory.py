@@ -51,7 +51,7 @@ def spec(name: str) -> ModelSpec:
 @st.composite
 def megatron_cases(draw: st.DrawFn) -> tuple[ModelSpec, ParallelDims]:
     """A tiny model and Megatron degrees valid for it (drawn from divisors)."""
-    model = draw(model_specs(max_layers=4, max_experts=4))
+    model = draw(model_specs(max_layers=4, max_experts=4, megatron=True))
     kv = model.num_key_value_heads
     sizes = (
         model.intermediate_size,

@@ -42,6 +42,9 @@ PUBLISHED = {
     # OpenAI's model card: 116.83B and 20.91B total (MXFP4 experts counted as parameters)
     "gpt-oss-120b": (116.83, None),
     "gpt-oss-20b": (20.91, None),
+    # the Hugging Face pages' safetensors counts: 7.3B (the name says 7B) and 1B
+    "Olmo-3-1025-7B": (7.3, None),
+    "gemma-3-1b-it": (1.0, None),
 }
 
 #: Wider bands where the vendor's figure counts differently: Z.ai's 355B / 106B round
@@ -145,6 +148,29 @@ def test_gpt_oss_published_facts() -> None:
     assert layer["mlp.router.bias"] == (128,)
     small = model_from_hf_config(SPECS / "gpt-oss-20b.json")
     assert small.num_experts == 32 and small.num_layers == 24
+
+
+def test_olmo3_and_gemma3_published_facts() -> None:
+    """Olmo-3-1025-7B: a 4096-token window on three layers of four, YaRN (full-attention
+    layers only), q/k norms over the whole projections, post-norms and no input norm.
+    gemma-3-1b-it: a 512-token window on five layers of six, local base 10000, four
+    norms per layer, per-head q/k norms, tied embeddings."""
+    olmo = model_from_hf_config(SPECS / "Olmo-3-1025-7B.json")
+    assert olmo.sliding_window == 4096 and olmo.sliding_layers == (True, True, True, False) * 8
+    assert dict(olmo.rope_scaling)["rope_type"] == "yarn" and olmo.rope_local_theta is None
+    layer = {t.name.split(".", 3)[3]: t.shape for t in olmo.layer_tensors(0)}
+    assert layer["self_attn.q_norm.weight"] == layer["self_attn.k_norm.weight"] == (4096,)
+    assert "input_layernorm.weight" not in layer
+    assert layer["post_feedforward_layernorm.weight"] == (4096,)
+    gemma = model_from_hf_config(SPECS / "gemma-3-1b-it.json")
+    assert gemma.sliding_window == 512 and gemma.sliding_layers == (
+        (True,) * 5 + (False,)
+    ) * 4 + (True, True)
+    assert (gemma.rope_theta, gemma.rope_local_theta) == (1e6, 1e4) and gemma.rope_scaling == ()
+    assert gemma.query_pre_attn_scalar == 256 and gemma.tie_word_embeddings
+    layer = {t.name.split(".", 3)[3]: t.shape for t in gemma.layer_tensors(25)}
+    assert layer["self_attn.q_norm.weight"] == (256,)
+    assert sum(n.endswith("layernorm.weight") for n in layer) == 4
 
 
 @given(cfg=hf_configs("gpt_oss").flatmap(gpt_oss_layer_types))

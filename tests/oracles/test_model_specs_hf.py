@@ -24,7 +24,7 @@ from safetensors import safe_open
 from areal_fn.model.hf_memory import canonical_to_hf_state, hf_memory_view, hf_state_to_canonical
 from areal_fn.model.spec import ModelSpec, model_from_hf_config
 from areal_fn.model.tensor_spec import torch_dtype
-from areal_fn.testing.models import gpt_oss_layer_types, hf_configs
+from areal_fn.testing.models import SLIDING_FAMILY_NAMES, gpt_oss_layer_types, hf_configs
 
 transformers = pytest.importorskip("transformers")
 
@@ -255,6 +255,38 @@ CASES = {
         rope_scaling={"rope_type": "default"},
         torch_dtype="bfloat16",
     ),
+    "olmo3": _cfg("olmo3", num_hidden_layers=5, sliding_window=3),
+    "olmo3-bias-tied-yarn-bf16": _cfg(
+        "olmo3",
+        num_hidden_layers=2,
+        attention_bias=True,
+        tie_word_embeddings=True,
+        layer_types=["full_attention", "sliding_attention"],
+        rope_scaling={
+            "rope_type": "yarn",
+            "factor": 8.0,
+            "original_max_position_embeddings": 64,
+            "attention_factor": 1.2,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+        max_position_embeddings=512,
+        torch_dtype="bfloat16",
+    ),
+    "gemma3_text": _cfg(
+        "gemma3_text", num_hidden_layers=7, head_dim=8, sliding_window=3, query_pre_attn_scalar=6
+    ),
+    "gemma3_text-untied-bias-linear-rope-bf16": _cfg(
+        "gemma3_text",
+        num_hidden_layers=3,
+        head_dim=6,
+        attention_bias=True,
+        tie_word_embeddings=False,
+        sliding_window_pattern=2,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
+        rope_local_base_freq=1000.0,
+        torch_dtype="bfloat16",
+    ),
     "qwen3_moe-sparse2-mlp-only": _cfg(
         "qwen3_moe",
         num_hidden_layers=6,
@@ -316,13 +348,37 @@ def test_random_configs_match_transformers(cfg: dict[str, object]) -> None:
 
 
 @settings(max_examples=10)
-@given(cfg=hf_configs("gpt_oss").flatmap(gpt_oss_layer_types))
-def test_gpt_oss_sliding_layers_match_transformers(cfg: dict[str, object]) -> None:
-    """The layers transformers gives a window are the spec's sliding layers."""
+@given(
+    cfg=st.sampled_from(SLIDING_FAMILY_NAMES).flatmap(
+        lambda f: hf_configs(f) | hf_configs(f).flatmap(gpt_oss_layer_types)
+    )
+)
+def test_sliding_layers_match_transformers(cfg: dict[str, object]) -> None:
+    """The layers transformers gives a window are the spec's sliding layers (explicit
+    ``layer_types`` or each family's default pattern)."""
     spec = model_from_hf_config(cfg)
     model = _build(cfg, meta=True)
     windows = tuple(layer.self_attn.sliding_window for layer in model.model.layers)
     assert windows == tuple(spec.sliding_window if s else None for s in spec.sliding_layers)
+
+
+@settings(max_examples=10, deadline=None)
+@given(cfg=st.sampled_from(["olmo3", "gemma3_text"]).flatmap(hf_configs))
+def test_layer_rope_and_attention_scale_match_transformers(cfg: dict[str, object]) -> None:
+    """Each layer type's rope base (Gemma 3: rope_local_base_freq on sliding layers) and
+    the attention scale (Gemma 3: query_pre_attn_scalar ** -0.5) are the spec's, in the
+    model transformers builds from the config and from ``hf_config()``."""
+    spec = model_from_hf_config(cfg)
+    d = spec.head_dim
+    for built in (_build(cfg), _build(spec.hf_config())):
+        rope = built.model.rotary_emb
+        for sliding in set(spec.sliding_layers):  # the layer types the model has
+            kind = "sliding_attention" if sliding else "full_attention"
+            base = spec.rope_local_theta or spec.rope_theta if sliding else spec.rope_theta
+            want = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+            assert torch.equal(getattr(rope, f"{kind}_inv_freq"), want)
+        scale = (spec.query_pre_attn_scalar or d) ** -0.5
+        assert all(layer.self_attn.scaling == scale for layer in built.model.layers)
 
 
 @settings(max_examples=10)

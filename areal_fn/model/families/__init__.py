@@ -176,6 +176,22 @@ class Family:
     - ``memory_names``: canonical names (relative to the layer) that transformers 5 keeps
       under another name in memory (Mixtral's ``block_sparse_moe.gate.weight`` is
       ``mlp.gate.weight`` in ``state_dict()``).
+    - ``act_key``: the config key naming the MLP activation (Gemma 3:
+      ``hidden_activation``).
+    - ``sliding_every``: with ``sliding_window="layer_types"`` and no ``layer_types``,
+      layer ``i`` slides unless ``(i + 1) % sliding_every == 0`` (gpt-oss 2, OLMo 3 4);
+      ``sliding_every_key`` the config key that sets it (Gemma 3's
+      ``sliding_window_pattern``, default 6).
+    - ``layer_rope``: sliding layers rotate with a base of their own
+      (``rope_local_base_freq``, read into ``ModelSpec.rope_local_theta``) and rope
+      scaling applies to full-attention layers only (Gemma 3; OLMo 3 shares one base);
+      the config may nest ``rope_parameters`` by layer type.
+    - ``attn_scalar``: attention scores are scaled by ``query_pre_attn_scalar ** -0.5``
+      (Gemma 3), read into the spec.
+    - ``megatron_refusal``: why Megatron-Core's ``GPTModel`` cannot express the family
+      (every Megatron layout is refused with it), or empty.
+    - ``fsdp2_tp_refusal``: why the FSDP2 engine cannot run the family under ``tp > 1``,
+      or empty.
     """
 
     model_type: str
@@ -221,6 +237,13 @@ class Family:
     memory_names: tuple[tuple[str, str], ...] = attrs.field(
         default=(), converter=lambda v: tuple((str(a), str(b)) for a, b in v)
     )
+    act_key: str = "hidden_act"
+    sliding_every: int = 2
+    sliding_every_key: str | None = None
+    layer_rope: bool = False
+    attn_scalar: bool = False
+    megatron_refusal: str = ""
+    fsdp2_tp_refusal: str = ""
 
     def default(self, key: str) -> object:
         for k, v in self.defaults:
@@ -235,11 +258,13 @@ class Family:
 def _registry() -> dict[str, Family]:
     from areal_fn.model.families import (
         deepseek_v3,
+        gemma3_text,
         glm4_moe,
         gpt_oss,
         llama,
         mistral,
         mixtral,
+        olmo3,
         qwen2,
         qwen3,
         qwen3_moe,
@@ -247,11 +272,13 @@ def _registry() -> dict[str, Family]:
 
     fams = (
         deepseek_v3.FAMILY,
+        gemma3_text.FAMILY,
         glm4_moe.FAMILY,
         gpt_oss.FAMILY,
         llama.FAMILY,
         mistral.FAMILY,
         mixtral.FAMILY,
+        olmo3.FAMILY,
         qwen2.FAMILY,
         qwen3.FAMILY,
         qwen3_moe.FAMILY,
