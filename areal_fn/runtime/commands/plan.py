@@ -25,6 +25,9 @@ from areal_fn.plans.memory import MemoryReport, PrecisionPolicy, estimate_memory
 from areal_fn.runtime.commands.output import emit_json, human, parse_size
 from areal_fn.runtime.commands.plan_flags import check_plan_ranks
 from areal_fn.runtime.commands.suggest import (
+    lora_json,
+    lora_line,
+    lora_of,
     memory_margin_of,
     model_json,
     stored_line,
@@ -74,14 +77,22 @@ def _training_memory(
     model: ModelSpec, comp: Component, layout: Layout, args: argparse.Namespace
 ) -> MemoryReport:
     """Parameters, gradients and optimizer state; with ``--seq-len`` activations too
-    (``--micro-batch`` sequences of that many tokens, ``--recompute``)."""
+    (``--micro-batch`` sequences of that many tokens, ``--recompute``); with
+    ``--lora-rank`` those of LoRA training (a frozen base, trained adapters)."""
+    from areal_fn.layouts.lora import adapter_layout
+    from areal_fn.plans.lora_memory import estimate_lora_memory
+
     policy = PrecisionPolicy.bf16_mixed()
-    if args.seq_len is None:
-        return estimate_memory(layout, policy)
-    act = ActivationModel(
-        micro_batch_size=args.micro_batch, seq_len=args.seq_len, recompute=args.recompute
-    )
-    return estimate_memory(layout, policy, activation=act, model=model, dims=comp.dims)
+    kw: dict[str, Any] = {}
+    if args.seq_len is not None:
+        act = ActivationModel(
+            micro_batch_size=args.micro_batch, seq_len=args.seq_len, recompute=args.recompute
+        )
+        kw = {"activation": act, "model": model, "dims": comp.dims}
+    lora = lora_of(model, args)
+    if lora is not None:
+        return estimate_lora_memory(layout, adapter_layout(layout, model, lora), policy, **kw)
+    return estimate_memory(layout, policy, **kw)
 
 
 def _memory_json(report: MemoryReport, first: int) -> dict[str, Any]:
@@ -275,7 +286,10 @@ def _component_json(
         "pipeline": None
         if layout.stages is None
         else megatron_layout_string(layout.stages, mtp_layers=model.mtp_layers),
-        "memory": None if facts.report is None else _memory_json(facts.report, facts.first),
+        "memory": None
+        if facts.report is None
+        else _memory_json(facts.report, facts.first)
+        | {"lora": lora_json(model, lora_of(model, args))},
         "weights": None if facts.kv is None else list(facts.rows),
         "kv_cache": None if facts.kv is None else _kv_json(facts.kv),
         "fit": None if device is None else _fit_json(facts, device, args),
@@ -356,6 +370,8 @@ def _print_component(
         console.print(note, markup=False, highlight=False)
     if facts.report is not None:
         console.print(facts.report.table(first_rank=facts.first))  # global ranks
+        if (lora := lora_of(model, args)) is not None:
+            console.print(lora_line(model, lora), markup=False, highlight=False)
     else:
         _print_inference(console, model, facts, args)
     if layout.stages is not None:
@@ -383,6 +399,11 @@ def _check_inference_flags(alloc: Allocation, args: argparse.Namespace) -> None:
     """``--context-len``, ``--batch`` and ``--max-ranks`` need an inference component;
     ``--seq-len``, ``--micro-batch`` and ``--recompute`` a training one."""
     if not any(c.is_training for c in alloc.components):
+        if args.lora_rank is not None:
+            raise SpecError(
+                f"--lora-rank counts the LoRA training of a training component (fsdp, "
+                f"megatron); {alloc} has none: drop --lora-rank"
+            )
         given = [f for d, f in (("micro_batch", "--micro-batch"),) if d in args.given]
         given += ["--seq-len"] if args.seq_len is not None else []
         given += [("--recompute" if args.recompute else "--no-recompute")] * (

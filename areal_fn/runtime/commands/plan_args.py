@@ -60,6 +60,15 @@ def add_plan_parser(
     kv.add_argument(
         "--batch", type=int, default=None, help="sequences per engine replica (default 1)"
     )
+    plan.add_argument(
+        "--lora-rank",
+        type=int,
+        default=None,
+        metavar="R",
+        help="count LoRA training of rank R in the training memory: the base frozen (its "
+        "weights only), adapters on every attention projection and, in dense families, "
+        "gate/up/down_proj trained; with an ALLOCATION it needs a training component",
+    )
     _add_suggest_arguments(plan)
     plan.set_defaults(func=handler)
 

@@ -133,6 +133,8 @@ def check_plan_flags(args: argparse.Namespace) -> None:
         value = getattr(args, dest)
         if value is not None and value < least:
             raise SpecError(f"{_flag(dest, args)} {value} must be >= {least}: {meaning}")
+    if args.lora_rank is not None and args.lora_rank < 1:
+        raise SpecError(f"--lora-rank {args.lora_rank} must be >= 1: the rank r of the adapters")
     args.given = frozenset(d for d in (*DEFAULTS, "png") if getattr(args, d) is not None)
     for dest, (_, default) in DEFAULTS.items():
         if getattr(args, dest) is None:

@@ -14,13 +14,23 @@ from typing import Any
 import attrs
 
 from areal_fn.errors import SpecError
+from areal_fn.model.lora import LoraConfig, default_targets, lora_param_count, lora_targets
 from areal_fn.model.spec import ModelSpec
 from areal_fn.plans.advisor import Hardware, Suggestion, suggest_strategy
 from areal_fn.plans.advisor_score import EP_DISPATCHES
 from areal_fn.plans.memory import ActivationModel, PrecisionPolicy
 from areal_fn.runtime.commands.output import emit_json, human, parse_size
 
-__all__ = ["LEFT_OUT", "cmd_suggest", "memory_margin_of", "model_json", "usable_bytes"]
+__all__ = [
+    "LEFT_OUT",
+    "cmd_suggest",
+    "lora_json",
+    "lora_line",
+    "lora_of",
+    "memory_margin_of",
+    "model_json",
+    "usable_bytes",
+]
 
 #: What the memory estimate does not count, kept free by the margin.
 LEFT_OUT = (
@@ -104,6 +114,43 @@ def policy_of(args: argparse.Namespace) -> PrecisionPolicy:
     )
 
 
+def lora_of(model: ModelSpec, args: argparse.Namespace) -> LoraConfig | None:
+    """``--lora-rank R``: LoRA of rank R on :func:`~areal_fn.model.lora.default_targets`;
+    None without the flag. A rank above the smallest dimension of a targeted layer is
+    refused (its adapters would add parameters, not rank)."""
+    if args.lora_rank is None:
+        return None
+    config = LoraConfig(rank=args.lora_rank, target_modules=default_targets(model))
+    smallest = min(min(t.in_features, t.out_features) for t in lora_targets(model, config))
+    if args.lora_rank > smallest:
+        raise SpecError(
+            f"--lora-rank {args.lora_rank} is above {smallest}, the smallest dimension of a "
+            f"layer it adapts in {model.model_type}; use --lora-rank in 1..{smallest}"
+        )
+    return config
+
+
+def lora_json(model: ModelSpec, config: LoraConfig | None) -> dict[str, Any] | None:
+    """The ``lora`` object of the JSON documents (None without ``--lora-rank``)."""
+    if config is None:
+        return None
+    return {
+        "rank": config.rank,
+        "target_modules": list(config.target_modules),
+        "adapter_params": lora_param_count(model, config),
+    }
+
+
+def lora_line(model: ModelSpec, config: LoraConfig) -> str:
+    """What ``--lora-rank`` counts, in one line."""
+    n = lora_param_count(model, config)
+    return (
+        f"LoRA rank {config.rank} (--lora-rank) on {', '.join(config.target_modules)}: {n:,} "
+        f"adapter parameters trained (weights, gradients, optimizer state); the "
+        f"{model.num_params:,} base parameters frozen (weights only)"
+    )
+
+
 def memory_margin_of(args: argparse.Namespace) -> float:
     """``--memory-margin``, checked: a fraction in [0, 1)."""
     margin = float(args.memory_margin)
@@ -152,6 +199,7 @@ def _assumptions(args: argparse.Namespace, device_bytes: int) -> dict[str, Any]:
         "margin_bytes": margin_bytes,
         "usable_bytes": device_bytes - margin_bytes,
         "left_out": list(LEFT_OUT),
+        "lora": None,
     }
 
 
@@ -207,6 +255,8 @@ def cmd_suggest(console: Any, model: ModelSpec, args: argparse.Namespace) -> int
         raise SpecError("--suggest needs --device-memory (e.g. 80GB or 80GiB)")
     device_bytes = parse_size(args.device_memory)
     a = _assumptions(args, device_bytes)
+    lora = lora_of(model, args)
+    a["lora"] = lora_json(model, lora)
     found = suggest_strategy(
         model,
         args.suggest,
@@ -220,6 +270,7 @@ def cmd_suggest(console: Any, model: ModelSpec, args: argparse.Namespace) -> int
         memory_margin=a["memory_margin"],
         hardware=Hardware(devices_per_node=a["gpus_per_node"], ep_dispatch=a["ep_dispatch"]),
         optimizer_offload=a["optimizer_offload"],
+        lora=lora,
     )
     if args.json:
         emit_json(
@@ -233,7 +284,10 @@ def cmd_suggest(console: Any, model: ModelSpec, args: argparse.Namespace) -> int
             }
         )
         return 0
-    for line in [*_assumption_lines(a, device_bytes), stored_line(model, args.config)]:
+    lines = _assumption_lines(a, device_bytes)
+    if lora is not None:
+        lines.append(f"  {lora_line(model, lora)}; the score is that of full training")
+    for line in [*lines, stored_line(model, args.config)]:
         if line is not None:
             console.print(line, markup=False, highlight=False)
     table = Table(
