@@ -219,6 +219,38 @@ CONFIGS["gpt_oss"] = {
     "max_position_embeddings": 256,
     "torch_dtype": "float32",
 }
+#: OLMo 3: post-norms, q/k norms over the whole projections, a 3-token window on
+#: layers 0-2 of 4, YaRN on the full layer (rope nested by layer type).
+CONFIGS["olmo3"] = {
+    "model_type": "olmo3",
+    "hidden_size": 16,
+    "intermediate_size": 24,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 52,
+    "sliding_window": 3,
+    "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    "max_position_embeddings": 256,
+    "torch_dtype": "float32",
+}
+#: Gemma 3 text: (1+w) norms, GeGLU, the scaled embedding (tied), sliding layers 0 and 2
+#: with their own rope base, query_pre_attn_scalar other than head_dim.
+CONFIGS["gemma3_text"] = {
+    "model_type": "gemma3_text",
+    "hidden_size": 16,
+    "intermediate_size": 24,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "vocab_size": 52,
+    "sliding_window": 3,
+    "sliding_window_pattern": 2,
+    "query_pre_attn_scalar": 6,
+    "rope_local_base_freq": 100.0,
+    "torch_dtype": "float32",
+}
 DENSE = ("qwen2", "qwen3", "llama_tied", "llama_untied")
 
 #: label -> (allocation string, hsdp replicas, TP over the embeddings).
@@ -247,10 +279,17 @@ LAYOUT_CASES: tuple[tuple[str, str], ...] = (
     ("deepseek_v3", "d2t2"),
     ("gpt_oss", "d4"),
     ("gpt_oss", "d2t2"),
+    ("olmo3", "d4"),  # no TP: its q/k norms span every head (fsdp2_layout refuses t2)
+    ("gemma3_text", "d4"),
+    ("gemma3_text", "d2t2"),
 )
 #: label -> (runtime options, gradient tolerance, weight tolerance) of the training section.
 RUN_OPTIONS: dict[str, tuple[Fsdp2RunOptions, float, float]] = {
     "fp32": (Fsdp2RunOptions(), 1e-6, 2.5e-7),
+    # gemma3_text (scaled embedding, (1+w) norms, GeGLU): float32 itself moves the
+    # unsharded model's gradients by 3.6e-5 from float64, so TP's other summation
+    # order may move them as far (measured 1.7e-5 under d2t2)
+    "fp32_wide": (Fsdp2RunOptions(), 5e-5, 2.5e-7),
     "ac": (Fsdp2RunOptions(activation_checkpointing=True), 1e-6, 2.5e-7),
     "offload": (Fsdp2RunOptions(cpu_offload=True), 1e-6, 2.5e-7),
     "bf16": (Fsdp2RunOptions(param_dtype="bfloat16", reduce_dtype="float32"), 5e-2, 5e-4),
@@ -264,6 +303,8 @@ TRAIN_CASES: tuple[tuple[str, str, str], ...] = (
     ("glm4_moe", "d2t2", "fp32"),
     ("deepseek_v3", "d2t2", "fp32"),
     ("gpt_oss", "d2t2", "fp32"),
+    ("olmo3", "d4", "fp32"),
+    ("gemma3_text", "d2t2", "fp32_wide"),
     ("llama_tied", "d2t2_rep_emb", "fp32"),
     ("qwen3", "d2t2", "ac"),
     ("qwen3", "d2t2", "offload"),
@@ -601,7 +642,13 @@ def section_train(
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
+    parser.add_argument("--only", default=None, help="run only the cases of these configs (a,b)")
     args = parser.parse_args()
+    if args.only:  # a quick look at some configs; the oracle test runs every case
+        keep = set(args.only.split(","))
+        global LAYOUT_CASES, TRAIN_CASES
+        LAYOUT_CASES = tuple(c for c in LAYOUT_CASES if c[0] in keep)
+        TRAIN_CASES = tuple(c for c in TRAIN_CASES if c[0] in keep)
     # FSDP2 warns that the root returns a view (the logits); nothing here edits it in place.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=180))

@@ -219,6 +219,40 @@ CONFIGS["gpt_oss"] = {
     "torch_dtype": "float32",
 }
 
+#: OLMo 3: post-norms, q/k norms over the whole projections, a 5-token window on layers
+#: 0-2 of 4 (shorter than SEQ), YaRN on the full layer. No TP (fsdp2_layout refuses it).
+CONFIGS["olmo3"] = {
+    "model_type": "olmo3",
+    "hidden_size": 16,
+    "intermediate_size": 24,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 52,
+    "sliding_window": 5,
+    "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    "max_position_embeddings": 256,
+    "torch_dtype": "float32",
+}
+
+#: Gemma 3 text: (1+w) norms, GeGLU, the sqrt(hidden)-scaled tied embedding, a 5-token
+#: window on layers 0 and 2 with their own rope base, query_pre_attn_scalar 6.
+CONFIGS["gemma3_text"] = {
+    "model_type": "gemma3_text",
+    "hidden_size": 16,
+    "intermediate_size": 24,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "vocab_size": 52,
+    "sliding_window": 5,
+    "sliding_window_pattern": 2,
+    "query_pre_attn_scalar": 6,
+    "rope_local_base_freq": 100.0,
+    "torch_dtype": "float32",
+}
+
 #: label -> (allocation string, HSDP replicas, pipeline chunk lengths or None for the
 #: even split, FSDP2 run options). All fill the 4 ranks.
 STRATEGIES: dict[str, tuple[str, int, tuple[int, ...] | None, Fsdp2RunOptions]] = {
@@ -292,6 +326,10 @@ CASES: tuple[tuple[str, str], ...] = (
     ("gpt_oss", "fsdp:d2t2"),  # sinks sharded by head beside column-wise q/k/v
     ("gpt_oss", "fsdp:t2c2"),  # Ulysses: each rank adds the sinks of the heads it runs
     ("gpt_oss", "megatron:d2p2"),
+    ("olmo3", "fsdp:d4"),
+    ("olmo3", "fsdp:d2c2"),  # Ulysses: sliding windows over the gathered sequence
+    ("gemma3_text", "fsdp:d2t2"),
+    ("gemma3_text", "fsdp:t2c2"),
 )
 
 

