@@ -96,15 +96,20 @@ def change_mask(old: Bytes, new: Bytes, unit: int) -> Mask:
     return _units(old, unit) != _units(new, unit)
 
 
+def _starts(mask: Tensor) -> Tensor:
+    """Where a run of changed units starts (a changed unit after an unchanged one)."""
+    starts = mask.clone()
+    starts[1:] &= ~mask[:-1]
+    return starts
+
+
 def runs_of(mask: Mask) -> Runs:
     """The runs of ``True`` in ``mask``: ``(start, length)`` rows, in order."""
-    m = torch.cat(
-        [torch.zeros(1, dtype=torch.int8), mask.to(torch.int8), torch.zeros(1, dtype=torch.int8)]
-    )
-    edge = m[1:] - m[:-1]
-    starts = torch.nonzero(edge == 1).flatten()
-    ends = torch.nonzero(edge == -1).flatten()
-    return torch.stack([starts, ends - starts], dim=1).to(torch.int32)
+    ends = mask.clone()
+    ends[:-1] &= ~mask[1:]
+    first = torch.nonzero(_starts(mask)).flatten()
+    last = torch.nonzero(ends).flatten()
+    return torch.stack([first, last - first + 1], dim=1).to(torch.int32)
 
 
 def encoded_sizes(n: int, k: int, r: int, unit: int) -> dict[Encoding, int]:
@@ -119,7 +124,8 @@ def encoded_sizes(n: int, k: int, r: int, unit: int) -> dict[Encoding, int]:
 @beartype
 def choose_encoding(mask: Mask, unit: int) -> Encoding:
     """The smallest encoding of ``mask``'s changes (ties to the lower :class:`Encoding`)."""
-    sizes = encoded_sizes(mask.numel(), int(mask.sum()), int(runs_of(mask).shape[0]), unit)
+    k, r = int(torch.count_nonzero(mask)), int(torch.count_nonzero(_starts(mask)))
+    sizes = encoded_sizes(mask.numel(), k, r, unit)
     return min(sizes, key=lambda e: (sizes[e], e))
 
 
@@ -133,8 +139,11 @@ def _bitmap(mask: Tensor) -> Tensor:
     padded = _bitmap_bytes(n) * 8
     bits = torch.zeros(padded, dtype=torch.uint8)
     bits[:n] = mask.to(torch.uint8)
-    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
-    return (bits.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)
+    grouped = bits.view(-1, 8)
+    out = grouped[:, 0].clone()
+    for i in range(1, 8):
+        out |= grouped[:, i] << i
+    return out
 
 
 def _unbitmap(bitmap: Tensor, n: int) -> Tensor:
