@@ -125,6 +125,8 @@ def block_amax(x: Tensor, *, block: tuple[int, int], origin: tuple[int, int] = (
     box = Box._trusted(((r0, r0 + x.shape[0]), (c0, c0 + x.shape[1])))
     grid = _blocks_of(box, block)
     (g0, g1), (h0, h1) = grid.ranges
+    if (g0 * bm, h0 * bn) == (r0, c0) and x.shape == ((g1 - g0) * bm, (h1 - h0) * bn):
+        return x.abs().view(g1 - g0, bm, h1 - h0, bn).amax(dim=(1, 3)).to(torch.float32)
     padded = torch.zeros((g1 - g0) * bm, (h1 - h0) * bn, dtype=torch.float32)
     at = (r0 - g0 * bm, c0 - h0 * bn)
     padded[at[0] : at[0] + x.shape[0], at[1] : at[1] + x.shape[1]] = x.abs()

@@ -148,6 +148,20 @@ def test_quantise_then_dequantise_is_within_fp8_rounding(w) -> None:
     assert float(q.float().abs().max()) <= FP8_MAX
 
 
+def test_every_fp8_code_dequantises_as_torch_casts_it() -> None:
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).reshape(16, 16)
+    for q in (codes, codes.clone().view(torch.uint8).clamp_(max=0x7E).view(torch.float8_e4m3fn)):
+        s = torch.tensor([[1.0, 3.0], [0.5, 2.0**-20]])
+        got = dequantize_fp8(q, s, block=(8, 8), dtype=torch.float32)
+        want = reference_dequant(q, s, (8, 8)).float()
+        exact = (q.to(torch.float32).view(2, 8, 2, 8) * s[:, None, :, None]).view(16, 16)
+        assert torch.equal(got.isnan(), exact.isnan())
+        assert torch.equal(got.nan_to_num(), exact.nan_to_num())
+        assert torch.equal(
+            got.to(torch.bfloat16).nan_to_num(), want.to(torch.bfloat16).nan_to_num()
+        )
+
+
 def test_non_finite_weights_are_refused() -> None:
     x = torch.ones(4, 4)
     x[1, 2] = float("inf")
