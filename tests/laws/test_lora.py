@@ -8,6 +8,8 @@
   theirs and replicate ``lora_B``; FSDP2 shards both on dim 0. On every rank the rows of
   ``lora_B`` a rank holds are the rows of the base weight it holds.
 - Shapes: ``r * (in + out)`` per target; refusals name the module and the rule.
+- Transfer plans between LoRA layouts reproduce the destination (bytes at the lower
+  bound); checkpoint plans write every adapter element once.
 """
 
 import pytest
@@ -282,3 +284,46 @@ def test_model_refusals() -> None:
         with_lora(meg, dense, ranks)
     # PEFT's separate adapters need no shared rank: FSDP2 takes the same configuration
     assert with_lora(layout_for(dense, "fsdp:d2"), dense, ranks).world_size == 2
+
+
+@pytest.mark.parametrize(
+    ("name", "src", "dst"),
+    [("gpt_oss", "fsdp:d2t2", "megatron:p2t2"), ("qwen2", "megatron:d2t2", "sglang:t4")],
+)
+def test_transfer_and_checkpoint_plans_carry_the_adapters(name: str, src: str, dst: str) -> None:
+    """Weight sync between two LoRA layouts reproduces the destination's adapters (and the
+    bytes moved equal the lower bound); a checkpoint plan writes every adapter element once."""
+    from areal_fn.plans.checkpoint_write import plan_save
+    from areal_fn.plans.transfer import plan_transfers
+    from areal_fn.plans.transfer_apply import apply_transfers
+    from areal_fn.plans.transfer_bound import transfer_lower_bound
+
+    model = _model(name)
+    config = _config(model)
+    a = with_lora(layout_for(model, src), model, config)
+    b = with_lora(layout_for(model, dst), model, config)
+    g = torch.Generator().manual_seed(5)
+    canon = {s.name: torch.randn(s.shape, generator=g) for s in a.canonical}
+    n = a.world_size
+    ranks = {"src_ranks": range(n), "dst_ranks": range(n, n + b.world_size)}
+    plan = plan_transfers(a, b, **ranks)
+    src_t = {r: to_megatron(canon, a, r) for r in range(n)}
+    dst_t = {
+        n + j: {lt.name: torch.zeros(lt.shape) for lt in b.local_tensors(j)}
+        for j in range(b.world_size)
+    }
+    apply_transfers(
+        plan.transfers, src_t, dst_t, src_views=plan.src_views, dst_views=plan.dst_views
+    )
+    adapters = 0
+    for j in range(b.world_size):
+        for lt_name, t in to_megatron(canon, b, j).items():
+            assert torch.equal(dst_t[n + j][lt_name], t), (j, lt_name)
+            adapters += ".lora_" in lt_name
+    assert adapters > 0
+    assert plan.bytes_total == transfer_lower_bound(a, b, **ranks)
+    written: dict[str, int] = {}
+    for rw in plan_save(a).ranks:
+        for p in rw.pieces:
+            written[p.canonical] = written.get(p.canonical, 0) + p.box.numel
+    assert written == {s.name: s.numel for s in a.canonical}
