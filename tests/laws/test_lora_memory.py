@@ -119,3 +119,27 @@ def test_advisor_suggests_lora_where_full_training_does_not_fit() -> None:
         assert row.optimizer == 12 * lora_n + 4 * tensors
         if s.backend is Backend.FSDP:
             assert row.params == 2 * base_n + 2 * lora_n
+
+
+def test_moe_megatron_tp_adapters_per_rank_from_the_shapes() -> None:
+    """Qwen3-30B-A3B under megatron:d2p2t2e4: attention adapters only (a MoE family);
+    per rank and layer ``r * (3h + (q + 2kv)/tp + q/tp + h)`` elements: lora_A of q/k/v
+    whole, lora_B of q/k/v split by tp, lora_A of o_proj split by tp, its lora_B whole."""
+    c = json.loads((SPECS / "Qwen3-30B-A3B.json").read_text())
+    model = model_from_hf_config(c)
+    h, layers = c["hidden_size"], c["num_hidden_layers"]
+    q = c["num_attention_heads"] * c["head_dim"]
+    kv = c["num_key_value_heads"] * c["head_dim"]
+    r, tp, pp = 16, 2, 2
+    config = LoraConfig(rank=r, target_modules=default_targets(model))
+    assert config.target_modules == ("q_proj", "k_proj", "v_proj", "o_proj")
+    per_layer = r * (3 * h + (q + 2 * kv) // tp + q // tp + h)
+    layout = layout_for(model, "megatron:d2p2t2e4")
+    report = estimate_lora_memory(layout, adapter_layout(layout, model, config))
+    base = estimate_memory(layout)
+    for row, b in zip(report.rows, base.rows, strict=True):
+        assert row.grads == 4 * per_layer * layers // pp
+        assert row.params == b.params + 2 * per_layer * layers // pp
+        # the distributed optimizer shards the adapters' 12 B/element over dp=2 (+ Adam's step,
+        # 4 bytes for each of the 4 adapter tensors of a layer)
+        assert row.optimizer == 12 * per_layer * layers // pp // 2 + 4 * 4 * layers // pp
