@@ -11,7 +11,8 @@ the layout's logical tensors, padding rows included):
 - ``optimizer`` = per optimizer element ``bytes(master_dtype)`` when the policy keeps
   master weights, plus ``states * bytes(state_dtype)`` (Adam: 2 moments, SGD with
   momentum: 1, plain SGD: 0), plus one 0-d fp32 ``step`` tensor (4 bytes) per local
-  tensor for Adam, as ``torch.optim.Adam``/``AdamW`` keep it.
+  tensor for Adam, as ``torch.optim.Adam``/``AdamW`` keep it, plus 8 bytes of loss-scale
+  state when the policy has a ``loss_scale``.
 
   Which elements carry optimizer state depends on the layout's ``kind``:
   ``fsdp2`` (and any other training layout): every local element (the optimizer
@@ -49,6 +50,7 @@ from areal_fn.plans.activations import _activations, _buffers, _check_bool, _pos
 from areal_fn.plans.activations import in_flight_chunks as in_flight_chunks
 from areal_fn.plans.activations import layer_token_bytes as layer_token_bytes
 from areal_fn.plans.census import Census, CensusIndex, RankShare, census_of
+from areal_fn.plans.optim import LossScale
 from areal_fn.sharding.sharding import local_shape
 from areal_fn.strategy.allocation import ParallelDims
 from areal_fn.strategy.coerce import Strategy, as_dims
@@ -123,8 +125,10 @@ class PrecisionPolicy:
     sharded parameters). ``grad_dtype``: gradients (Megatron's ``main_grad`` buffer;
     in torch a ``.grad`` has the parameter's dtype). ``master_weights``: the optimizer
     keeps a copy in ``master_dtype`` (Megatron's fp32 main params). ``compute_dtype``:
-    activations and FSDP2's all-gathered parameters. Bytes per parameter element of
-    model state: :attr:`bytes_per_param`.
+    activations and FSDP2's all-gathered parameters. ``loss_scale``: fp16's dynamic
+    loss scale (the engines scale the loss, unscale the gradients and skip steps with
+    inf/NaN gradients; its state is :attr:`loss_scale_bytes` per rank). Bytes per
+    parameter element of model state: :attr:`bytes_per_param`.
     """
 
     param_dtype: str = attrs.field(default="bfloat16", converter=_float_dtype)
@@ -134,6 +138,9 @@ class PrecisionPolicy:
     optimizer: Optimizer = attrs.field(default=Optimizer.ADAM, converter=_optimizer)
     state_dtype: str = attrs.field(default="float32", converter=_float_dtype)
     compute_dtype: str = attrs.field(default="bfloat16", converter=_float_dtype)
+    loss_scale: LossScale | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.instance_of(LossScale))
+    )
 
     @classmethod
     def bf16_mixed(cls) -> "PrecisionPolicy":
@@ -166,6 +173,24 @@ class PrecisionPolicy:
             state_dtype="bfloat16",
         )
 
+    @classmethod
+    def fp16_mixed(cls) -> "PrecisionPolicy":
+        """Megatron's fp16: as :meth:`bf16_mixed` in fp16, dynamic loss scale: 18 B/param."""
+        return cls(param_dtype="float16", compute_dtype="float16", loss_scale=LossScale())
+
+    @classmethod
+    def fp32_params_fp16_compute(cls) -> "PrecisionPolicy":
+        """FSDP2's fp16: fp32 weights and Adam, fp16 autocast, dynamic loss scale: 16 B/param."""
+        fp16 = LossScale()
+        return cls(
+            param_dtype="float32", master_weights=False, compute_dtype="float16", loss_scale=fp16
+        )
+
+    @property
+    def loss_scale_bytes(self) -> int:
+        """Per rank: the fp32 scale and the int32 count of steps since the last overflow."""
+        return 8 if self.loss_scale is not None else 0
+
     @property
     def optimizer_bytes_per_element(self) -> int:
         """Master copy plus optimizer states per optimizer element."""
@@ -187,6 +212,7 @@ class PrecisionPolicy:
             f"params {self.param_dtype}, grads {self.grad_dtype}, {master}"
             f"{self.optimizer.value} states {self.state_dtype}, compute {self.compute_dtype} "
             f"({self.bytes_per_param} B/param)"
+            + (", dynamic loss scale" if self.loss_scale is not None else "")
         )
 
 
@@ -340,7 +366,9 @@ def _state(
     else:
         opt_numel = numel
     optimizer = (
-        opt_numel * policy.optimizer_bytes_per_element + share.tensors * policy.optimizer.step_bytes
+        opt_numel * policy.optimizer_bytes_per_element
+        + share.tensors * policy.optimizer.step_bytes
+        + policy.loss_scale_bytes
     )
     return params, grads, optimizer
 

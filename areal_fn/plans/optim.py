@@ -1,5 +1,6 @@
-"""The optimizer's settings, the same for every engine: AdamW hyper-parameters and the
-learning-rate schedule (pure records; the engines apply them)."""
+"""The optimizer's settings, the same for every engine: AdamW hyper-parameters, the
+learning-rate schedule and fp16's dynamic loss scale (pure records; the engines apply
+them)."""
 
 import math
 from collections.abc import Iterable
@@ -10,7 +11,7 @@ import torch
 
 from areal_fn.errors import SpecError
 
-__all__ = ["AdamWConfig", "LRSchedule"]
+__all__ = ["AdamWConfig", "LRSchedule", "LossScale"]
 
 
 def _positive_float(_inst: object, attr: "attrs.Attribute[float]", value: float) -> None:
@@ -130,3 +131,40 @@ class AdamWConfig:
             eps=self.eps,
             weight_decay=self.weight_decay,
         )
+
+
+def _scale_field(_inst: object, attr: "attrs.Attribute[float]", value: object) -> None:
+    v = value if isinstance(value, float) and math.isfinite(value) else math.nan
+    good, rule = {
+        "init_scale": (v > 0, "a finite number > 0, e.g. 65536.0"),
+        "growth_factor": (v > 1, "a finite number > 1, e.g. 2.0"),
+        "backoff_factor": (0 < v < 1, "a number in (0, 1), e.g. 0.5"),
+    }[attr.name]
+    if not good:
+        raise SpecError(f"LossScale.{attr.name}={value!r} must be {rule}")
+
+
+def _interval(_inst: object, _attr: object, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SpecError(f"LossScale.growth_interval={value!r} must be an int >= 1, e.g. 2000")
+
+
+def _as_float(value: object) -> object:
+    return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+@attrs.frozen(kw_only=True)
+class LossScale:
+    """fp16's dynamic loss scale, with ``torch.amp.GradScaler``'s rules and defaults.
+
+    The loss is multiplied by the scale (``init_scale`` at first) before backward and
+    the gradients divided by it before clipping and the step. A step whose gradients
+    hold an inf or a NaN on any rank is skipped on every rank and the scale multiplied
+    by ``backoff_factor``; after ``growth_interval`` steps in a row without one, the
+    scale is multiplied by ``growth_factor``.
+    """
+
+    init_scale: float = attrs.field(default=2.0**16, converter=_as_float, validator=_scale_field)
+    growth_factor: float = attrs.field(default=2.0, converter=_as_float, validator=_scale_field)
+    backoff_factor: float = attrs.field(default=0.5, converter=_as_float, validator=_scale_field)
+    growth_interval: int = attrs.field(default=2000, validator=_interval)

@@ -28,6 +28,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,7 @@ from areal_fn.runtime.engines.fsdp2_apply import Fsdp2RunOptions  # noqa: E402
 from areal_fn.runtime.engines.megatron import MegatronEngine  # noqa: E402
 from areal_fn.runtime.engines.packed import TokenSequence  # noqa: E402
 from areal_fn.strategy.parse import parse_allocation  # noqa: E402
+from tests.distributed import fp16_cases  # noqa: E402
 
 WORLD = 4
 BATCH, SEQ = 8, 16
@@ -288,6 +290,9 @@ MASKED = "+mask"
 PACKED = "+pack"
 PACKED_LENGTHS = (16, 5, 9, 12, 3, 16, 7, 10)
 PACKED_BUDGET = 16
+#: A label ending in this runs fp16 with a dynamic loss scale for several steps
+#: (``fp16_cases.py``).
+FP16 = fp16_cases.FP16
 
 CASES: tuple[tuple[str, str], ...] = (
     ("qwen2", "fsdp:d4"),
@@ -655,7 +660,8 @@ def main() -> int:
     rank = dist.get_rank()
     # commas inside brackets belong to a label ("fsdp:d2t2[ac,offload]")
     wanted = {tuple(c.split("/", 1)) for c in re.split(r",(?![^\[]*\])", args.cases) if c}
-    cases = [c for c in CASES if not wanted or c in wanted]
+    every = CASES + fp16_cases.FP16_CASES  # fp16: several steps against torch's AMP
+    cases = [c for c in every if not wanted or c in wanted]
     results: dict[str, Any] = {}
     refs: dict[str, dict[str, Any]] = {}
     start = time.monotonic()
@@ -663,13 +669,18 @@ def main() -> int:
         for config, label in cases:
             t0 = time.monotonic()
             try:
-                suffix = next((x for x in (MASKED, PACKED) if label.endswith(x)), "")
+                suffix = next((x for x in (MASKED, PACKED, FP16) if label.endswith(x)), "")
                 key = f"{config}{suffix}"
-                if key not in refs and suffix == PACKED:
+                if key not in refs and suffix == FP16:
+                    refs[key] = fp16_cases.reference(
+                        config, CONFIGS, randomized_model, canonical_of
+                    )
+                elif key not in refs and suffix == PACKED:
                     refs[key] = reference_packed(config)
                 elif key not in refs:
                     refs[key] = reference(config, masked=suffix == MASKED)
-                rec = run_case(config, label, refs[key])
+                run = fp16_cases.run_fp16_case if suffix == FP16 else partial(run_case, config)
+                rec = run(label, refs[key])
                 rec["error"] = None
             except Exception:
                 rec = {"error": traceback.format_exc()}

@@ -39,6 +39,7 @@ copy on the last pipeline stage), and the sums are all-reduced over the world.
 Padding rows (Megatron's padded vocabulary) are not canonical and do not count.
 """
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -51,14 +52,17 @@ from areal_fn.errors import LayoutError, SpecError
 from areal_fn.plans.grad_norm import canonical_multiplicity as canonical_multiplicity
 from areal_fn.plans.grad_norm import norm_weights as norm_weights
 from areal_fn.plans.optim import AdamWConfig as AdamWConfig
+from areal_fn.plans.optim import LossScale as LossScale
 from areal_fn.plans.optim import LRSchedule as LRSchedule
 from areal_fn.sharding.box import Box
 from areal_fn.typecheck import beartype
 
 __all__ = [  # noqa: F822 (the engines load lazily, see __getattr__)
     "AdamWConfig",
+    "DynamicLossScaler",
     "Fsdp2Engine",
     "LRSchedule",
+    "LossScale",
     "MegatronEngine",
     "OptimizerSteps",
     "adamw_local_state",
@@ -94,6 +98,17 @@ class OptimizerSteps:
     _weights: Mapping[str, Sequence[tuple[Box, float]]]
     grad_clip: float | None
     steps_done: int
+    #: fp16's loss scale (``None``: no scaling); engines set it
+    scaler: "DynamicLossScaler | None" = None
+
+    @property
+    def loss_scale(self) -> float:
+        """The factor this step's loss is multiplied by before backward (1 without fp16)."""
+        return 1.0 if self.scaler is None else self.scaler.scale
+
+    def _optimizer_params(self) -> Mapping[str, Tensor]:
+        """The tensors the optimizer steps, by layout name (fp16 masters where kept)."""
+        return self._params
 
     def _optimizer_step(self) -> float:
         """Set this step's learning rate, step the optimizer; returns the rate used."""
@@ -112,16 +127,20 @@ class OptimizerSteps:
         global summed token loss and target count (``tokens > 0``). Returns ``loss``
         (their ratio), ``grad_norm`` (before clipping), ``clip_coef``, ``lr``, ``tokens``.
         """
+        live = [g for g in grads.values() if g is not None]
+        out = {"loss": loss_sum / tokens, "tokens": tokens}
+        if self.scaler is not None:
+            out["loss_scale"] = self.scaler.scale
+            skipped = self.scaler.unscale_(live)
+            self.scaler.update(skipped)
+            out["skipped"] = float(skipped)
+            if skipped:  # every rank alike: nothing clipped, no optimizer step
+                lr = self.optimizer_config.lr_at(self.steps_done)
+                return out | {"grad_norm": math.inf, "clip_coef": 0.0, "lr": lr}
         norm = grad_norm(grads, self._weights)
-        coef = clip_grads_([g for g in grads.values() if g is not None], norm, self.grad_clip)
+        coef = clip_grads_(live, norm, self.grad_clip)
         lr = self._optimizer_step()
-        return {
-            "loss": loss_sum / tokens,
-            "grad_norm": norm,
-            "clip_coef": coef,
-            "lr": lr,
-            "tokens": tokens,
-        }
+        return out | {"grad_norm": norm, "clip_coef": coef, "lr": lr}
 
     def scheduler_state(self) -> dict[str, int]:
         """The LR schedule's state (for checkpoints' ``lr_scheduler``)."""
@@ -143,7 +162,75 @@ class OptimizerSteps:
         too): write into them in place to restore a checkpoint. Empty before the first
         step unless ``create`` (zero moments, step 0, which the next step then uses).
         """
-        return adamw_local_state(self.optimizer, self._params, create=create)
+        return adamw_local_state(self.optimizer, self._optimizer_params(), create=create)
+
+
+class DynamicLossScaler:
+    """fp16's loss scale at run time: ``torch.amp.GradScaler``'s arithmetic, one flag
+    all-reduced over ``group`` (default: the world).
+
+    :meth:`unscale_` multiplies the gradients by ``1 / scale`` (the scale is a power of
+    the growth and backoff factors, so for the defaults exact) and finds any inf or
+    NaN with torch's own kernel; the flag is all-reduced (MAX), so every rank skips the
+    same steps. :meth:`update` applies ``torch._amp_update_scale_``: backoff on a skip,
+    growth after ``growth_interval`` good steps in a row.
+    """
+
+    def __init__(
+        self,
+        config: LossScale,
+        *,
+        device: torch.device,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.config = config
+        self.group = group
+        self._scale = torch.full((), config.init_scale, dtype=torch.float32, device=device)
+        self._growth = torch.zeros((), dtype=torch.int32, device=device)
+
+    @property
+    def scale(self) -> float:
+        return float(self._scale)
+
+    def unscale_(self, grads: Sequence[Tensor]) -> bool:
+        """Divide ``grads`` by the scale in place; whether any rank's hold an inf/NaN."""
+        found = torch.zeros((1,), dtype=torch.float32, device=self._scale.device)
+        inv = self._scale.double().reciprocal().float().reshape(1)
+        by_dtype: dict[torch.dtype, list[Tensor]] = {}
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for same in by_dtype.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(same, found, inv)
+        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(found.item() > 0)
+
+    def update(self, skipped: bool) -> None:
+        """The scale after a step that was (``skipped``) or was not skipped."""
+        flag = torch.full((1,), float(skipped), dtype=torch.float32, device=self._scale.device)
+        scale = self._scale.reshape(1)
+        torch._amp_update_scale_(
+            scale,
+            self._growth.reshape(1),
+            flag,
+            self.config.growth_factor,
+            self.config.backoff_factor,
+            self.config.growth_interval,
+        )
+
+    def state_dict(self) -> dict[str, float | int]:
+        """``{"scale", "growth_tracker"}``: what resumes the law (``torch.amp.GradScaler``'s names)."""
+        return {"scale": self.scale, "growth_tracker": int(self._growth)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume from :meth:`state_dict`."""
+        scale, growth = state.get("scale"), state.get("growth_tracker")
+        if not isinstance(scale, float) or not scale > 0 or not isinstance(growth, int):
+            raise SpecError(
+                f"loss-scale state {dict(state)!r} needs 'scale' (a float > 0) and "
+                "'growth_tracker' (an int); pass DynamicLossScaler.state_dict()"
+            )
+        self._scale.fill_(scale)
+        self._growth.fill_(growth)
 
 
 # -- pure: batches and targets ----------------------------------------------------------

@@ -48,10 +48,12 @@ from areal_fn.layouts.fsdp2 import Fsdp2Options, fsdp2_data_mesh, fsdp2_layout
 from areal_fn.layouts.layout import Layout
 from areal_fn.model.spec import ModelSpec
 from areal_fn.plans.convert import Reader, to_megatron_into
+from areal_fn.plans.memory import PrecisionPolicy
 from areal_fn.runtime.engines import fsdp2_apply as fsdp2
 from areal_fn.runtime.engines import ulysses
 from areal_fn.runtime.engines.common import (
     AdamWConfig,
+    DynamicLossScaler,
     OptimizerSteps,
     TokenIds,
     TokenLogprobs,
@@ -61,6 +63,7 @@ from areal_fn.runtime.engines.common import (
 )
 from areal_fn.runtime.engines.fsdp2_apply import DP_REPLICATE, DP_SHARD, TP, Fsdp2RunOptions
 from areal_fn.runtime.engines.packed import PackedRow, TokenSequence, full_row_targets, pack_rows
+from areal_fn.runtime.engines.precision import fsdp2_loss_scale
 from areal_fn.sharding.mesh import Axis
 from areal_fn.strategy.allocation import Component, ParallelDims
 from areal_fn.typecheck import beartype
@@ -98,8 +101,12 @@ class Fsdp2Engine(OptimizerSteps):
     ``dims`` is an allocation ``Component`` (its ``dims``) or ``ParallelDims``;
     ``options`` change the layout (HSDP replicas, TP of the embeddings), ``run_options``
     only how it is applied (mixed precision, CPU offload, activation checkpointing).
-    ``grad_clip=None`` disables clipping (the norm is still computed). Needs an
-    initialised default process group of exactly the layout's world size.
+    ``grad_clip=None`` disables clipping (the norm is still computed). ``precision``:
+    ``None`` or ``PrecisionPolicy.fp32()`` (fp32, or ``run_options``' mixed precision),
+    or ``PrecisionPolicy.fp32_params_fp16_compute()``: the forward under
+    ``torch.autocast(dtype=float16)`` with a dynamic loss scale
+    (:mod:`~areal_fn.runtime.engines.precision`). Needs an initialised default process
+    group of exactly the layout's world size.
     """
 
     @beartype
@@ -112,10 +119,12 @@ class Fsdp2Engine(OptimizerSteps):
         run_options: Fsdp2RunOptions = _RUN_OPTIONS,
         optimizer: AdamWConfig = _ADAMW,
         grad_clip: float | None = 1.0,
+        precision: PrecisionPolicy | None = None,
         device_type: str = "cpu",
         seed: int = 0,
     ) -> None:
         pdims = dims.dims if isinstance(dims, Component) else dims
+        loss_scale = fsdp2_loss_scale(precision, run_param_dtype=run_options.param_dtype)
         self.spec = model_spec
         self.dims = pdims
         self.options = options
@@ -147,6 +156,8 @@ class Fsdp2Engine(OptimizerSteps):
         self._tensors: dict[str, Tensor] = fsdp2.layout_tensors(self.model)
         self._weights = norm_weights(self.layout, self.rank)
         self.optimizer = optimizer.build(list(self._params.values()))
+        if loss_scale is not None:
+            self.scaler = DynamicLossScaler(loss_scale, device=self.device)
 
     # -- geometry read from the layout -----------------------------------------------
     @property
@@ -236,11 +247,12 @@ class Fsdp2Engine(OptimizerSteps):
         return field[:, self.sp_rank * width : (self.sp_rank + 1) * width].to(self.device)
 
     def _logits(self, row: PackedRow) -> Tensor:
-        logits: Tensor = self.model(
-            input_ids=self._slice(row, row.input_ids),
-            position_ids=self._slice(row, row.position_ids),
-            use_cache=False,
-        ).logits
+        with torch.autocast(self.device.type, torch.float16, enabled=self.scaler is not None):
+            logits: Tensor = self.model(
+                input_ids=self._slice(row, row.input_ids),
+                position_ids=self._slice(row, row.position_ids),
+                use_cache=False,
+            ).logits
         return logits.float()
 
     def _train_rows(self, rows: list[PackedRow]) -> dict[str, float]:
@@ -251,7 +263,8 @@ class Fsdp2Engine(OptimizerSteps):
         count = float(count_t) / (self._tp * self.sp)
         if count == 0:
             raise LayoutError("the global batch has no target token (loss_mask is all False)")
-        scale = (self.dp_size * self.sp) / count  # FSDP2 averages over dp * cp ranks
+        # FSDP2 averages over dp * cp ranks; fp16 multiplies by the loss scale too
+        scale = (self.dp_size * self.sp) / count * self.loss_scale
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         local = torch.zeros((), dtype=torch.float64, device=self.device)

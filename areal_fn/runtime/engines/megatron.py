@@ -64,8 +64,11 @@ from areal_fn.layouts.megatron import MegatronMeshes, megatron_layout, stages_fo
 from areal_fn.model.spec import ModelSpec
 from areal_fn.pipeline.partition import StagePlan, megatron_layout_string
 from areal_fn.plans.convert import Reader, to_hf, to_megatron_into
-from areal_fn.runtime.engines.common import AdamWConfig, norm_weights
+from areal_fn.plans.memory import PrecisionPolicy
+from areal_fn.plans.optim import LossScale
+from areal_fn.runtime.engines.common import AdamWConfig, DynamicLossScaler, norm_weights
 from areal_fn.runtime.engines.megatron_steps import MegatronSteps
+from areal_fn.runtime.engines.precision import megatron_loss_scale
 from areal_fn.runtime.megatron import build as mb
 from areal_fn.sharding.mesh import Axis
 from areal_fn.strategy.allocation import Component, ParallelDims
@@ -74,6 +77,14 @@ from areal_fn.typecheck import beartype
 __all__ = ["MegatronEngine"]
 
 _ADAMW = AdamWConfig()
+
+
+def _finalize_divided_before(model: Any, num_tokens: Any = None, **kwargs: Any) -> None:
+    """Megatron's ``finalize_model_grads`` without the division by the token count
+    (fp16: :meth:`MegatronEngine._scale_loss` divided the loss before backward)."""
+    from megatron.core.distributed import finalize_model_grads
+
+    finalize_model_grads(model, None, **kwargs)
 
 
 class MegatronEngine(MegatronSteps):
@@ -88,6 +99,10 @@ class MegatronEngine(MegatronSteps):
     gradient buffers and batches live on ``torch.cuda.current_device()``, so call
     ``torch.cuda.set_device`` first; the process group must carry CUDA tensors, e.g.
     NCCL). The ``"cuda"`` path has not been run on a GPU yet (``bench/gpu`` checks it).
+    ``precision``: ``None`` or ``PrecisionPolicy.fp32()`` (fp32), or
+    ``PrecisionPolicy.fp16_mixed()``: Megatron's fp16 (fp16 parameters, fp32 main
+    gradients and master weights, a dynamic loss scale through ``config.grad_scale_func``;
+    see :mod:`~areal_fn.runtime.engines.precision`).
     One engine per process at a time (Megatron's ``parallel_state`` is global); close it
     (or use it as a context manager) to tear the parallel state down.
     """
@@ -101,6 +116,7 @@ class MegatronEngine(MegatronSteps):
         stages: StagePlan | None = None,
         optimizer: AdamWConfig = _ADAMW,
         grad_clip: float | None = 1.0,
+        precision: PrecisionPolicy | None = None,
         micro_batch_size: int = 1,
         vocab_divisible_by: int = 128,
         device_type: str = "cpu",
@@ -122,6 +138,7 @@ class MegatronEngine(MegatronSteps):
                 "and checkpoints"
             )
         pdims = dims.dims if isinstance(dims, Component) else dims
+        loss_scale = megatron_loss_scale(precision)  # pure: refused before any group exists
         self.spec = model_spec
         self.dims = pdims
         self.vocab_divisible_by = vocab_divisible_by
@@ -162,12 +179,12 @@ class MegatronEngine(MegatronSteps):
             self._stack.enter_context(
                 mb.megatron_session(sizes, seed=seed, cpu=device_type == "cpu")
             )
-            self._build(plan, sizes)
+            self._build(plan, sizes, loss_scale)
         except BaseException:
             self._stack.close()
             raise
 
-    def _build(self, plan: StagePlan, sizes: mb.MegatronSizes) -> None:
+    def _build(self, plan: StagePlan, sizes: mb.MegatronSizes, fp16: LossScale | None) -> None:
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
@@ -182,11 +199,14 @@ class MegatronEngine(MegatronSteps):
             pipeline_model_parallel_layout=megatron_layout_string(plan)
             if self.dims.pp > 1
             else None,
+            params_dtype=torch.float32 if fp16 is None else torch.float16,
             overrides=self._config_overrides(),
         )
         prefix = "model0." if self.dims.vpp > 1 else ""
         vocab = self.layout.tensor(prefix + "embedding.word_embeddings.weight").shape[0]
         chunks = [c.to(self.device) for c in mb.build_model_chunks(arch, config, vocab_size=vocab)]
+        if fp16 is not None:  # what Megatron's Float16Module does: every tensor in fp16,
+            chunks = [c.half() for c in chunks]  # the norms' weights included
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=False,
@@ -199,7 +219,9 @@ class MegatronEngine(MegatronSteps):
         config.no_sync_func = (
             [c.no_sync for c in self.chunks] if len(self.chunks) > 1 else self.chunks[0].no_sync
         )
-        config.finalize_model_grads_func = finalize_model_grads
+        config.finalize_model_grads_func = (
+            finalize_model_grads if fp16 is None else _finalize_divided_before
+        )
         self.config = config
         self._te_cp = mb.uses_transformer_engine_cp(config)
         self._params = self._named_params()
@@ -208,7 +230,17 @@ class MegatronEngine(MegatronSteps):
         self._check_params()
         self._weights = norm_weights(self.layout, self.rank)
         self._pad_cols = self._padding_columns(plan)
-        self.optimizer = self.optimizer_config.build(list(self._params.values()))
+        self._masters = (  # fp16: the fp32 weights the optimizer steps (Megatron's main params)
+            {}
+            if fp16 is None
+            else {n: torch.nn.Parameter(p.detach().float()) for n, p in self._params.items()}
+        )
+        # what local_state and load_canonical see: the fp32 weights, and the buffers
+        self._state: dict[str, Tensor] = {**self._tensors, **self._masters}
+        self.optimizer = self.optimizer_config.build(list(self._optimizer_params().values()))
+        if fp16 is not None:
+            self.scaler = DynamicLossScaler(fp16, device=self.device)
+            config.grad_scale_func = self._scale_loss
 
     def _config_overrides(self) -> dict[str, Any]:
         overrides: dict[str, Any] = {"calculate_per_token_loss": True}
@@ -299,9 +331,21 @@ class MegatronEngine(MegatronSteps):
         return self.mesh.coords(self.rank)[self.mesh.axis_index(Axis.DP)]
 
     # -- state -------------------------------------------------------------------------
+    def _optimizer_params(self) -> Mapping[str, Tensor]:
+        return self._masters or self._params
+
+    def _scale_loss(self, loss: Tensor) -> Tensor:
+        """Megatron's ``grad_scale_func`` under fp16: the last stage's summed token loss
+        times ``loss scale / global target count``, so that fp16 gradients have the
+        mean loss's magnitude (Megatron's per-token loss divides after backward)."""
+        return loss * (self.loss_scale / self._targets)
+
     def local_state(self) -> dict[str, Tensor]:
-        """Layout tensor name -> this rank's live local parameter (shares storage)."""
-        return {name: p.detach() for name, p in self._tensors.items()}
+        """Layout tensor name -> this rank's live local parameter (shares storage).
+
+        Under fp16 the fp32 master weights (the model's fp16 parameters are their copies,
+        refreshed before every forward)."""
+        return {name: p.detach() for name, p in self._state.items()}
 
     def local_grads(self) -> dict[str, Tensor | None]:
         """Layout tensor name -> this rank's gradient (Megatron's ``main_grad`` buffer view).
@@ -319,7 +363,7 @@ class MegatronEngine(MegatronSteps):
         parameter's dtype (``to_megatron_into``); ``hf_views(path)`` reads an HF
         checkpoint so, without any intermediate tensor.
         """
-        to_megatron_into(canonical, self.layout, self.rank, out=self._tensors, cast=True)
+        to_megatron_into(canonical, self.layout, self.rank, out=self._state, cast=True)
 
     def export_canonical(self) -> dict[str, Tensor]:
         """Every canonical tensor on every rank: local states all-gathered, then ``to_hf``.

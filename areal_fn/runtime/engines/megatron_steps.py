@@ -75,6 +75,8 @@ class MegatronSteps(OptimizerSteps):
     micro_batch_size: int
     _pad_cols: Tensor | None
     _te_cp: bool
+    _masters: dict[str, torch.nn.Parameter]  # fp16: the fp32 weights the optimizer steps
+    _targets: float = 1.0  # fp16: this step's global target count
 
     def local_grads(self) -> dict[str, Tensor | None]:
         raise NotImplementedError  # the engine's
@@ -110,6 +112,9 @@ class MegatronSteps(OptimizerSteps):
         """Megatron's schedule over ``micro`` (full rows; each CP rank takes its chunks)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        with torch.no_grad():  # fp16: the parameters are copies of the fp32 masters
+            for name, master in self._masters.items():
+                self._params[name].copy_(master)
         local = [m.local(self.device) for m in micro]
         rows, seq = micro[0].ids.shape
         position_ids = split_for_cp(
@@ -205,6 +210,12 @@ class MegatronSteps(OptimizerSteps):
             chunk.train()
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.scaler is not None:  # every TP, PP and CP rank of a share holds its rows
+            held = torch.tensor(
+                float(sum(int(m.mask.sum()) for m in micro)), dtype=torch.float64
+            ).to(self.device)
+            dist.all_reduce(held)
+            self._targets = max(1.0, float(held) / (self.dims.tp * self.dims.pp * self.dims.cp))
         outputs = self._schedule(micro, forward_only=False)
         stats = torch.zeros(2, dtype=torch.float64, device=self.device)
         if self._is_loss_reporter():
@@ -215,8 +226,9 @@ class MegatronSteps(OptimizerSteps):
         total, count = float(stats[0]), float(stats[1])
         if count == 0:
             raise LayoutError("the global batch has no target token (loss_mask is all False)")
-        for p in self._params.values():  # the optimizer steps on Megatron's grad buffers
-            p.grad = p.main_grad  # type: ignore[attr-defined]
+        stepped = self._masters or self._params  # fp16: the fp32 masters
+        for name, p in self._params.items():  # the optimizer steps on Megatron's grad buffers
+            stepped[name].grad = p.main_grad  # type: ignore[attr-defined]
         return self._clip_and_step(self.local_grads(), loss_sum=total, tokens=count)
 
     @beartype
