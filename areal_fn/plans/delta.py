@@ -33,6 +33,7 @@ import enum
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from jaxtyping import Bool, Int, UInt8
 from torch import Tensor
@@ -56,6 +57,7 @@ ALIGN = 8
 #: the most units one message may hold (run starts and lengths are int32)
 MAX_UNITS = (1 << 31) - 1
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_NP = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 
 class Encoding(enum.IntEnum):
@@ -71,18 +73,36 @@ def unit_of(itemsizes: Sequence[int]) -> int:
     return math.gcd(*itemsizes) if itemsizes else 1
 
 
-def _units(buf: Bytes, unit: int) -> Tensor:
+def _check_units(buf: Tensor, unit: int) -> None:
     if unit not in _INT or buf.numel() % unit:
         raise PlanError(
             f"a delta payload of {buf.numel()} bytes cannot be read in units of {unit} bytes; "
             f"the unit must be one of {sorted(_INT)} and divide the payload"
         )
+
+
+def _units(buf: Bytes, unit: int) -> Tensor:
+    _check_units(buf, unit)
     return buf.view(_INT[unit])
+
+
+def _np(buf: Tensor, unit: int = 1) -> np.ndarray:
+    """``buf``'s bytes as a NumPy array of ``unit``-byte integers (no copy on the CPU)."""
+    _check_units(buf, unit)
+    return buf.detach().cpu().numpy().view(_NP[unit])
+
+
+def _tensor(a: np.ndarray, like: Tensor) -> Tensor:
+    return torch.from_numpy(a).to(like.device)
 
 
 @beartype
 def change_mask(old: Bytes, new: Bytes, unit: int) -> Mask:
     """Which units of ``new`` differ bitwise from ``old`` (payloads of equal size)."""
+    return _tensor(_mask(old, new, unit), new)
+
+
+def _mask(old: Tensor, new: Tensor, unit: int) -> np.ndarray:
     if old.numel() != new.numel():
         raise PlanError(
             f"the previous payload has {old.numel()} bytes and the new one {new.numel()}; a "
@@ -93,23 +113,26 @@ def change_mask(old: Bytes, new: Bytes, unit: int) -> Mask:
         raise PlanError(
             f"a delta message of {n} units exceeds {MAX_UNITS} (int32 runs); use smaller buckets"
         )
-    return _units(old, unit) != _units(new, unit)
+    return np.not_equal(_np(old, unit), _np(new, unit))
 
 
-def _starts(mask: Tensor) -> Tensor:
-    """Where a run of changed units starts (a changed unit after an unchanged one)."""
-    starts = mask.clone()
-    starts[1:] &= ~mask[:-1]
-    return starts
+def _counts(m: np.ndarray) -> tuple[int, int]:
+    """(changed units, runs of them) in mask ``m``."""
+    if not m.size:
+        return 0, 0
+    starts = int(m[0]) + int(np.count_nonzero(m[1:] & ~m[:-1]))
+    return int(np.count_nonzero(m)), starts
 
 
 def runs_of(mask: Mask) -> Runs:
     """The runs of ``True`` in ``mask``: ``(start, length)`` rows, in order."""
-    ends = mask.clone()
-    ends[:-1] &= ~mask[1:]
-    first = torch.nonzero(_starts(mask)).flatten()
-    last = torch.nonzero(ends).flatten()
-    return torch.stack([first, last - first + 1], dim=1).to(torch.int32)
+    return _tensor(_runs(mask.cpu().numpy()), mask)
+
+
+def _runs(m: np.ndarray) -> np.ndarray:
+    edge = np.diff(m.view(np.int8), prepend=np.int8(0), append=np.int8(0))
+    first, end = np.flatnonzero(edge == 1), np.flatnonzero(edge == -1)
+    return np.stack([first, end - first], axis=1).astype(np.int32)
 
 
 def encoded_sizes(n: int, k: int, r: int, unit: int) -> dict[Encoding, int]:
@@ -124,8 +147,11 @@ def encoded_sizes(n: int, k: int, r: int, unit: int) -> dict[Encoding, int]:
 @beartype
 def choose_encoding(mask: Mask, unit: int) -> Encoding:
     """The smallest encoding of ``mask``'s changes (ties to the lower :class:`Encoding`)."""
-    k, r = int(torch.count_nonzero(mask)), int(torch.count_nonzero(_starts(mask)))
-    sizes = encoded_sizes(mask.numel(), k, r, unit)
+    return _choose(mask.cpu().numpy(), unit)
+
+
+def _choose(m: np.ndarray, unit: int) -> Encoding:
+    sizes = encoded_sizes(m.size, *_counts(m), unit)
     return min(sizes, key=lambda e: (sizes[e], e))
 
 
@@ -134,40 +160,27 @@ def _bitmap_bytes(n: int) -> int:
     return -(-n // (8 * ALIGN)) * ALIGN
 
 
-def _bitmap(mask: Tensor) -> Tensor:
-    n = mask.numel()
-    padded = _bitmap_bytes(n) * 8
-    bits = torch.zeros(padded, dtype=torch.uint8)
-    bits[:n] = mask.to(torch.uint8)
-    grouped = bits.view(-1, 8)
-    out = grouped[:, 0].clone()
-    for i in range(1, 8):
-        out |= grouped[:, i] << i
-    return out
-
-
-def _unbitmap(bitmap: Tensor, n: int) -> Tensor:
-    shifts = torch.arange(8, dtype=torch.uint8)
-    return ((bitmap.view(-1, 1) >> shifts) & 1).flatten()[:n].bool()
-
-
 @beartype
 def encode_delta(
     old: Bytes, new: Bytes, unit: int, *, encoding: Encoding | None = None
 ) -> tuple[Encoding, Bytes]:
     """``new`` as a delta against ``old``: (encoding, bytes), in the smallest encoding
     (:func:`choose_encoding`) unless ``encoding`` is given."""
-    mask = change_mask(old, new, unit)
+    m = _mask(old, new, unit)
     if encoding is None:
-        encoding = choose_encoding(mask, unit)
+        encoding = _choose(m, unit)
     if encoding is Encoding.DENSE:
         return encoding, new.clone()
-    values = _units(new, unit)[mask].view(torch.uint8)
+    values = _np(new, unit)[m].view(np.uint8)
     if encoding is Encoding.BITMAP:
-        return encoding, torch.cat([_bitmap(mask), values])
-    runs = runs_of(mask)
-    count = torch.tensor([runs.shape[0], 0], dtype=torch.int32)
-    return encoding, torch.cat([torch.cat([count, runs.reshape(-1)]).view(torch.uint8), values])
+        bitmap = np.zeros(_bitmap_bytes(m.size), dtype=np.uint8)
+        packed = np.packbits(m, bitorder="little")
+        bitmap[: packed.size] = packed
+        return encoding, _tensor(np.concatenate([bitmap, values]), new)
+    runs = _runs(m)
+    count = np.array([runs.shape[0], 0], dtype=np.int32)
+    head = np.concatenate([count, runs.reshape(-1)]).view(np.uint8)
+    return encoding, _tensor(np.concatenate([head, values]), new)
 
 
 @beartype
@@ -178,38 +191,37 @@ def delta_changes(
     encoded delta for a dense payload of ``nbytes``; a payload that is not a well-formed
     encoding of that size is a ``PlanError``."""
     n = nbytes // unit
+    raw = _np(payload)
     if encoding is Encoding.DENSE:
-        _expect(payload.numel() == nbytes, f"{payload.numel()} bytes, dense needs {nbytes}")
+        _expect(raw.size == nbytes, f"{raw.size} bytes, dense needs {nbytes}")
         return torch.arange(n), _units(payload, unit)
     if encoding is Encoding.BITMAP:
         head = _bitmap_bytes(n)
-        _expect(payload.numel() >= head, f"{payload.numel()} bytes, the bitmap alone is {head}")
-        index = torch.nonzero(_unbitmap(payload[:head], n)).flatten()
-        rest = payload[head:]
+        _expect(raw.size >= head, f"{raw.size} bytes, the bitmap alone is {head}")
+        bits = np.unpackbits(raw[:head], count=n, bitorder="little").view(bool)
+        index = np.flatnonzero(bits)
     else:
-        _expect(payload.numel() >= RUN_BYTES, f"{payload.numel()} bytes, no run count")
-        count = int(payload[:RUN_BYTES].view(torch.int32)[0])
-        end = (count + 1) * RUN_BYTES
-        _expect(0 <= count and end <= payload.numel(), f"{count} runs in {payload.numel()} bytes")
-        runs = payload[RUN_BYTES:end].view(torch.int32).view(-1, 2).to(torch.int64)
-        index = _run_indices(runs, n)
-        rest = payload[end:]
+        _expect(raw.size >= RUN_BYTES, f"{raw.size} bytes, no run count")
+        count = int(raw[:RUN_BYTES].view(np.int32)[0])
+        head = (count + 1) * RUN_BYTES
+        _expect(0 <= count and head <= raw.size, f"{count} runs in {raw.size} bytes")
+        index = _run_indices(raw[RUN_BYTES:head].view(np.int32).reshape(-1, 2), n)
+    rest = raw[head:]
     _expect(
-        rest.numel() == index.numel() * unit,
-        f"{rest.numel()} bytes of values for {index.numel()} changed units of {unit} bytes",
+        rest.size == index.size * unit,
+        f"{rest.size} bytes of values for {index.size} changed units of {unit} bytes",
     )
-    return index, _units(rest, unit)
+    return _tensor(index.astype(np.int64), payload), _tensor(rest.view(_NP[unit]), payload)
 
 
-def _run_indices(runs: Tensor, n: int) -> Tensor:
-    starts, lengths = runs[:, 0], runs[:, 1]
+def _run_indices(runs: np.ndarray, n: int) -> np.ndarray:
+    starts, lengths = runs[:, 0].astype(np.int64), runs[:, 1].astype(np.int64)
     ends = starts + lengths
-    ok = bool((lengths > 0).all()) and bool((starts >= 0).all()) and bool((ends <= n).all())
+    ok = bool((lengths > 0).all() and (starts >= 0).all() and (ends <= n).all())
     ok = ok and bool((starts[1:] > ends[:-1]).all())
     _expect(ok, f"runs that are not increasing, disjoint and within {n} units")
-    k = int(lengths.sum())
-    first = torch.repeat_interleave(starts - (torch.cumsum(lengths, 0) - lengths), lengths)
-    return torch.arange(k) + first
+    first = np.repeat(starts - (np.cumsum(lengths) - lengths), lengths)
+    return np.arange(first.size, dtype=np.int64) + first
 
 
 def _expect(ok: bool, what: str) -> None:
@@ -220,9 +232,8 @@ def _expect(ok: bool, what: str) -> None:
 @beartype
 def decode_delta(old: Bytes, encoding: Encoding, payload: Bytes, unit: int) -> Bytes:
     """The new payload: ``old`` with the changes ``payload`` encodes (a new tensor)."""
-    index, values = delta_changes(encoding, payload, nbytes=old.numel(), unit=unit)
     out = old.clone()
-    _units(out, unit)[index] = values
+    apply_delta(out, encoding, payload, unit)
     return out
 
 
@@ -247,4 +258,11 @@ def apply_delta(base: Bytes, encoding: Encoding, payload: Bytes, unit: int) -> N
     """Write the changes ``payload`` encodes into ``base`` (in place): ``base`` becomes the
     new payload, as :func:`decode_delta` returns it."""
     index, values = delta_changes(encoding, payload, nbytes=base.numel(), unit=unit)
-    _units(base, unit)[index] = values
+    if encoding is Encoding.DENSE:
+        base.copy_(payload)
+    else:
+        _np(base, unit)[_np_index(index)] = _np(values.view(torch.uint8), unit)
+
+
+def _np_index(index: Tensor) -> np.ndarray:
+    return index.cpu().numpy()

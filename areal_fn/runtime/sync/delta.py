@@ -371,11 +371,17 @@ def _arrive(
             f"the sender sent a delta against version {base}, but this rank holds "
             f"{'none' if state.holds is None else held}; a delta applies only to the version it was made from"
         )
-    try:
-        index, values = delta_changes(encoding, data, nbytes=m.size - HEADER_BYTES, unit=_unit(m))
-    except PlanError as e:
-        raise _HeaderMismatch(str(e)) from None
-    staged.arrived.append((m, encoding, index, values))
+    dense = m.size - HEADER_BYTES
+    if encoding is Encoding.DENSE:  # the payload itself, written at commit
+        if data.numel() != dense:
+            raise _HeaderMismatch(f"a dense message of {data.numel()} bytes, not {dense}")
+        staged.arrived.append((m, encoding, data[:0], data))
+    else:
+        try:
+            index, values = delta_changes(encoding, data, nbytes=dense, unit=_unit(m))
+        except PlanError as e:
+            raise _HeaderMismatch(str(e)) from None
+        staged.arrived.append((m, encoding, index, values))
     staged.received_bytes += data.numel()
     staged.full_bytes += m.payload
     staged.deltas += encoding is not Encoding.DENSE
@@ -428,7 +434,7 @@ def _write(
         offsets = [o - HEADER_BYTES for o in m.offsets]
         unpack_boxes(
             m.transfers,
-            values.view(torch.uint8),
+            values,
             dst_tensors,
             offsets=offsets,
             dtypes=list(m.dtypes),
