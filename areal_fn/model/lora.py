@@ -77,10 +77,18 @@ def _modules(value: object) -> tuple[str, ...]:
 
 
 def _ranks(value: object) -> tuple[tuple[str, int], ...]:
-    pairs = value.items() if isinstance(value, dict) else value
+    pairs = tuple(value.items()) if isinstance(value, dict) else value
     if isinstance(pairs, str) or not isinstance(pairs, Iterable):
         raise LoraError(f"LoraConfig.module_ranks={value!r} must map module names to ranks")
-    return tuple(sorted((str(m), r) for m, r in pairs))  # type: ignore[misc]
+    out = []
+    for pair in pairs:
+        if not isinstance(pair, tuple) or len(pair) != 2 or not isinstance(pair[0], str):
+            raise LoraError(
+                f"LoraConfig.module_ranks has {pair!r}; give (module name, rank) pairs or a dict "
+                "such as {'q_proj': 16}"
+            )
+        out.append(pair)
+    return tuple(sorted(out))
 
 
 def _check_rank(what: str, value: object) -> None:

@@ -250,6 +250,16 @@ def test_adapter_elements_are_r_times_in_plus_out(name: str) -> None:
     assert sum(t.numel for t in layout.local_tensors(0)) == want
 
 
+def test_repr_evaluates_back() -> None:
+    for config in (
+        LoraConfig(rank=8),
+        LoraConfig(
+            rank=4, alpha=2.5, dropout=0.1, target_modules=("q_proj",), module_ranks={"q_proj": 2}
+        ),
+    ):
+        assert eval(repr(config)) == config
+
+
 def test_module_ranks() -> None:
     model = _model("qwen2")
     config = LoraConfig(rank=4, target_modules=("q_proj", "o_proj"), module_ranks={"o_proj": 2})
@@ -270,6 +280,10 @@ def test_module_ranks() -> None:
         (
             {"rank": 2, "target_modules": ("q_proj",), "module_ranks": {"v_proj": 4}},
             r"module_ranks gives 'v_proj' a rank, but target_modules=\('q_proj',\) does not name it",
+        ),
+        (
+            {"rank": 2, "target_modules": ("q_proj",), "module_ranks": [("q_proj",)]},
+            r"module_ranks has \('q_proj',\); give \(module name, rank\) pairs",
         ),
         (
             {"rank": 2, "target_modules": ("q_proj",), "module_ranks": {"q_proj": 0}},
