@@ -113,7 +113,7 @@ def _from_files(x: torch.Tensor, tmp: Path) -> None:
     write_hf_checkpoint(tmp / "fp8", {NAME: x}, config=config, fp8=Fp8Format(block=BLOCK))
     box = Box(ranges=((0, ROWS // 2), (0, COLS)))
     with HfCheckpoint(tmp / "bf16") as plain, HfCheckpoint(tmp / "fp8") as fp8:
-        assert fp8.dtype(NAME) == "bfloat16" and fp8.fp8 is not None
+        assert fp8.dtype(NAME) == "bfloat16" and fp8.quantized is not None
         _print(
             "read a TP-half box",
             box.numel * 2,

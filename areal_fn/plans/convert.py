@@ -69,11 +69,10 @@ def _unexpected_hint(unexpected: Sequence[str], specs: tuple[TensorSpec, ...]) -
         )
     if any(n.endswith(("_blocks", "_scales")) for n in unexpected):
         hints.append(
-            "; the checkpoint holds MXFP4 weights ('_blocks'/'_scales'), which are not read: "
-            "dequantise it to the dtype of its config.json first (MXFP4 gpt-oss experts: "
-            "transformers' from_pretrained with quantization_config=Mxfp4Config(dequantize="
-            "True), then save_pretrained, writes the bf16 'gate_up_proj' / 'down_proj' this "
-            "model reads)"
+            "; the checkpoint holds MXFP4 weights ('_blocks'/'_scales') its config.json does "
+            "not declare: gpt-oss's MXFP4 experts are read, dequantised, when config.json's "
+            "quantization_config says quant_method mxfp4 (put the config.json published with "
+            "the weights beside them)"
         )
     layers = {n.split(".")[2] for n in (s.name for s in specs) if n.startswith("model.layers.")}
     extra = sorted(

@@ -64,9 +64,10 @@ _GPT_OSS = {
 }
 
 
-def test_mxfp4_gpt_oss_checkpoint_is_refused_with_the_way_to_dequantise() -> None:
-    """A published gpt-oss checkpoint: experts' weights as MXFP4 blocks and scales
-    (``[E, 2I, H/32, 16]`` uint8 and ``[E, 2I, H/32]``), biases in bf16."""
+def test_undeclared_mxfp4_blocks_are_refused_saying_what_reads_them() -> None:
+    """A published gpt-oss checkpoint's tensors (experts' weights as MXFP4 blocks and
+    scales, ``[E, 2I, H/32, 16]`` uint8 and ``[E, 2I, H/32]``) checked without the config
+    that declares them: the readers read them only when it does."""
     spec = model_from_hf_config(_GPT_OSS)
     held = {t.name: torch.empty(t.shape) for t in spec.tensors}
     for name in ("gate_up_proj", "down_proj"):
@@ -76,10 +77,9 @@ def test_mxfp4_gpt_oss_checkpoint_is_refused_with_the_way_to_dequantise() -> Non
     with pytest.raises(
         ConversionError,
         match=r"missing 2: \['model\.layers\.0\.mlp\.experts\.gate_up_proj', .*unexpected 4: "
-        r".*gate_up_proj_blocks.*; the checkpoint holds MXFP4 weights \('_blocks'/'_scales'\), "
-        r"which are not read: dequantise it to the dtype of its config\.json first \(MXFP4 "
-        r"gpt-oss experts: transformers' from_pretrained with "
-        r"quantization_config=Mxfp4Config\(dequantize=True\), then save_pretrained, writes the "
-        r"bf16 'gate_up_proj' / 'down_proj' this model reads\)$",
+        r".*gate_up_proj_blocks.*; the checkpoint holds MXFP4 weights \('_blocks'/'_scales'\) "
+        r"its config\.json does not declare: gpt-oss's MXFP4 experts are read, dequantised, "
+        r"when config\.json's quantization_config says quant_method mxfp4 \(put the "
+        r"config\.json published with the weights beside them\)$",
     ):
         check_canonical(held, spec.tensors)

@@ -8,6 +8,8 @@ fp8`` (:func:`~areal_fn.model.quantized.fp8_format`) holds, beside each quantise
 then show each such weight under its own name, shape and the config's ``torch_dtype``,
 and dequantise only the box read (:func:`~areal_fn.plans.fp8.dequantize_fp8`), one
 tensor at a time. The scales are not shown as tensors of their own.
+:func:`quantized_weights` is what the readers call: this, or gpt-oss's MXFP4 experts
+(:mod:`~areal_fn.runtime.hf.mxfp4_io`), through the one :class:`Quantized` interface.
 
 Writing: :func:`quantized_stream` turns a stream of canonical tensors into the stored
 ones (each weight :func:`~areal_fn.model.quantized.is_fp8_quantized` names as its FP8
@@ -18,6 +20,7 @@ says so.
 import json
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import Protocol
 
 import attrs
 import torch
@@ -27,18 +30,42 @@ from areal_fn.model.quantized import Fp8Format, fp8_format, is_fp8_quantized, sc
 from areal_fn.model.tensor_spec import torch_dtype
 from areal_fn.plans.fp8 import block_amax, dequantize_fp8, quantize_fp8, scale_grid
 from areal_fn.plans.tensor_check import listing
+from areal_fn.runtime.hf.mxfp4_io import mxfp4_weights, stored_code
 from areal_fn.sharding.box import Box
 
-__all__ = ["Fp8Weights", "fp8_config", "fp8_weights", "quantized_stream"]
+__all__ = [
+    "Fp8Weights",
+    "Quantized",
+    "fp8_config",
+    "fp8_weights",
+    "quantized_stream",
+    "quantized_weights",
+]
 
-#: safetensors' names of the dtypes an FP8 weight and its scale are stored in
+#: ``stored(name, box)``: ``box`` of a tensor as the checkpoint stores it.
+Stored = Callable[[str, Box], torch.Tensor]
+
+
+class Quantized(Protocol):
+    """What the readers ask of a checkpoint's quantised weights."""
+
+    @property
+    def names(self) -> frozenset[str]:
+        """The weights shown (in the model's ``dtype``)."""
+
+    @property
+    def hidden(self) -> frozenset[str]:
+        """The stored tensors not shown (scales, blocks)."""
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    def shape(self, name: str, stored: Callable[[str], tuple[int, ...]]) -> tuple[int, ...]: ...
+
+    def read(self, name: str, box: Box, stored: Stored) -> torch.Tensor: ...
+
+
 _FP8, _F32 = "F8_E4M3", "F32"
-_SAFETENSORS = {"float8_e4m3fn": _FP8, "float32": _F32}
-
-
-def _stored(dtype: str) -> str:
-    """safetensors' dtype name (``F8_E4M3``) of a dtype as a reader reports it."""
-    return _SAFETENSORS.get(dtype.removeprefix("torch."), dtype)
 
 
 @attrs.frozen(kw_only=True)
@@ -58,21 +85,39 @@ class Fp8Weights:
         """The scale tensors, which readers do not show."""
         return frozenset(s for _, s in self.scales)
 
-    def read(
-        self,
-        name: str,
-        box: Box,
-        values: Callable[[Box], torch.Tensor],
-        scales: Callable[[Box], torch.Tensor],
-    ) -> torch.Tensor:
-        """``box`` of weight ``name`` dequantised: ``values(box)`` its FP8 values,
-        ``scales(grid_box)`` the scales of the blocks the box touches."""
+    def shape(self, name: str, stored: Callable[[str], tuple[int, ...]]) -> tuple[int, ...]:
+        """Weight ``name``'s shape (``stored``: a stored tensor's shape)."""
+        return stored(name)
+
+    def read(self, name: str, box: Box, stored: Stored) -> torch.Tensor:
+        """``box`` of weight ``name`` dequantised from its FP8 values in the box and the
+        scales of the blocks the box touches (``stored(name, box)`` reads them)."""
         (r0, r1), (c0, c1) = box.ranges
         bm, bn = self.fmt.block
         grid = Box._trusted(((r0 // bm, -(-r1 // bm)), (c0 // bn, -(-c1 // bn))))
         return dequantize_fp8(
-            values(box), scales(grid), block=self.fmt.block, dtype=self.dtype, origin=(r0, c0)
+            stored(name, box),
+            stored(scale_name(name), grid),
+            block=self.fmt.block,
+            dtype=self.dtype,
+            origin=(r0, c0),
         )
+
+
+def quantized_weights(
+    path: Path,
+    names: "tuple[str, ...]",
+    shape: Callable[[str], tuple[int, ...]],
+    dtype: Callable[[str], str],
+) -> Quantized | None:
+    """The quantised weights of the checkpoint in ``path`` as its ``config.json`` declares
+    them: block FP8 (:func:`fp8_weights`), MXFP4
+    (:func:`~areal_fn.runtime.hf.mxfp4_io.mxfp4_weights`), None for neither."""
+    config = _config(path)
+    if config is None:
+        return None
+    found = fp8_weights(path, names, shape, dtype)
+    return found if found is not None else mxfp4_weights(config, names, shape, dtype)
 
 
 def _config(path: Path) -> Mapping[str, object] | None:
@@ -110,13 +155,13 @@ def fp8_weights(
     pairs, problems = [], []
     for name, dims in shapes.items():
         s = scale_name(name)
-        quantised = _stored(dtypes[name]) == _FP8
+        quantised = stored_code(dtypes[name]) == _FP8
         if s not in shapes:
             if quantised:
                 problems.append(f"{name} is FP8 without {s}")
             continue
         want = scale_grid((dims[0], dims[1]), fmt.block) if len(dims) == 2 else None
-        if not quantised or want != shapes[s] or _stored(dtypes[s]) != _F32:
+        if not quantised or want != shapes[s] or stored_code(dtypes[s]) != _F32:
             problems.append(
                 f"{name} ({dtypes[name]}, {dims}) and {s} ({dtypes[s]}, {shapes[s]}): an FP8 "
                 f"weight's float32 scales of {fmt.block[0]}x{fmt.block[1]} blocks are {want}"

@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 
 from areal_fn.errors import ConversionError
 from areal_fn.model.mtp import mtp_names
-from areal_fn.model.quantized import Fp8Format, scale_name
+from areal_fn.model.quantized import Fp8Format
 from areal_fn.model.spec import ModelSpec
 from areal_fn.plans.convert import check_canonical
 from areal_fn.runtime.replace_dir import check_overwrite, new_output_dir, replace_dir
@@ -169,15 +169,18 @@ class HfCheckpoint:
         else:
             raise ConversionError(f"{self.path} holds neither {SINGLE} nor {INDEX}")
         self._handles: dict[str, object] = {}
-        from areal_fn.runtime.hf.fp8_io import fp8_weights
+        from areal_fn.runtime.hf.fp8_io import quantized_weights
 
         stored = tuple(self._file_of)
-        self.fp8 = fp8_weights(
-            self.path, stored, lambda n: tuple(self._slice(n).get_shape()), self._stored_dtype
+        #: the quantised weights (FP8, MXFP4) its config.json declares, read dequantised
+        self.quantized = quantized_weights(
+            self.path, stored, self._stored_shape, self._stored_dtype
         )
-        self._fp8_names = self.fp8.names if self.fp8 is not None else frozenset()
-        hidden = self.fp8.hidden if self.fp8 is not None else frozenset()
-        self._names = tuple(n for n in stored if n not in hidden)
+        q = self.quantized
+        self._quantized = q.names if q is not None else frozenset()
+        hidden = q.hidden if q is not None else frozenset()
+        shown = [n for n in stored if n not in hidden]
+        self._names = (*shown, *sorted(self._quantized - set(shown)))
 
     def _handle(self, fname: str):  # type: ignore[no-untyped-def]
         if fname not in self._handles:
@@ -204,13 +207,19 @@ class HfCheckpoint:
         return (*index, *sorted(set(self._file_of.values())))
 
     def shape(self, name: str) -> tuple[int, ...]:
+        if name in self._quantized:
+            assert self.quantized is not None
+            return self.quantized.shape(name, self._stored_shape)
+        return self._stored_shape(name)
+
+    def _stored_shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._slice(name).get_shape())
 
     def dtype(self, name: str) -> str:
         """The dtype ``read`` gives (an FP8 weight's: the config's ``torch_dtype``)."""
-        if name in self._fp8_names:
-            assert self.fp8 is not None
-            return str(self.fp8.dtype).removeprefix("torch.")
+        if name in self._quantized:
+            assert self.quantized is not None
+            return str(self.quantized.dtype).removeprefix("torch.")
         return self._stored_dtype(name)
 
     def _stored_dtype(self, name: str) -> str:
@@ -222,8 +231,15 @@ class HfCheckpoint:
         return self._handle(self._file_of[name]).get_slice(name)
 
     def read(self, name: str, box: Box) -> torch.Tensor:
-        """Only ``box`` of tensor ``name`` (memory-mapped, copied out; an FP8 weight's
-        values and the scales of its blocks, dequantised)."""
+        """Only ``box`` of tensor ``name`` (memory-mapped, copied out; a quantised
+        weight's values and scales of the blocks the box touches, dequantised)."""
+        if name in self._quantized:
+            assert self.quantized is not None
+            if box.ndim != len(self.shape(name)):
+                raise ConversionError(
+                    f"box {box} has {box.ndim} dims, {name!r} has shape {self.shape(name)}"
+                )
+            return self.quantized.read(name, box, lambda n, b: self._slice(n)[b.slices()])
         sl = self._slice(name)
         if box.ndim != len(sl.get_shape()):
             raise ConversionError(
@@ -231,14 +247,10 @@ class HfCheckpoint:
             )
         if box.ndim == 0:
             return self._handle(self._file_of[name]).get_tensor(name)
-        if name in self._fp8_names:
-            assert self.fp8 is not None
-            scales = self._slice(scale_name(name))
-            return self.fp8.read(name, box, lambda b: sl[b.slices()], lambda g: scales[g.slices()])
         return sl[box.slices()]
 
     def read_full(self, name: str) -> torch.Tensor:
-        if name in self._fp8_names:
+        if name in self._quantized:
             return self.read(name, Box.full(self.shape(name)))
         return self._handle(self._file_of[name]).get_tensor(name)
 

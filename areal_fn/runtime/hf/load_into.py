@@ -11,9 +11,10 @@ columns a piece does not hold go to a scratch buffer of one row), anything else 
 another device) by one ``copy_`` from the memory-mapped slice. Each needed byte is copied
 once, no tensor is allocated, padding rows are zeroed in place.
 
-A block-quantised FP8 checkpoint (``quantization_config`` ``quant_method: fp8``) is read
-as its config's ``torch_dtype``: each piece of an FP8 weight is its box of values and
-the scales of its blocks, dequantised (:mod:`~areal_fn.runtime.hf.fp8_io`), then copied.
+A quantised checkpoint (``quantization_config`` ``quant_method`` ``fp8``: block FP8;
+``mxfp4``: gpt-oss's experts) is read as its config's ``torch_dtype``: each piece of a
+quantised weight is its box of values and the scales of its blocks, dequantised
+(:mod:`~areal_fn.runtime.hf.fp8_io`, :mod:`~areal_fn.runtime.hf.mxfp4_io`), then copied.
 
 Checked before the first write: the checkpoint's names and shapes against the layout,
 the destinations' names, shapes, storage (not ``meta``, not a ``DTensor``: pass its
@@ -32,11 +33,10 @@ from torch.distributed.tensor import DTensor
 
 from areal_fn.errors import ConversionError
 from areal_fn.layouts.layout import Layout, Piece
-from areal_fn.model.quantized import scale_name
 from areal_fn.plans.convert import canonical_region, check_canonical, check_into, pieces_into
 from areal_fn.plans.tensor_check import listing
 from areal_fn.runtime.hf.convert import read_local
-from areal_fn.runtime.hf.fp8_io import Fp8Weights, fp8_weights
+from areal_fn.runtime.hf.fp8_io import Quantized, quantized_weights
 from areal_fn.runtime.hf.io import INDEX, SINGLE, HfCheckpoint, read_safetensors_header
 from areal_fn.sharding.box import Box
 from areal_fn.typecheck import beartype
@@ -189,17 +189,15 @@ def _fill(
     _preadv(fd, [whole], start + first * inner * view.element_size(), len(whole))
 
 
-def _dequantized(fp8: Fp8Weights, views: Mapping[str, torch.Tensor], p: Piece) -> torch.Tensor:
-    """Piece ``p`` of an FP8 weight: the box around it dequantised (its view taken)."""
+def _dequantized(q: Quantized, views: Mapping[str, torch.Tensor], p: Piece) -> torch.Tensor:
+    """Piece ``p`` of a quantised weight: the box around it dequantised (its view taken)."""
     assert p.canonical is not None and p.canonical_region is not None
     name = p.canonical
-    box = p.canonical_region if p.view is None else Box.full(tuple(views[name].shape))
-    values = fp8.read(
-        name, box, lambda b: views[name][b.slices()], lambda g: views[scale_name(name)][g.slices()]
-    )
-    if p.view is None:
-        return values
-    return canonical_region(values, p)
+    box = p.canonical_region
+    if p.view is not None:
+        box = Box.full(q.shape(name, lambda n: tuple(views[n].shape)))
+    values = q.read(name, box, lambda n, b: views[n][b.slices()])
+    return values if p.view is None else canonical_region(values, p)
 
 
 @beartype
@@ -228,19 +226,22 @@ def load_into(
         raise ConversionError(f"threads={threads} must be >= 1 (or None: torch's thread count)")
     _check_plain(out)
     views = hf_views(src_hf_dir)
-    fp8 = fp8_weights(
+    q = quantized_weights(
         Path(src_hf_dir),
         tuple(views),
         lambda n: tuple(views[n].shape),
         lambda n: str(views[n].dtype),
     )
-    shown = {n: v for n, v in views.items() if fp8 is None or n not in fp8.hidden}
+    stored = {n: v for n, v in views.items() if q is None or n not in q.hidden}
+    shown = dict(stored)
+    dtypes = {n: v.dtype for n, v in stored.items()}
+    if q is not None:
+        for n in q.names:
+            shown[n] = torch.empty(q.shape(n, lambda m: tuple(views[m].shape)), device="meta")
+            dtypes[n] = q.dtype
     check_canonical(shown, layout.canonical)
-    dtypes = {n: v.dtype for n, v in shown.items()}
-    if fp8 is not None:
-        dtypes.update(dict.fromkeys(fp8.names, fp8.dtype))
     check_into(layout, rank, out, dtypes=dtypes, cast=cast)
-    files = _Files(Path(src_hf_dir), shown)
+    files = _Files(Path(src_hf_dir), stored)
     jobs = sorted(pieces_into(layout, rank, out), key=lambda job: -job[1].numel())
 
     def run(job: tuple[str, torch.Tensor, Piece]) -> None:
@@ -248,8 +249,8 @@ def load_into(
         with torch.no_grad():
             if p.canonical is None or p.canonical_region is None:
                 region.zero_()
-            elif fp8 is not None and p.canonical in fp8.names:  # dequantised as read
-                region.copy_(_dequantized(fp8, views, p).reshape(region.shape))
+            elif q is not None and p.canonical in q.names:  # dequantised as read
+                region.copy_(_dequantized(q, views, p).reshape(region.shape))
             elif p.view is not None:  # strided / transposed (gpt-oss experts): one copy_
                 region.copy_(canonical_region(views[p.canonical], p).reshape(region.shape))
             else:
