@@ -49,12 +49,16 @@ HUGE_STEP, HUGE_WEIGHT = 2, 1e8
 POISON_STEP, POISONED_RANK = 4, 3
 LENGTHS = (16, 5, 9, 12, 3, 16, 7, 10)
 BUDGET = 16
+#: a loss-scale state loaded back through ``load_scheduler_state``
+RESUMED = {"scale": 64.0, "growth_tracker": 1}
 
 FP16_CASES: tuple[tuple[str, str], ...] = (
     ("qwen2", "fsdp:d4" + FP16),
     ("qwen2", "fsdp:d2t2" + FP16),
     ("qwen2", "megatron:d2t2" + FP16),
     ("qwen2", "megatron:d2p2" + FP16),
+    ("qwen2", "fsdp:t2c2" + FP16),  # Ulysses
+    ("qwen2", "megatron:d2c2" + FP16),  # context parallelism
 )
 
 
@@ -241,7 +245,11 @@ def run_fp16_case(label: str, ref: dict[str, Any]) -> dict[str, Any]:
             )
             previous = w
         opt = engine.optimizer_local_state()
+        saved = engine.scheduler_state()
+        engine.load_scheduler_state({"steps_done": 1, "loss_scale": RESUMED})
         return {
+            "scheduler_state": saved,
+            "resumed": [engine.steps_done, engine.scaler.state_dict()],
             "steps": out,
             "optimizer_steps": sorted({float(st["step"]) for st in opt.values()}),
             "master_dtypes": sorted({str(t.dtype) for t in engine.local_state().values()}),

@@ -29,7 +29,8 @@ chunks ``r`` and ``3 - r`` of the 4 chunks of a row, and hooks on the embedding 
 the first attention layer of every chunk record that each rank ran ``T/cp`` tokens.
 
 fp16 with a dynamic loss scale (``+fp16`` cases, ``fp16_cases.py``): six steps of each
-engine (``fsdp:d4``, ``fsdp:d2t2``, ``megatron:d2t2``, ``megatron:d2p2``) against one
+engine (``fsdp:d4``, ``fsdp:d2t2``, ``fsdp:t2c2``, ``megatron:d2t2``, ``megatron:d2p2``,
+``megatron:d2c2``) against one
 process running the same steps under ``torch.autocast("cpu", dtype=torch.float16)`` with
 ``torch.amp.GradScaler("cpu")``; two of them overflow on purpose (a huge token weight
 on one share; an inf written into one rank's gradients only).
@@ -232,9 +233,9 @@ FP16_NORM_RTOL = 1e-3  # 2u on the gradient norm: <= 3.6e-4 (an unscaled one: x 
 # Weights after each step: the distance of the engine's total movement from the AMP
 # run's, relative to the AMP run's movement, at most twice that of the same steps in
 # float32 (what fp16 rounding alone moves AdamW's sign-like first steps by: 0.7-3.5%).
-# FSDP2 computes autocast's own arithmetic: observed 0.19-0.28 times it (fsdp:d4), 0.72
-# (d2t2); Megatron rounds its parameters to fp16 too (the norms' weights included), a
-# second fp16 run beside the AMP one: observed 1.28-1.49 times it.
+# FSDP2 computes autocast's own arithmetic: observed 0.19-0.28 times it (fsdp:d4),
+# 0.72-0.75 (d2t2, t2c2); Megatron rounds its parameters to fp16 too (the norms' weights
+# included), a second fp16 run beside the AMP one: observed 1.28-1.49 times it.
 FP16_MOVEMENT_VS_FP32 = 2.0
 
 
@@ -269,6 +270,12 @@ def test_fp16_steps_equal_torch_amp(results: dict[str, Any], case: str) -> None:
     # the scale grew after two good steps, then backed off at each overflow
     assert [s["loss_scale"] for s in steps] == [1024.0, 1024.0, 2048.0, 1024.0, 1024.0, 512.0]
     assert rec["optimizer_steps"] == [4.0]  # AdamW stepped on the four good steps only
+    # the schedule's state carries the scale (what a checkpoint's lr_scheduler holds)
+    assert rec["scheduler_state"] == {
+        "steps_done": 4,
+        "loss_scale": {"scale": 512.0, "growth_tracker": 1},
+    }
+    assert rec["resumed"] == [1, fp16.RESUMED]
     assert rec["master_dtypes"] == ["torch.float32"]  # local_state: the fp32 weights
     # the parameters the model computes with: Megatron's fp16, FSDP2's fp32 (autocast)
     fp16_params = case.split("/")[1].startswith("megatron")
@@ -277,7 +284,7 @@ def test_fp16_steps_equal_torch_amp(results: dict[str, Any], case: str) -> None:
 
 def test_fp16_cases_are_in_the_launch() -> None:
     labels = {label for _, label in fp16.FP16_CASES}
-    assert {"fsdp:d4+fp16", "megatron:d2p2+fp16"} <= labels
+    assert {"fsdp:d4+fp16", "fsdp:t2c2+fp16", "megatron:d2p2+fp16", "megatron:d2c2+fp16"} <= labels
     assert fp16.POISONED_RANK != 0 and fp16.HUGE_STEP != fp16.POISON_STEP
 
 

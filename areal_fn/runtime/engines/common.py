@@ -142,17 +142,24 @@ class OptimizerSteps:
         lr = self._optimizer_step()
         return out | {"grad_norm": norm, "clip_coef": coef, "lr": lr}
 
-    def scheduler_state(self) -> dict[str, int]:
-        """The LR schedule's state (for checkpoints' ``lr_scheduler``)."""
-        return {"steps_done": self.steps_done}
+    def scheduler_state(self) -> dict[str, Any]:
+        """The LR schedule's state (for checkpoints' ``lr_scheduler``): ``steps_done``,
+        and under fp16 ``loss_scale`` (:meth:`DynamicLossScaler.state_dict`)."""
+        state: dict[str, Any] = {"steps_done": self.steps_done}
+        if self.scaler is not None:
+            state["loss_scale"] = self.scaler.state_dict()
+        return state
 
     def load_scheduler_state(self, state: Mapping[str, Any]) -> None:
-        """Resume the LR schedule from :meth:`scheduler_state`."""
+        """Resume the LR schedule from :meth:`scheduler_state`; under fp16 also the loss
+        scale when the state has one (without fp16, a saved scale is not used)."""
         steps = state.get("steps_done")
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
             raise SpecError(
                 f"scheduler state {dict(state)!r} has no valid 'steps_done' (an int >= 0)"
             )
+        if self.scaler is not None and "loss_scale" in state:
+            self.scaler.load_state_dict(state["loss_scale"])
         self.steps_done = steps
 
     def optimizer_local_state(self, *, create: bool = False) -> dict[str, dict[str, Tensor]]:

@@ -77,8 +77,8 @@ class Engine(Protocol):
         """AdamW state per local tensor (live tensors)."""
         ...
 
-    def scheduler_state(self) -> dict[str, int]:
-        """The LR schedule's checkpointable state."""
+    def scheduler_state(self) -> dict[str, Any]:
+        """The LR schedule's checkpointable state (and fp16's loss scale)."""
         ...
 
     def load_scheduler_state(self, state: Mapping[str, Any]) -> None:
