@@ -20,7 +20,8 @@ from areal_fn import ParallelDims, megatron_layout, model_from_hf_config
 from areal_fn.errors import ConversionError
 from areal_fn.layouts.fsdp2 import fsdp2_layout
 from areal_fn.model.hf_memory import hf_state_to_canonical
-from areal_fn.runtime.hf.convert import convert_to_local, rank_file, read_local
+from areal_fn.model.quantized import Fp8Format
+from areal_fn.runtime.hf.convert import convert_back, convert_to_local, rank_file, read_local
 from areal_fn.runtime.hf.io import HfCheckpoint, write_hf_checkpoint
 from areal_fn.runtime.hf.load_into import load_into
 from tests.laws.test_convert_into import assert_bitwise, poisoned_like
@@ -142,3 +143,22 @@ def test_blocks_without_scales_are_refused(mxfp4_dir, tmp_path):
         r"model\.layers\.0\.mlp\.experts\.down_proj_scales'\]",
     ):
         HfCheckpoint(Path(bad))
+
+
+def test_written_back_it_is_bf16_and_fp8_is_refused_for_stacked_experts(mxfp4_dir, tmp_path):
+    path, want = mxfp4_dir
+    spec = model_from_hf_config(path)
+    convert_to_local(path, "fsdp:d2", tmp_path / "ranks")
+    convert_back(tmp_path / "ranks", None, tmp_path / "out")
+    assert "quantization_config" not in json.loads((tmp_path / "out" / "config.json").read_text())
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.bfloat16)
+    got = hf_state_to_canonical(plain.state_dict(), spec)
+    assert all(torch.equal(got[n], t) for n, t in want.items())
+    with pytest.raises(
+        ConversionError,
+        match=r"model\.layers\.0\.mlp\.experts\.gate_up_proj holds stacked experts "
+        r"\(2, 64, 64\) \(gpt-oss\), which FP8 checkpoints store per expert; write this "
+        r"model without fp8",
+    ):
+        convert_back(tmp_path / "ranks", None, tmp_path / "fp8", fp8=Fp8Format(block=(32, 32)))
+    assert not (tmp_path / "fp8").exists()

@@ -453,8 +453,8 @@ def convert_back(
     anything is written. ``progress`` is called with each canonical tensor name written.
     ``fp8`` writes the weights it quantises as block FP8 with their scales and says so in
     ``config.json`` (``write_hf_checkpoint(fp8=)``); the summary counts the tensors and
-    bytes of the model in its own dtype. Without it a ``config.json`` saying FP8 (carried
-    from an FP8 source) loses its ``quantization_config``: the weights are not FP8.
+    bytes of the model in its own dtype. Without it a ``config.json`` saying FP8 or MXFP4
+    (carried from such a source) loses its ``quantization_config``: the weights are not.
     """
     src, dst = Path(src_dir), Path(dst_hf_dir)
     start = time.perf_counter()

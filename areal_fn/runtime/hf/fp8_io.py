@@ -34,6 +34,7 @@ from areal_fn.runtime.hf.mxfp4_io import mxfp4_weights, stored_code
 from areal_fn.sharding.box import Box
 
 __all__ = [
+    "READ_METHODS",
     "Fp8Weights",
     "Quantized",
     "fp8_config",
@@ -182,21 +183,26 @@ def fp8_weights(
     return Fp8Weights(fmt=fmt, dtype=target, scales=tuple(sorted(pairs)))
 
 
+#: The ``quant_method`` values the readers read (and a writer replaces or drops).
+READ_METHODS = ("fp8", "mxfp4")
+
+
 def fp8_config(config: Mapping[str, object], fmt: Fp8Format | None) -> dict[str, object]:
-    """``config`` with the ``quantization_config`` of ``fmt`` (None: without an FP8 one,
-    the weights being written unquantised). ``ConversionError`` for a config quantised
-    by another method."""
+    """``config`` with the ``quantization_config`` of ``fmt``, or (None) without an FP8
+    or MXFP4 one, the weights being written in their own dtype. ``ConversionError`` for
+    a config quantised by a method the readers do not read."""
     out = dict(config)
     q = out.get("quantization_config")
-    if isinstance(q, Mapping) and q.get("quant_method") != "fp8" and fmt is not None:
+    method = q.get("quant_method") if isinstance(q, Mapping) else None
+    if q is not None and method not in READ_METHODS:
         raise ConversionError(
-            f"config.json says quant_method={q.get('quant_method')!r}: an FP8 checkpoint "
-            "of it would say two formats; write it without FP8"
+            f"config.json's quantization_config says quant_method={method!r}, which this "
+            "writer does not write: drop it from config.json (the weights written are "
+            "unquantised" + (" or FP8" if fmt is not None else "") + ")"
         )
+    out.pop("quantization_config", None)
     if fmt is not None:
         out["quantization_config"] = fmt.quantization_config()
-    elif isinstance(q, Mapping) and q.get("quant_method") == "fp8":
-        del out["quantization_config"]
     return out
 
 
@@ -206,6 +212,11 @@ def quantized_stream(
     """``items`` as an FP8 checkpoint stores them: every weight the rule quantises
     followed by its scale (whose name is added to ``scales``), the rest as given."""
     for name, t in items:
+        if t.ndim == 3 and ".experts." in name:
+            raise ConversionError(
+                f"{name} holds stacked experts {tuple(t.shape)} (gpt-oss), which FP8 "
+                "checkpoints store per expert; write this model without fp8"
+            )
         if not is_fp8_quantized(name, tuple(t.shape), fmt):
             yield name, t
             continue

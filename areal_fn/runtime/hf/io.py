@@ -306,8 +306,8 @@ def write_hf_checkpoint(
     weights: each tensor :func:`~areal_fn.model.quantized.is_fp8_quantized` names as
     ``float8_e4m3fn`` values and its ``weight_scale_inv``, with the format's
     ``quantization_config`` in ``config.json``. Without it, a ``config.json`` that says
-    FP8 loses its ``quantization_config`` when no FP8 tensor is written (the weights are
-    then in their own dtype, as transformers must read them).
+    FP8 (or MXFP4) loses its ``quantization_config`` when no tensor of that format is
+    written (the weights are then in their own dtype, as transformers must read them).
     """
     from areal_fn.runtime.hf.files import carried_files
     from areal_fn.runtime.hf.fp8_io import quantized_stream
@@ -328,8 +328,8 @@ def write_hf_checkpoint(
     scales: set[str] = set()
     if fp8 is not None:
         items = quantized_stream(items, fp8, scales)
-    fp8_seen: list[str] = []
-    items = _noting_fp8(items, fp8_seen)
+    written: set[str] = set()
+    items = _noting_quantised(items, written)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = new_output_dir(dest)
     left = (
@@ -348,7 +348,7 @@ def write_hf_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     try:  # completing the checkpoint in ``tmp``, then putting it in place
-        config = _quantization(config, model, fp8, quantised=bool(fp8_seen))
+        config = _quantization(config, model, fp8, written=written)
         _complete(tmp, shards, total, config=config, model=model, files=extra)
         replace_dir(tmp, dest)
         return dest
@@ -359,13 +359,16 @@ def write_hf_checkpoint(
         raise
 
 
-def _noting_fp8(
-    items: Iterator[tuple[str, torch.Tensor]], seen: list[str]
+def _noting_quantised(
+    items: Iterator[tuple[str, torch.Tensor]], written: set[str]
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """``items`` unchanged, the names of those stored as FP8 appended to ``seen``."""
+    """``items`` unchanged; ``fp8`` added to ``written`` when one is stored as FP8,
+    ``mxfp4`` when one is MXFP4 blocks (uint8 ``*_blocks``)."""
     for name, t in items:
         if t.dtype == torch.float8_e4m3fn:
-            seen.append(name)
+            written.add("fp8")
+        elif t.dtype == torch.uint8 and name.endswith("_blocks"):
+            written.add("mxfp4")
         yield name, t
 
 
@@ -374,20 +377,24 @@ def _quantization(
     model: ModelSpec | None,
     fp8: "Fp8Format | None",
     *,
-    quantised: bool,
+    written: set[str],
 ) -> Mapping[str, object] | bytes | None:
-    """The ``config.json`` to write: with ``fp8``'s ``quantization_config``, or without
-    an FP8 one when nothing quantised was written; else ``config`` as given."""
-    from areal_fn.model.quantized import fp8_format
-    from areal_fn.runtime.hf.fp8_io import fp8_config
+    """The ``config.json`` to write: with ``fp8``'s ``quantization_config`` when FP8
+    tensors were ``written``; without an FP8 or MXFP4 one when none of its tensors were;
+    else ``config`` as given."""
+    from areal_fn.runtime.hf.fp8_io import READ_METHODS, fp8_config
 
     cfg = config if config is not None else (model.hf_config() if model is not None else None)
     if cfg is None:
         return None
     parsed = json.loads(cfg) if isinstance(cfg, bytes) else cfg
-    if fp8 is None and (quantised or fp8_format(parsed) is None):
-        return config
-    return fp8_config(parsed, fp8 if quantised else None)
+    q = parsed.get("quantization_config")
+    method = q.get("quant_method") if isinstance(q, Mapping) else None
+    if fp8 is not None:
+        return fp8_config(parsed, fp8 if "fp8" in written else None)
+    if method in READ_METHODS and method not in written:
+        return fp8_config(parsed, None)
+    return config
 
 
 def _check_write(
