@@ -166,21 +166,38 @@ def encode_delta(
 ) -> tuple[Encoding, Bytes]:
     """``new`` as a delta against ``old``: (encoding, bytes), in the smallest encoding
     (:func:`choose_encoding`) unless ``encoding`` is given."""
+    encoding, payload, _, _ = encode_changes(old, new, unit, encoding=encoding)
+    return encoding, payload
+
+
+@beartype
+def encode_changes(
+    old: Bytes, new: Bytes, unit: int, *, encoding: Encoding | None = None
+) -> tuple[Encoding, Bytes, Index, Tensor]:
+    """:func:`encode_delta`, with the changed units' indices and values: ``old`` with
+    ``values`` written at ``index`` (in units) is ``new``, whatever the encoding."""
     m = _mask(old, new, unit)
+    index = np.flatnonzero(m)
+    values = _np(new, unit).take(index)
+    breaks = np.flatnonzero(np.diff(index) != 1) + 1  # where a run starts, but the first
     if encoding is None:
-        encoding = _choose(m, unit)
+        r = breaks.size + 1 if index.size else 0
+        sizes = encoded_sizes(m.size, index.size, r, unit)
+        encoding = min(sizes, key=lambda e: (sizes[e], e))
     if encoding is Encoding.DENSE:
-        return encoding, new.clone()
-    values = _np(new, unit)[m].view(np.uint8)
-    if encoding is Encoding.BITMAP:
+        payload = new.clone()
+    elif encoding is Encoding.BITMAP:
         bitmap = np.zeros(_bitmap_bytes(m.size), dtype=np.uint8)
         packed = np.packbits(m, bitorder="little")
         bitmap[: packed.size] = packed
-        return encoding, _tensor(np.concatenate([bitmap, values]), new)
-    runs = _runs(m)
-    count = np.array([runs.shape[0], 0], dtype=np.int32)
-    head = np.concatenate([count, runs.reshape(-1)]).view(np.uint8)
-    return encoding, _tensor(np.concatenate([head, values]), new)
+        payload = _tensor(np.concatenate([bitmap, values.view(np.uint8)]), new)
+    else:
+        first = index[np.concatenate([[0], breaks])] if index.size else index
+        last = index[np.concatenate([breaks - 1, [index.size - 1]])] if index.size else index
+        runs = np.stack([first, last - first + 1], axis=1).astype(np.int32)
+        head = np.concatenate([np.array([runs.shape[0], 0], dtype=np.int32), runs.reshape(-1)])
+        payload = _tensor(np.concatenate([head.view(np.uint8), values.view(np.uint8)]), new)
+    return encoding, payload, _tensor(index, new), _tensor(values, new)
 
 
 @beartype

@@ -21,6 +21,7 @@ from areal_fn.plans.delta import (
     choose_encoding,
     decode_delta,
     delta_base_bytes,
+    encode_changes,
     encode_delta,
 )
 from areal_fn.plans.transfer import bucket, plan_transfers
@@ -76,12 +77,18 @@ def test_the_mask_is_the_units_that_differ(pair: tuple) -> None:
 
 @given(payload_pairs())
 def test_encode_then_decode_is_the_new_payload_bitwise(pair: tuple) -> None:
-    old, new, _, unit = pair
+    old, new, mask, unit = pair
     encoding, payload = encode_delta(old, new, unit)
     assert torch.equal(decode_delta(old, encoding, payload, unit), new)
     base = old.clone()
     apply_delta(base, encoding, payload, unit)
     assert torch.equal(base, new)
+    _, again, index, values = encode_changes(old, new, unit)
+    assert torch.equal(again, payload)
+    assert index.tolist() == [i for i in range(old.numel() // unit) if mask[i]]
+    written = old.clone()
+    written.view(values.dtype)[index] = values
+    assert torch.equal(written, new)
 
 
 @given(payload_pairs())

@@ -33,12 +33,13 @@ only what arrives.
 import hmac
 import time
 from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any
 
 import attrs
 import torch
 
 from areal_fn.errors import PlanError
-from areal_fn.plans.delta import Encoding, apply_delta, delta_changes, encode_delta, unit_of
+from areal_fn.plans.delta import Encoding, delta_changes, encode_changes, unit_of
 from areal_fn.plans.transfer import Transfer
 from areal_fn.plans.transfer_apply import copy_box, unpack_boxes
 from areal_fn.runtime.sync.auth import TAG_BYTES, message_tag, payload_view, sign, verified
@@ -102,7 +103,8 @@ class DeltaStaged:
     """What a delta sync staged until the commit, and its byte counts."""
 
     #: (message, bucket, encoding, encoded payload) of every message this rank sent
-    sent: list[tuple[_Message, int, Encoding, torch.Tensor]] = attrs.Factory(list)
+    #: (message, bucket, the kept payload's changes (indices, values) or the new payload)
+    sent: list[tuple[_Message, int, Any]] = attrs.Factory(list)
     #: (message, encoding, changed unit indices, values) of every message received
     arrived: list[tuple[_Message, Encoding, torch.Tensor, torch.Tensor]] = attrs.Factory(list)
     copies: list[Transfer] = attrs.Factory(list)
@@ -206,21 +208,22 @@ def _encode(
     group: SyncGroup,
     claim: int,
     state: DeltaState,
-) -> tuple[Encoding, int, torch.Tensor]:
-    """(encoding, base version or -1, encoded payload) of outgoing message ``m``."""
+) -> tuple[Encoding, int, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """(encoding, base version or -1, encoded payload, and for a message against a kept
+    payload the changed units' indices and values) of outgoing message ``m``."""
     base = state._previous.get(_key(m, bucket)) if state.keep_previous else None
     payload_bytes = m.size - HEADER_BYTES
     if base is not None and claim == state.base_version and base.numel() == payload_bytes:
         buf = _buffers(group).flat(("send", m.dst, 0), m.size, device)
         _pack(m, version, bucket, src_tensors, device, out=buf)
-        encoding, data = encode_delta(base, buf[HEADER_BYTES:], _unit(m))
-        return encoding, claim, data
+        encoding, data, index, values = encode_changes(base, buf[HEADER_BYTES:], _unit(m))
+        return encoding, claim, data, (index, values)
     if state.keep_previous:  # a fresh buffer: it becomes the kept payload at commit
         buf = torch.empty(m.size, dtype=torch.uint8, device=device)
     else:
         buf = _buffers(group).flat(("send", m.dst, 0), m.size, device)
     _pack(m, version, bucket, src_tensors, device, out=buf)
-    return Encoding.DENSE, -1, buf[HEADER_BYTES:]
+    return Encoding.DENSE, -1, buf[HEADER_BYTES:], None
 
 
 def _header(
@@ -279,14 +282,14 @@ def _exchange(
         for m in sorted(outgoing + incoming, key=lambda m: _order(me, m)):
             current = m
             if m.src == me:
-                enc, base, data = _encode(
+                enc, base, data, changes = _encode(
                     m, version, bucket, src_tensors, device, group, claims.get(m.dst, -1), state
                 )
                 head = _header(group, seq, version, bucket, m, enc, base, data)
                 works.append(pg.send([head], group.group_rank(m.dst), tag))
                 if data.numel():
                     works.append(pg.send([data], group.group_rank(m.dst), tag + 1))
-                staged.sent.append((m, bucket, enc, data))
+                staged.sent.append((m, bucket, data if changes is None else changes))
                 staged.sent_bytes += data.numel()
                 staged.full_bytes += m.payload
                 staged.overhead += DELTA_HEADER
@@ -409,13 +412,14 @@ def commit_delta(
         state._previous, state.base_version = {}, None
         return
     kept: dict[tuple[int, ...], torch.Tensor] = {}
-    for m, bucket, encoding, data in staged.sent:
+    for m, bucket, sent in staged.sent:
         key = _key(m, bucket)
-        if encoding is Encoding.DENSE:
-            kept[key] = data
-        else:
+        if isinstance(sent, torch.Tensor):  # a fresh dense payload
+            kept[key] = sent
+        else:  # the kept payload, changed where the new one differs
             base = state._previous[key]
-            apply_delta(base, encoding, data, _unit(m))
+            index, values = sent
+            base.view(values.dtype)[index] = values
             kept[key] = base
     state._previous = kept
     state.base_version = version
