@@ -59,6 +59,7 @@ FP16_CASES: tuple[tuple[str, str], ...] = (
     ("qwen2", "megatron:d2p2" + FP16),
     ("qwen2", "fsdp:t2c2" + FP16),  # Ulysses
     ("qwen2", "megatron:d2c2" + FP16),  # context parallelism
+    ("mixtral", "fsdp:d4" + FP16),  # experts (Megatron's: see docs/engines.md)
 )
 
 
@@ -244,11 +245,16 @@ def run_fp16_case(label: str, ref: dict[str, Any]) -> dict[str, Any]:
                 }
             )
             previous = w
+        logp = engine.forward_logprobs_packed(mine, max_tokens_per_micro_batch=BUDGET)
+        masters = getattr(engine, "_masters", {})  # Megatron: refreshed before the forward
+        refreshed = all(torch.equal(engine._params[n], m.half()) for n, m in masters.items())
         opt = engine.optimizer_local_state()
         saved = engine.scheduler_state()
         engine.load_scheduler_state({"steps_done": 1, "loss_scale": RESUMED})
         return {
             "scheduler_state": saved,
+            "params_are_rounded_masters": refreshed and len(masters) == len(engine._params),
+            "logprobs_finite": all(bool(lp.isfinite().all()) for lp in logp),
             "resumed": [engine.steps_done, engine.scaler.state_dict()],
             "steps": out,
             "optimizer_steps": sorted({float(st["step"]) for st in opt.values()}),

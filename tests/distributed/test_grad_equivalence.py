@@ -30,7 +30,7 @@ the first attention layer of every chunk record that each rank ran ``T/cp`` toke
 
 fp16 with a dynamic loss scale (``+fp16`` cases, ``fp16_cases.py``): six steps of each
 engine (``fsdp:d4``, ``fsdp:d2t2``, ``fsdp:t2c2``, ``megatron:d2t2``, ``megatron:d2p2``,
-``megatron:d2c2``) against one
+``megatron:d2c2``; mixtral under ``fsdp:d4``) against one
 process running the same steps under ``torch.autocast("cpu", dtype=torch.float16)`` with
 ``torch.amp.GradScaler("cpu")``; two of them overflow on purpose (a huge token weight
 on one share; an inf written into one rank's gradients only).
@@ -234,7 +234,7 @@ FP16_NORM_RTOL = 1e-3  # 2u on the gradient norm: <= 3.6e-4 (an unscaled one: x 
 # run's, relative to the AMP run's movement, at most twice that of the same steps in
 # float32 (what fp16 rounding alone moves AdamW's sign-like first steps by: 0.7-3.5%).
 # FSDP2 computes autocast's own arithmetic: observed 0.19-0.28 times it (fsdp:d4),
-# 0.72-0.75 (d2t2, t2c2); Megatron rounds its parameters to fp16 too (the norms' weights
+# 0.72-0.75 (d2t2, t2c2), 0.00-0.04 (mixtral fsdp:d4); Megatron rounds its parameters to fp16 too (the norms' weights
 # included), a second fp16 run beside the AMP one: observed 1.28-1.49 times it.
 FP16_MOVEMENT_VS_FP32 = 2.0
 
@@ -280,6 +280,9 @@ def test_fp16_steps_equal_torch_amp(results: dict[str, Any], case: str) -> None:
     # the parameters the model computes with: Megatron's fp16, FSDP2's fp32 (autocast)
     fp16_params = case.split("/")[1].startswith("megatron")
     assert rec["model_dtypes"] == ["torch.float16" if fp16_params else "torch.float32"]
+    # Megatron's fp16 parameters are its masters rounded, refreshed before a forward
+    assert rec["params_are_rounded_masters"] == fp16_params
+    assert rec["logprobs_finite"]
 
 
 def test_fp16_cases_are_in_the_launch() -> None:
