@@ -15,17 +15,19 @@ adapters' (:func:`~areal_fn.layouts.lora.adapter_layout`) and counts:
   still count one unit's gradient in flight (an upper bound: a frozen unit has none).
 """
 
+import functools
 from collections.abc import Sequence
 
 import attrs
 
-from areal_fn.errors import SpecError
+from areal_fn.errors import LayoutError, SpecError
 from areal_fn.layouts.layout import Layout
 from areal_fn.layouts.layout_for import layout_for
-from areal_fn.layouts.lora import adapter_layout
-from areal_fn.model.lora import LoraConfig
+from areal_fn.layouts.lora import adapter_layout, adapter_shardings
+from areal_fn.layouts.megatron import MegatronMeshes, layer_parameters, stages_for
+from areal_fn.model.lora import LoraConfig, lora_targets
 from areal_fn.model.spec import ModelSpec
-from areal_fn.plans.census import Census, census_of
+from areal_fn.plans.census import Census, TensorGroup, census_of
 from areal_fn.plans.memory import (
     ActivationModel,
     MemoryReport,
@@ -33,8 +35,11 @@ from areal_fn.plans.memory import (
     RankMemory,
     estimate_memory,
 )
-from areal_fn.strategy.allocation import Component
-from areal_fn.strategy.coerce import Strategy
+from areal_fn.sharding.placement import Placement, Replicate
+from areal_fn.sharding.sharding import Sharding
+from areal_fn.strategy.allocation import Backend, Component
+from areal_fn.strategy.coerce import Strategy, as_component
+from areal_fn.strategy.rules import check_dims
 from areal_fn.typecheck import beartype
 
 
@@ -62,8 +67,66 @@ _BF16_MIXED = PrecisionPolicy.bf16_mixed()
 
 @beartype
 def lora_adapter_census(model: ModelSpec, component: Component | str, config: LoraConfig) -> Census:
-    """The census of ``config``'s adapters under one training component's layout."""
-    return census_of(adapter_layout(layout_for(model, component), model, config))
+    """The census of ``config``'s adapters under one training component's layout:
+    ``census_of(adapter_layout(layout_for(model, component), model, config))``, computed
+    for a Megatron component without building the layout (its routed experts make a big
+    MoE model's layout take seconds; the adapters never sit on them)."""
+    comp = as_component(component, caller="lora_adapter_census")
+    if comp.backend is not Backend.MEGATRON:
+        return census_of(adapter_layout(layout_for(model, comp), model, config))
+    dims = comp.dims
+    check_dims(model, "megatron", dims)
+    plan = stages_for(model, dims)
+    dense = MegatronMeshes.of(dims).dense
+    kinds = _layer_adapters(model, config)
+    counts: dict[tuple[tuple[int, ...], Sharding, tuple[tuple[str, int], ...]], int] = {}
+    for chunk in range(plan.num_chunks):
+        present = (("pp", chunk % dims.pp),)
+        for layer in plan.chunk_layers(chunk):
+            for tp, a_shape, b_shape in kinds[model.moe_layers[layer]]:
+                base = Sharding(mesh=dense, placements=(Replicate(),) * 3 + (tp,))
+                shardings = adapter_shardings("", base)
+                for shape, sharding in zip((a_shape, b_shape), shardings, strict=True):
+                    key = (shape, sharding, present)
+                    counts[key] = counts.get(key, 0) + 1
+    groups = [
+        TensorGroup(shape=k[0], sharding=k[1], present=k[2], count=n) for k, n in counts.items()
+    ]
+    return Census(kind="megatron", world_size=dense.size, groups=groups)
+
+
+@functools.lru_cache(maxsize=16)
+def _layer_adapters(
+    model: ModelSpec, config: LoraConfig
+) -> dict[bool, tuple[tuple[Placement, tuple[int, int], tuple[int, int]], ...]]:
+    """Per layer kind (MoE or not): each adapted Megatron parameter's TP placement and its
+    ``lora_A`` and ``lora_B`` shapes (every layer of a kind has the same parameters)."""
+    targets = {t.base: t for t in lora_targets(model, config)}
+    out = {}
+    for moe in sorted(set(model.moe_layers[: model.num_layers])):
+        layer = model.moe_layers.index(moe)
+        rows = []
+        for rec, shape in layer_parameters(model, layer):
+            sources = [f"model.layers.{layer}.{h}" for h in rec.hf]
+            members = [targets[s] for s in sources if s in targets]
+            if rec.expert or not members:
+                continue
+            name = rec.name("local")
+            if len(members) != len(sources):
+                raise LayoutError(
+                    f"{name} fuses {sources}; LoRA targets {[m.base for m in members]} of them "
+                    "but not the others: target all of its modules or none"
+                )
+            if len({m.rank for m in members}) > 1:
+                raise LayoutError(
+                    f"{name} fuses {sources} whose adapters have ranks {[m.rank for m in members]}; "
+                    "a fused tensor's adapters share one rank: give its modules one rank "
+                    "(module_ranks)"
+                )
+            r, cols = members[0].rank, members[0].in_features
+            rows.append((rec.tp, (len(members) * r, cols), (shape[0], r)))
+        out[moe] = tuple(rows)
+    return out
 
 
 @beartype

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_fn.errors import SpecError
+from areal_fn.errors import LayoutError, SpecError
 from areal_fn.layouts.layout_for import layout_for
 from areal_fn.layouts.lora import adapter_layout
 from areal_fn.model.lora import LoraConfig, default_targets
@@ -143,3 +143,30 @@ def test_moe_megatron_tp_adapters_per_rank_from_the_shapes() -> None:
         # the distributed optimizer shards the adapters' 12 B/element over dp=2 (+ Adam's step,
         # 4 bytes for each of the 4 adapter tensors of a layer)
         assert row.optimizer == 12 * per_layer * layers // pp // 2 + 4 * 4 * layers // pp
+
+
+@pytest.mark.parametrize(
+    ("name", "component"),
+    [
+        ("Qwen3-8B", "megatron:d2p2t2"),
+        ("Qwen3-8B", "megatron:d1p4t2v3"),
+        ("Qwen3-30B-A3B", "megatron:d4p2t2e8"),
+        ("DeepSeek-V3", "megatron:d8p8t4e32"),
+        ("gpt-oss-20b", "megatron:d2p2t2e4"),
+        ("GLM-4.5-Air", "megatron:p2t4e4"),
+    ],
+)
+def test_megatron_adapter_census_equals_the_layouts(name: str, component: str) -> None:
+    model = model_from_hf_config(load_hf_config(SPECS / f"{name}.json"))
+    config = LoraConfig(rank=8, target_modules=default_targets(model))
+    want = census_of(adapter_layout(layout_for(model, component), model, config))
+    assert lora_adapter_census(model, component, config) == want
+
+
+def test_megatron_adapter_census_refuses_as_the_layout_does() -> None:
+    model = model_from_hf_config(load_hf_config(SPECS / "Qwen3-8B.json"))
+    config = LoraConfig(rank=8, target_modules=("q_proj", "v_proj"))
+    with pytest.raises(LayoutError, match=r"linear_qkv.weight fuses .*target all of its modules"):
+        adapter_layout(layout_for(model, "megatron:t2"), model, config)
+    with pytest.raises(LayoutError, match=r"linear_qkv.weight fuses .*target all of its modules"):
+        lora_adapter_census(model, "megatron:t2", config)
