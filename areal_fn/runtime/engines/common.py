@@ -203,11 +203,13 @@ class DynamicLossScaler:
         """Divide ``grads`` by the scale in place; whether any rank's hold an inf/NaN."""
         found = torch.zeros((1,), dtype=torch.float32, device=self._scale.device)
         inv = self._scale.double().reciprocal().float().reshape(1)
-        by_dtype: dict[torch.dtype, list[Tensor]] = {}
-        for g in grads:
-            by_dtype.setdefault(g.dtype, []).append(g)
-        for same in by_dtype.values():
-            torch._amp_foreach_non_finite_check_and_unscale_(same, found, inv)
+        groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+        for g in grads:  # by device (offloaded gradients live on the host) and dtype
+            groups.setdefault((g.device, g.dtype), []).append(g)
+        for (device, _), same in groups.items():
+            here = torch.zeros((1,), dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(same, here, inv.to(device))
+            found += here.to(found.device)
         dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.group)
         return bool(found.item() > 0)
 
