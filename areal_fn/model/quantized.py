@@ -5,6 +5,12 @@ experts) publish checkpoints whose weights are stored quantised. The spec descri
 the model as transformers builds it and the engines train it, in ``torch_dtype``
 (bf16), and every size derived from it is a size in that dtype:
 :func:`checkpoint_quantization` is the sentence that says so where sizes are shown.
+
+Block FP8: :func:`fp8_format` reads a config's ``quantization_config`` into an
+:class:`Fp8Format` (``None`` for none or another method), and :func:`is_fp8_quantized`
+is the one rule of which canonical tensors such a checkpoint stores quantised (what
+transformers' FP8 quantizer converts); the readers and writers of
+:mod:`areal_fn.runtime.hf` and :mod:`areal_fn.plans.fp8` use both.
 """
 
 import re
