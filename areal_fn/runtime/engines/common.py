@@ -23,7 +23,9 @@ compute geometry of their own)::
   (which does not run on CPU, see ``docs/engines.md``).
 
 This module holds what both share: the optimizer record, the loss definition, the
-layout-driven gradient norm, batch splitting. The engines are imported lazily
+layout-driven gradient norm, batch splitting, and fp16's loss scale
+(:class:`DynamicLossScaler`: under an fp16 ``PrecisionPolicy`` a step also returns
+``loss_scale`` and ``skipped``; see :mod:`~areal_fn.runtime.engines.precision`). The engines are imported lazily
 (``from areal_fn.runtime.engines import Fsdp2Engine`` imports only the FSDP2 one).
 
 **Loss.** Both engines minimise the mean next-token cross entropy over every target

@@ -42,6 +42,13 @@ of the output layer (read from the layout's padding pieces) are set to ``-inf``
 before Megatron's vocab-parallel cross entropy, so the engine optimises the same
 function as an unpadded Hugging Face model.
 
+Under ``PrecisionPolicy.fp16_mixed()`` the chunks are fp16 (as Megatron's
+``Float16Module`` makes them), AdamW steps fp32 master copies whose gradients are the
+fp32 ``main_grad`` buffers, and the loss is scaled through ``config.grad_scale_func``
+(divided by the global target count there, so ``finalize_model_grads`` runs without
+its division); the scale's rules are in
+:class:`~areal_fn.runtime.engines.common.DynamicLossScaler`.
+
 Megatron's own optimizer (``get_megatron_optimizer``) is not used: on CPU it fails
 (``FP32Optimizer`` allocates ``device='cuda'`` tensors, and
 ``clip_grad_by_total_norm_fp32`` asserts ``torch.cuda.FloatTensor`` gradients); see
