@@ -2,7 +2,8 @@
 
 In: a tiny DeepSeek-V3 that transformers builds, quantised by transformers' own
 ``Fp8Quantize`` (the op its FP8 quantizer saves with) into DeepSeek-V3's file format,
-is read by ``HfCheckpoint``, ``convert_to_local`` and ``load_into`` bitwise as
+is read by ``HfCheckpoint``, ``convert_to_local``, ``convert_to_torch_dist`` and
+``load_into`` bitwise as
 transformers' ``from_pretrained(quantization_config=FineGrainedFP8Config(dequantize=True))``
 dequantises it on CPU, and as DeepSeek-V3's ``weight_dequant`` does
 (:func:`tests.laws.test_fp8.reference_dequant`). Out: ``convert_back(fp8=)`` and
@@ -344,3 +345,21 @@ def test_files_that_do_not_match_their_quantization_config_are_refused(fp8_dirs,
             ConversionError, match=r"does not hold what its quantization_config says.*" + message
         ):
             HfCheckpoint(d)
+
+
+def test_a_torch_dist_checkpoint_of_an_fp8_source_holds_its_dequantisation(tmp_path):
+    """``convert_to_torch_dist`` reads through ``HfCheckpoint``: the torch_dist checkpoint
+    written back to HF is the reference dequantisation, its config without FP8."""
+    from areal_fn.runtime.checkpoint.megatron_convert import (
+        convert_to_torch_dist,
+        convert_torch_dist_to_hf,
+    )
+
+    bf16 = _bf16_checkpoint(tmp_path / "bf16", QWEN3_MOE | {"torch_dtype": "bfloat16"})
+    fp8 = _transformers_quantised(bf16, tmp_path / "fp8", (8, 8))
+    convert_to_torch_dist(fp8, "megatron:d2e2", tmp_path / "td", layer_spec="local")
+    convert_torch_dist_to_hf(tmp_path / "td", tmp_path / "back", trust_pickle=True)
+    reference, back = _reference(fp8, (8, 8)), _read(tmp_path / "back")
+    assert sorted(back) == sorted(reference)
+    assert all(torch.equal(back[n], reference[n]) for n in reference)
+    assert "quantization_config" not in json.loads((tmp_path / "back" / "config.json").read_text())
