@@ -363,3 +363,29 @@ def test_a_torch_dist_checkpoint_of_an_fp8_source_holds_its_dequantisation(tmp_p
     assert sorted(back) == sorted(reference)
     assert all(torch.equal(back[n], reference[n]) for n in reference)
     assert "quantization_config" not in json.loads((tmp_path / "back" / "config.json").read_text())
+
+
+def test_a_sharded_fp8_checkpoint_reads_as_one(fp8_dirs, tmp_path):
+    """Written in shards of at most 2 kB (a scale may lie in another file than its
+    weight): the readers and transformers read what the single file holds."""
+    bf16, fp8 = fp8_dirs
+    spec = model_from_hf_config(fp8)
+    fmt = Fp8Format(block=(8, 8))
+    whole = tmp_path / "whole"
+    config = json.loads((bf16 / "config.json").read_text())
+    write_hf_checkpoint(whole, _read(bf16), config=config, model=spec, fp8=fmt)
+    sharded = tmp_path / "sharded"
+    write_hf_checkpoint(
+        sharded, _read(bf16), config=config, model=spec, fp8=fmt, max_shard_bytes=2048
+    )
+    assert len(list(sharded.glob("model-*.safetensors"))) > 5
+    ours = _read(sharded)
+    assert all(torch.equal(ours[n], t) for n, t in _read(whole).items())
+    theirs = _transformers_dequantised(sharded, spec)
+    assert all(torch.equal(ours[n], theirs[n].to(ours[n].dtype)) for n in ours)
+    layout = megatron_layout(spec, ParallelDims(tp=2))
+    with HfCheckpoint(whole) as ckpt:
+        want = to_megatron(ckpt.read, layout, 1)
+    out = poisoned_like(want)
+    load_into(sharded, layout, 1, out=out)
+    assert_bitwise(out, want)
