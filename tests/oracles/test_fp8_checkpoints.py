@@ -29,7 +29,7 @@ from areal_fn.errors import ConversionError
 from areal_fn.layouts.fsdp2 import fsdp2_layout
 from areal_fn.model.hf_memory import hf_memory_view, hf_state_to_canonical
 from areal_fn.model.quantized import Fp8Format, is_fp8_quantized, scale_name
-from areal_fn.plans.convert import to_megatron
+from areal_fn.plans.convert import to_megatron, to_megatron_into
 from areal_fn.plans.fp8 import fp8_checkpoint_bytes, plan_fp8_shards
 from areal_fn.runtime.hf.convert import convert_back, convert_to_local, rank_file, read_local
 from areal_fn.runtime.hf.io import HfCheckpoint, read_safetensors_header, write_hf_checkpoint
@@ -207,6 +207,9 @@ def test_conversion_and_load_into_read_fp8_as_its_dequantisation(fp8_dirs, tmp_p
         with HfCheckpoint(fp8) as ckpt:
             built = to_megatron(ckpt.read, layout, rank)
             assert_bitwise({n: built[n] for n in a}, a)
+            into = poisoned_like(a)  # what the engines' load_canonical(reader) runs
+            to_megatron_into(ckpt.read, layout, rank, out=into, cast=True)
+            assert_bitwise(into, a)
 
 
 def test_writing_fp8_transformers_loads_and_the_bytes_of_the_plan(fp8_dirs, tmp_path):
