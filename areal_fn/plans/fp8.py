@@ -207,6 +207,12 @@ class Fp8ShardPlan:
         scales = sum(1 for u in self.uses[rank] if u.writer == rank)
         return self.boxes[rank].numel + 4 * scales
 
+    @property
+    def cut_blocks(self) -> tuple[tuple[int, int], ...]:
+        """Every block more than one rank touches, row-major: the blocks whose amax the
+        holders exchange (the only exchange quantising needs)."""
+        return tuple(sorted({u.index for uses in self.uses for u in uses if u.cut}))
+
     def combine(self, partial: Mapping[int, Tensor]) -> dict[int, Tensor]:
         """Every rank's ``amax`` over its :meth:`scale_box` from every rank's partial
         :func:`block_amax`: a cut block's is the maximum over its holders' (what an
