@@ -36,6 +36,7 @@ from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 import attrs
+import numpy as np
 import torch
 
 from areal_fn.errors import PlanError
@@ -115,6 +116,10 @@ class DeltaStaged:
     deltas: int = 0
 
 
+#: a message that arrived: (bucket, message, header, payload), checked in the next bucket
+_Arrived = tuple[int, _Message, torch.Tensor, torch.Tensor]
+
+
 def _key(m: _Message, bucket: int) -> tuple[int, ...]:
     return (m.src, m.dst, *m.header(0, bucket)[2:])
 
@@ -180,6 +185,7 @@ def run_delta_steps(
     """Every bucket of this rank, in order, as delta messages; what to commit."""
     claims = _claims(group, seq, version, steps, state)
     staged = DeltaStaged()
+    arrived: list[_Arrived] = []
     for b, copies, outgoing, incoming in steps:
         progress.advance(b + 1, version)
         try:
@@ -193,9 +199,24 @@ def run_delta_steps(
         staged.copies += copies
         peers = sorted({m.dst for m in outgoing} | {m.src for m in incoming})
         progress.await_peers(peers, b, version)
-        _exchange(
-            group, seq, version, b, outgoing, incoming, src_tensors, device, claims, state, staged
+        arrived = _exchange(
+            group,
+            seq,
+            version,
+            b,
+            outgoing,
+            incoming,
+            src_tensors,
+            device,
+            claims,
+            state,
+            staged,
+            arrived,
         )
+    last = steps[-1][0] if steps else 0  # check the last bucket's arrivals
+    _exchange(
+        group, seq, version, last, [], [], src_tensors, device, claims, state, staged, arrived
+    )
     return staged
 
 
@@ -269,13 +290,16 @@ def _exchange(
     claims: Mapping[int, int],
     state: DeltaState,
     staged: DeltaStaged,
-) -> None:
+    previous: "list[_Arrived]",
+) -> "list[_Arrived]":
     """Send and receive one bucket's delta messages: headers first, then the payloads
-    whose sizes the headers give; arrivals checked and staged."""
+    whose sizes the headers give; returns what arrived. ``previous`` (the bucket
+    before's arrivals) is checked and staged while this bucket's headers travel."""
     me, pg = group.rank, group.pg
     deadline = time.monotonic() + group.timeout_s
     tag = (bucket % 1024) << 20
     current: _Message | None = None
+    at = bucket  # the bucket of ``current``
     works: list = []
     heads: list[tuple[_Message, torch.Tensor]] = []
     try:
@@ -298,6 +322,10 @@ def _exchange(
                 head = torch.empty(DELTA_HEADER, dtype=torch.uint8)
                 heads.append((m, head))
                 works.append(pg.recv([head], group.group_rank(m.src), tag))
+        at = bucket
+        for at, current, head, data in previous:
+            _arrive(group, seq, version, at, current, head, data, state, staged)
+        at, current = bucket, None
         for work in works:
             work.wait(_td(max(deadline - time.monotonic(), 0.001)))
         works, bodies = [], []
@@ -309,12 +337,10 @@ def _exchange(
             bodies.append((m, head, data))
         for work in works:
             work.wait(_td(max(deadline - time.monotonic(), 0.001)))
-        for m, head, data in bodies:
-            current = m
-            _arrive(group, seq, version, bucket, m, head, data, state, staged)
+        return [(bucket, m, head, data) for m, head, data in bodies]
     except Exception as e:  # the backends raise RuntimeError, DistBackendError, ...
         works.clear()
-        _failed(group, seq, version, bucket, current, e)
+        _failed(group, seq, version, at, current, e)
 
 
 def _payload_for(m: _Message, head: torch.Tensor) -> torch.Tensor:
@@ -444,14 +470,24 @@ def _write(
             dtypes=list(m.dtypes),
         )
         return
-    for t, d, off in zip(m.transfers, m.dtypes, m.offsets, strict=True):
-        lo = (off - HEADER_BYTES) // unit
-        hi = lo + t.box.numel * d.itemsize // unit
-        a, b = torch.searchsorted(index, torch.tensor([lo, hi])).tolist()
+    los = [(off - HEADER_BYTES) // unit for off in m.offsets]
+    his = [
+        lo + t.box.numel * d.itemsize // unit
+        for t, d, lo in zip(m.transfers, m.dtypes, los, strict=True)
+    ]
+    cut = np.searchsorted(index.cpu().numpy(), np.array(los + his)).tolist()
+    n = len(los)
+    for i, t in enumerate(m.transfers):
+        a, b = cut[i], cut[n + i]
         if a == b:
             continue
         region = dst_tensors[t.dst_tensor][t.dst_box.slices()]
         flat = region if region.is_contiguous() else region.contiguous()
-        flat.reshape(-1).view(torch.uint8).view(_INT[unit])[index[a:b] - lo] = values[a:b]
+        units = flat.reshape(-1).view(torch.uint8).view(_INT[unit])
+        at, got = index[a:b] - los[i], values[a:b]
+        if units.device.type == "cpu":  # NumPy's put is several times torch's here
+            units.numpy()[at.numpy()] = got.numpy()
+        else:
+            units[at] = got
         if flat is not region:
             region.copy_(flat)
