@@ -163,9 +163,10 @@ def test_olmo3_and_gemma3_published_facts() -> None:
     assert "input_layernorm.weight" not in layer
     assert layer["post_feedforward_layernorm.weight"] == (4096,)
     gemma = model_from_hf_config(SPECS / "gemma-3-1b-it.json")
-    assert gemma.sliding_window == 512 and gemma.sliding_layers == (
-        (True,) * 5 + (False,)
-    ) * 4 + (True, True)
+    assert gemma.sliding_window == 512 and gemma.sliding_layers == ((True,) * 5 + (False,)) * 4 + (
+        True,
+        True,
+    )
     assert (gemma.rope_theta, gemma.rope_local_theta) == (1e6, 1e4) and gemma.rope_scaling == ()
     assert gemma.query_pre_attn_scalar == 256 and gemma.tie_word_embeddings
     layer = {t.name.split(".", 3)[3]: t.shape for t in gemma.layer_tensors(25)}
