@@ -249,3 +249,26 @@ def test_a_wire_dtype_other_than_the_live_dtype_is_refused_for_deltas() -> None:
             str(results[rank]),
         )
     assert all(isinstance(r, SyncError | PlanError) for r in results)
+
+
+def test_a_version_claim_without_the_groups_mac_reads_as_none() -> None:
+    """A process without the secret that writes a claim on the store gets dense messages
+    sent, never a delta against a version the receiver does not hold."""
+    from areal_fn.runtime.sync.auth import sign
+    from areal_fn.runtime.sync.delta import _claims
+    from areal_fn.runtime.sync.messages import _message
+
+    group = SyncGroup.from_store(dist.HashStore(), members=[0], rank=0, timeout_s=5)
+    t = split_case().plan.transfers[0]
+    steps = [(0, [], [_message(0, 1, [t], [torch.float32])], [])]
+    store, state = group.store, DeltaState(holds=None)
+    store.set(group._key(7, "holds/1"), "5")  # no MAC
+    assert _claims(group, 7, 1, steps, state) == {1: -1}
+    store.set(
+        group._key(8, "holds/1"), sign(b"another key of 32 bytes, not ours", "holds/1", 8, "5")
+    )
+    assert _claims(group, 8, 1, steps, state) == {1: -1}
+    store.set(group._key(9, "holds/1"), sign(group._session, "holds/0", 9, "5"))  # rank 0's
+    assert _claims(group, 9, 1, steps, state) == {1: -1}
+    store.set(group._key(10, "holds/1"), sign(group._session, "holds/1", 10, "5"))
+    assert _claims(group, 10, 1, steps, state) == {1: 5}
