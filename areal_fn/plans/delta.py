@@ -277,9 +277,7 @@ def apply_delta(base: Bytes, encoding: Encoding, payload: Bytes, unit: int) -> N
     index, values = delta_changes(encoding, payload, nbytes=base.numel(), unit=unit)
     if encoding is Encoding.DENSE:
         base.copy_(payload)
+    elif base.device.type == "cpu":  # NumPy's put is several times torch's here
+        _np(base, unit)[index.numpy()] = _np(values.view(torch.uint8), unit)
     else:
-        _np(base, unit)[_np_index(index)] = _np(values.view(torch.uint8), unit)
-
-
-def _np_index(index: Tensor) -> np.ndarray:
-    return index.cpu().numpy()
+        _units(base, unit)[index.to(base.device)] = values.to(base.device)

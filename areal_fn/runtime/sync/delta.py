@@ -310,7 +310,7 @@ def _exchange(
                     m, version, bucket, src_tensors, device, group, claims.get(m.dst, -1), state
                 )
                 head = _header(group, seq, version, bucket, m, enc, base, data)
-                works.append(pg.send([head], group.group_rank(m.dst), tag))
+                works.append(pg.send([head.to(device)], group.group_rank(m.dst), tag))
                 if data.numel():
                     works.append(pg.send([data], group.group_rank(m.dst), tag + 1))
                 staged.sent.append((m, bucket, data if changes is None else changes))
@@ -319,7 +319,7 @@ def _exchange(
                 staged.overhead += DELTA_HEADER
                 staged.deltas += enc is not Encoding.DENSE
             else:
-                head = torch.empty(DELTA_HEADER, dtype=torch.uint8)
+                head = torch.empty(DELTA_HEADER, dtype=torch.uint8, device=device)
                 heads.append((m, head))
                 works.append(pg.recv([head], group.group_rank(m.src), tag))
         at = bucket
@@ -331,7 +331,7 @@ def _exchange(
         works, bodies = [], []
         for m, head in heads:
             current = m
-            data = _payload_for(m, head)
+            data = _payload_for(m, head, device)
             if data.numel():
                 works.append(pg.recv([data], group.group_rank(m.src), tag + 1))
             bodies.append((m, head, data))
@@ -343,7 +343,7 @@ def _exchange(
         _failed(group, seq, version, at, current, e)
 
 
-def _payload_for(m: _Message, head: torch.Tensor) -> torch.Tensor:
+def _payload_for(m: _Message, head: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A buffer for the payload a received header announces (at most the dense payload)."""
     fields = head[:DELTA_FIELDS].view(torch.int64).tolist()
     if fields[0] != DELTA_MAGIC:
@@ -356,7 +356,7 @@ def _payload_for(m: _Message, head: torch.Tensor) -> torch.Tensor:
             f"the header announces {fields[3]} payload bytes, more than the message's "
             f"{dense} dense bytes (or fewer than 0); refused before receiving it"
         )
-    return torch.empty(fields[3], dtype=torch.uint8)
+    return torch.empty(fields[3], dtype=torch.uint8, device=device)
 
 
 def _arrive(
