@@ -130,6 +130,7 @@ PUBLIC = sorted(
     param_costs parse_allocation partition_pipeline plan_transfers rank_grid required_bytes
     shard split_evenly suggest_strategy to_hf to_megatron to_partition_spec
     transfer_lower_bound unshard __version__
+    LoraConfig lora_tensors with_lora estimate_lora_memory LossScale Fp8Format plan_fp8_shards
     """.split()
 )
 
