@@ -23,8 +23,8 @@ refuses expert tensor parallelism with expert biases, so the layouts refuse ``et
 
 Published checkpoints store the experts' weights as MXFP4 (``*_blocks``, ``*_scales``
 and a ``quantization_config``): the spec describes the model as transformers builds it
-(bf16), and the strict readers refuse such a checkpoint as holding unexpected tensors,
-saying to dequantise it first.
+(bf16), and the HF readers dequantise each ``X_blocks`` / ``X_scales`` pair to ``X``
+as they read it (:mod:`areal_fn.runtime.hf.mxfp4_io`); writing MXFP4 is not offered.
 """
 
 from areal_fn.model.families import CORE_KEYS, SOFTMAX_ROUTING, Family
