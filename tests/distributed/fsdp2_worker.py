@@ -67,6 +67,7 @@ from areal_fn.sharding.mesh import Mesh  # noqa: E402
 from areal_fn.sharding.shard import shard  # noqa: E402
 from areal_fn.sharding.sharding import Sharding  # noqa: E402
 from areal_fn.strategy.parse import parse_allocation  # noqa: E402
+from tests.distributed import layer_type_configs  # noqa: E402
 from tests.torch_placements import from_torch  # noqa: E402
 
 WORLD = 4
@@ -219,38 +220,9 @@ CONFIGS["gpt_oss"] = {
     "max_position_embeddings": 256,
     "torch_dtype": "float32",
 }
-#: OLMo 3: post-norms, q/k norms over the whole projections, a 3-token window on
-#: layers 0-2 of 4, YaRN on the full layer (rope nested by layer type).
-CONFIGS["olmo3"] = {
-    "model_type": "olmo3",
-    "hidden_size": 16,
-    "intermediate_size": 24,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 52,
-    "sliding_window": 3,
-    "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
-    "max_position_embeddings": 256,
-    "torch_dtype": "float32",
-}
-#: Gemma 3 text: (1+w) norms, GeGLU, the scaled embedding (tied), sliding layers 0 and 2
-#: with their own rope base, query_pre_attn_scalar other than head_dim.
-CONFIGS["gemma3_text"] = {
-    "model_type": "gemma3_text",
-    "hidden_size": 16,
-    "intermediate_size": 24,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 8,
-    "vocab_size": 52,
-    "sliding_window": 3,
-    "sliding_window_pattern": 2,
-    "query_pre_attn_scalar": 6,
-    "rope_local_base_freq": 100.0,
-    "torch_dtype": "float32",
-}
+#: the families with per-layer attention kinds (layer_type_configs), a 3-token window
+CONFIGS["olmo3"] = layer_type_configs.olmo3(3)
+CONFIGS["gemma3_text"] = layer_type_configs.gemma3_text(3)
 DENSE = ("qwen2", "qwen3", "llama_tied", "llama_untied")
 
 #: label -> (allocation string, hsdp replicas, TP over the embeddings).

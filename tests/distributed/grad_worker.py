@@ -53,7 +53,7 @@ from areal_fn.runtime.engines.fsdp2_apply import Fsdp2RunOptions  # noqa: E402
 from areal_fn.runtime.engines.megatron import MegatronEngine  # noqa: E402
 from areal_fn.runtime.engines.packed import TokenSequence  # noqa: E402
 from areal_fn.strategy.parse import parse_allocation  # noqa: E402
-from tests.distributed import fp16_cases  # noqa: E402
+from tests.distributed import fp16_cases, layer_type_configs  # noqa: E402
 
 WORLD = 4
 BATCH, SEQ = 8, 16
@@ -221,39 +221,10 @@ CONFIGS["gpt_oss"] = {
     "torch_dtype": "float32",
 }
 
-#: OLMo 3: post-norms, q/k norms over the whole projections, a 5-token window on layers
-#: 0-2 of 4 (shorter than SEQ), YaRN on the full layer. No TP (fsdp2_layout refuses it).
-CONFIGS["olmo3"] = {
-    "model_type": "olmo3",
-    "hidden_size": 16,
-    "intermediate_size": 24,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 52,
-    "sliding_window": 5,
-    "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
-    "max_position_embeddings": 256,
-    "torch_dtype": "float32",
-}
-
-#: Gemma 3 text: (1+w) norms, GeGLU, the sqrt(hidden)-scaled tied embedding, a 5-token
-#: window on layers 0 and 2 with their own rope base, query_pre_attn_scalar 6.
-CONFIGS["gemma3_text"] = {
-    "model_type": "gemma3_text",
-    "hidden_size": 16,
-    "intermediate_size": 24,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 8,
-    "vocab_size": 52,
-    "sliding_window": 5,
-    "sliding_window_pattern": 2,
-    "query_pre_attn_scalar": 6,
-    "rope_local_base_freq": 100.0,
-    "torch_dtype": "float32",
-}
+#: the families with per-layer attention kinds (layer_type_configs): a 5-token window,
+#: shorter than SEQ
+CONFIGS["olmo3"] = layer_type_configs.olmo3(5)
+CONFIGS["gemma3_text"] = layer_type_configs.gemma3_text(5)
 
 #: label -> (allocation string, HSDP replicas, pipeline chunk lengths or None for the
 #: even split, FSDP2 run options). All fill the 4 ranks.
