@@ -335,10 +335,14 @@ CLI_WORDS = (
     ("drop_mtp=True: ", "--drop-mtp: "),
     ("multi-token-prediction layers (drop_mtp=True)", "multi-token-prediction layers (--drop-mtp)"),
     (
-        "a lighter policy (PrecisionPolicy.bf16_pure()), recompute=True, a smaller micro-batch "
-        "or optimizer_offload=True",
-        "--recompute, a smaller --micro-batch or --optimizer-offload",
+        "a lighter policy (PrecisionPolicy.bf16_pure())",
+        "bf16 state (--grad-dtype, --master-dtype, --adam-dtype)",
     ),
+    (", recompute=True", ", --recompute"),
+    ("a smaller micro-batch", "a smaller --micro-batch"),
+    ("optimizer_offload=True", "--optimizer-offload"),
+    ("LoRA (lora=LoraConfig(...))", "--lora-rank R"),
+    ("a smaller LoRA rank", "a smaller --lora-rank"),
     ("ranks=[", "--rank ["),
 )
 

@@ -369,7 +369,10 @@ def suggest_strategy(
     fitting, tried, skipped, smallest = _screened(w, chosen, capacity, lora)
     out = _suggestions(w, fitting, top, capacity, device_memory_bytes)
     if not out:
-        raise PlanError(_nothing_fits(w, chosen, tried, skipped, smallest, device_memory_bytes))
+        raise PlanError(
+            _nothing_fits(w, chosen, tried, skipped, smallest, device_memory_bytes)
+            + _remedies(w, lora)
+        )
     return tuple(out)
 
 
@@ -483,6 +486,19 @@ def _nothing_fits(
         f"no strategy for this {w.model.model_type} model ({w.model.num_params / 1e9:.1f}B "
         f"params) on {w.n} devices of {device_memory / GIB:.1f} GiB fits: tried "
         f"{sum(tried.values())} ({counts}){skip}{best}; policy {w.policy}, activations "
-        f"{w.act}; use more devices, a lighter policy (PrecisionPolicy.bf16_pure()), "
-        f"recompute=True, a smaller micro-batch or optimizer_offload=True"
+        f"{w.act}"
     )
+
+
+def _remedies(w: _Workload, lora: LoraConfig | None) -> str:
+    """``; use ...``: what would lower the memory, of what the call did not ask already."""
+    p = w.policy
+    wide = "float32" in (p.grad_dtype, p.state_dtype) or (
+        p.master_weights and p.master_dtype == "float32"
+    )
+    found = ["more devices"] + (["a lighter policy (PrecisionPolicy.bf16_pure())"] if wide else [])
+    found += [] if w.act.recompute else ["recompute=True"]
+    found += ["a smaller micro-batch"] if w.act.micro_batch_size > 1 else []
+    found += [] if w.offload else ["optimizer_offload=True"]
+    found += ["LoRA (lora=LoraConfig(...))"] if lora is None else ["a smaller LoRA rank"]
+    return f"; use {', '.join(found[:-1])} or {found[-1]}"

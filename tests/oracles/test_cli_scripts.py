@@ -235,9 +235,18 @@ def test_errors_name_flags_not_python_arguments(tmp_path: Path) -> None:
     assert ok.returncode == 0, ok.stderr
     line = _error("plan", "Qwen2.5-72B", "--suggest", "2", "--device-memory", "16GB")
     assert line.endswith(
-        "use more devices, --recompute, a smaller --micro-batch or --optimizer-offload"
-    )
+        "use more devices, bf16 state (--grad-dtype, --master-dtype, --adam-dtype), "
+        "--optimizer-offload or --lora-rank R"
+    ), line  # recompute is on and the micro-batch is 1 already: not offered
     assert "=True" not in line and "PrecisionPolicy" not in line
+    lean = ["--no-recompute", "--seq-len", "4096", "--micro-batch", "2", "--optimizer-offload"]
+    lean += ["--grad-dtype", "bf16", "--master-dtype", "none", "--adam-dtype", "bf16"]
+    line = _error("plan", "Qwen2.5-72B", "--suggest", "2", "--device-memory", "16GB", *lean)
+    assert line.endswith("use more devices, --recompute, a smaller --micro-batch or --lora-rank R")
+    line = _error(
+        "plan", "Qwen2.5-72B", "--suggest", "2", "--device-memory", "1GB", "--lora-rank", "8"
+    )
+    assert line.endswith("--optimizer-offload or a smaller --lora-rank"), line
 
 
 # -- convert: one component, the recorded allocation, checksums, progress ---------------
