@@ -13,7 +13,10 @@ Per token and decoder layer a rank caches, in ``dtype`` (the model's by default)
 A rank of pipeline stage ``s`` holds the layers of that stage (the engines' even
 split, :func:`~areal_fn.layouts.inference.layer_stage`), for ``batch`` sequences of
 ``context_len`` tokens each, per data-parallel replica (every replica serves its own
-batch). The engines' page rounding and the CUDA graphs' buffers are left out.
+batch). A sliding-window layer (:attr:`~areal_fn.model.spec.ModelSpec.sliding_layers`:
+gpt-oss, OLMo 3, Gemma 3) keeps the last ``sliding_window`` tokens of a sequence only,
+as vLLM's and SGLang's sliding-window caches do: ``min(context_len, sliding_window)``
+tokens. The engines' page rounding and the CUDA graphs' buffers are left out.
 """
 
 import attrs
@@ -41,6 +44,14 @@ class KVCache:
     elements_per_token_layer: int
     #: decoder layers held by each pipeline stage, stage 0 first
     stage_layers: tuple[int, ...]
+    #: of those, the sliding-window layers per stage (empty: none), and their window
+    stage_sliding: tuple[int, ...] = ()
+    sliding_window: int = 0
+
+    @property
+    def window_tokens(self) -> int:
+        """Tokens of a sequence a sliding-window layer keeps."""
+        return min(self.context_len, self.sliding_window)
 
     @property
     def bytes_per_token_layer(self) -> int:
@@ -48,7 +59,10 @@ class KVCache:
 
     def stage_bytes(self, stage: int) -> int:
         """Bytes a rank of pipeline stage ``stage`` keeps for the whole batch."""
-        return self.batch * self.context_len * self.stage_layers[stage] * self.bytes_per_token_layer
+        sliding = self.stage_sliding[stage] if self.stage_sliding else 0
+        tokens = (self.stage_layers[stage] - sliding) * self.context_len
+        tokens += sliding * self.window_tokens
+        return self.batch * tokens * self.bytes_per_token_layer
 
     @property
     def max_bytes(self) -> int:
@@ -99,13 +113,17 @@ def kv_cache(
             f"kv_cache: pp={d.pp} exceeds the model's {model.num_layers} layers; use pp <= "
             f"{model.num_layers}"
         )
-    layers = [0] * d.pp
+    layers, sliding = [0] * d.pp, [0] * d.pp
     for i in range(model.num_layers):
-        layers[layer_stage(i, model.num_layers, d.pp)] += 1
+        stage = layer_stage(i, model.num_layers, d.pp)
+        layers[stage] += 1
+        sliding[stage] += bool(model.sliding_layers and model.sliding_layers[i])
     return KVCache(
         context_len=context_len,
         batch=batch,
         dtype=name,
         elements_per_token_layer=per,
         stage_layers=tuple(layers),
+        stage_sliding=tuple(sliding) if any(sliding) else (),
+        sliding_window=model.sliding_window if any(sliding) else 0,
     )

@@ -150,6 +150,8 @@ def _kv_json(kv: KVCache) -> dict[str, Any]:
         "elements_per_token_layer": kv.elements_per_token_layer,
         "bytes_per_token_layer": kv.bytes_per_token_layer,
         "stage_layers": list(kv.stage_layers),
+        "stage_sliding_layers": list(kv.stage_sliding or [0] * len(kv.stage_layers)),
+        "sliding_window": kv.sliding_window,
         "max_bytes": kv.max_bytes,
     }
 
@@ -340,7 +342,14 @@ def _print_inference(console: Any, model: ModelSpec, facts: _Facts, args: Any) -
     console.print(
         f"kv cache: {kv.bytes_per_token_layer:,} bytes per token and layer on a rank "
         f"({kv.elements_per_token_layer} {kv.dtype} elements), layers per stage "
-        f"{list(kv.stage_layers)}; page rounding and CUDA graph buffers not counted"
+        f"{list(kv.stage_layers)}"
+        + (
+            f" (sliding-window layers {list(kv.stage_sliding)}, keeping "
+            f"{kv.window_tokens:,} tokens each)"
+            if kv.stage_sliding
+            else ""
+        )
+        + "; page rounding and CUDA graph buffers not counted"
     )
 
 
