@@ -26,7 +26,6 @@ from transformers.utils.quantization_config import FineGrainedFP8Config
 from areal_fn import ParallelDims, megatron_layout, model_from_hf_config
 from areal_fn.cli import main
 from areal_fn.errors import ConversionError
-from areal_fn.layouts.fsdp2 import fsdp2_layout
 from areal_fn.model.hf_memory import hf_memory_view, hf_state_to_canonical
 from areal_fn.model.quantized import Fp8Format, is_fp8_quantized, scale_name
 from areal_fn.plans.convert import to_megatron, to_megatron_into
@@ -37,6 +36,7 @@ from areal_fn.runtime.hf.load_into import load_into
 from areal_fn.sharding.box import Box
 from tests.laws.test_convert_into import assert_bitwise, poisoned_like
 from tests.laws.test_fp8 import reference_dequant
+from tests.quantized_util import check_reads_as_plain
 
 #: A tiny DeepSeek-V3: MLA (q_a/q_b, kv_a 24 rows, kv_b), a dense layer, an MoE layer
 #: with a shared expert.
@@ -191,19 +191,10 @@ def test_conversion_and_load_into_read_fp8_as_its_dequantisation(fp8_dirs, tmp_p
     spec = model_from_hf_config(fp8)
     plain = tmp_path / "dequantised"
     write_hf_checkpoint(plain, _reference(fp8, (8, 8)), model=spec)
-    convert_to_local(fp8, alloc, tmp_path / "a")
-    convert_to_local(plain, alloc, tmp_path / "b")
-    layout = (
-        megatron_layout(spec, ParallelDims(tp=2))
-        if alloc.startswith("megatron")
-        else fsdp2_layout(spec, ParallelDims(dp=2, tp=2))
-    )
+    layout, loaded = check_reads_as_plain(fp8, plain, alloc, tmp_path)
+    assert all(got == want for got, want in loaded)
     for rank in range(layout.world_size):
         a = read_local(tmp_path / "a" / rank_file(rank))
-        assert_bitwise(a, read_local(tmp_path / "b" / rank_file(rank)))
-        out = poisoned_like(a)
-        assert load_into(fp8, layout, rank, out=out) == sum(t.nbytes for t in a.values())
-        assert_bitwise(out, a)
         with HfCheckpoint(fp8) as ckpt:
             built = to_megatron(ckpt.read, layout, rank)
             assert_bitwise({n: built[n] for n in a}, a)

@@ -16,15 +16,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, Mxfp4Config
 
-from areal_fn import ParallelDims, megatron_layout, model_from_hf_config
+from areal_fn import model_from_hf_config
 from areal_fn.errors import ConversionError
-from areal_fn.layouts.fsdp2 import fsdp2_layout
 from areal_fn.model.hf_memory import hf_state_to_canonical
 from areal_fn.model.quantized import Fp8Format
-from areal_fn.runtime.hf.convert import convert_back, convert_to_local, rank_file, read_local
+from areal_fn.runtime.hf.convert import convert_back, convert_to_local
 from areal_fn.runtime.hf.io import HfCheckpoint, write_hf_checkpoint
-from areal_fn.runtime.hf.load_into import load_into
-from tests.laws.test_convert_into import assert_bitwise, poisoned_like
+from tests.quantized_util import check_reads_as_plain
 
 GPT_OSS = {
     "model_type": "gpt_oss",
@@ -113,19 +111,7 @@ def test_conversion_and_load_into_read_mxfp4_as_its_dequantisation(mxfp4_dir, tm
     with HfCheckpoint(path) as ckpt:
         plain = {n: ckpt.read_full(n) for n in ckpt.names}
     write_hf_checkpoint(tmp_path / "plain", plain, model=spec)
-    convert_to_local(path, alloc, tmp_path / "a")
-    convert_to_local(tmp_path / "plain", alloc, tmp_path / "b")
-    layout = (
-        megatron_layout(spec, ParallelDims(tp=2))
-        if alloc.startswith("megatron")
-        else fsdp2_layout(spec, ParallelDims(dp=2, tp=2))
-    )
-    for rank in range(layout.world_size):
-        a = read_local(tmp_path / "a" / rank_file(rank))
-        assert_bitwise(a, read_local(tmp_path / "b" / rank_file(rank)))
-        out = poisoned_like(a)
-        load_into(path, layout, rank, out=out)
-        assert_bitwise(out, a)
+    check_reads_as_plain(path, tmp_path / "plain", alloc, tmp_path)
 
 
 def test_blocks_without_scales_are_refused(mxfp4_dir, tmp_path):
