@@ -1,6 +1,7 @@
 """Invalid inputs to model specs, HF conversion and vocab padding: one table of (call, error, regex)."""
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import torch
 
 from areal_fn.errors import ConversionError, SpecError, UnsupportedConfigError
 from areal_fn.layouts.vocab import padded_vocab_size
+from areal_fn.model.families import FAMILIES
 from areal_fn.model.hf_memory import canonical_to_hf_state, hf_state_to_canonical
 from areal_fn.model.spec import model_from_hf_config
 
@@ -138,9 +140,10 @@ CASES: list[tuple[str, Callable[..., object], type[Exception], str]] = [
         "unsupported model_type",
         cfg("llama", model_type="gpt2"),
         SpecError,
-        r"model_type='gpt2' is not supported; supported model types are \['deepseek_v3', 'gemma3_text', 'glm4_moe', 'gpt_oss', 'llama', "
-        r"'mistral', "
-        r"'mixtral', 'olmo3', 'qwen2', 'qwen3', 'qwen3_moe'\]",
+        # every registered family, sorted (a new family module adds itself)
+        r"model_type='gpt2' is not supported; supported model types are "
+        + re.escape(repr(sorted(FAMILIES)))
+        + r"; add a family module under areal_fn/model/families/ for it$",
     ),
     (
         "mistral window by default",
