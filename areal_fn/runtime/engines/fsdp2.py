@@ -46,6 +46,8 @@ from torch.distributed.tensor import DTensor
 from areal_fn.errors import LayoutError
 from areal_fn.layouts.fsdp2 import Fsdp2Options, fsdp2_data_mesh, fsdp2_layout
 from areal_fn.layouts.layout import Layout
+from areal_fn.layouts.lora import adapter_layout, with_lora
+from areal_fn.model.lora import LoraConfig, LoraError
 from areal_fn.model.spec import ModelSpec
 from areal_fn.plans.convert import Reader, to_megatron_into
 from areal_fn.plans.memory import PrecisionPolicy
@@ -62,6 +64,7 @@ from areal_fn.runtime.engines.common import (
     norm_weights,
 )
 from areal_fn.runtime.engines.fsdp2_apply import DP_REPLICATE, DP_SHARD, TP, Fsdp2RunOptions
+from areal_fn.runtime.engines.lora import adapter_parameters, inject_lora
 from areal_fn.runtime.engines.packed import PackedRow, TokenSequence, full_row_targets, pack_rows
 from areal_fn.runtime.engines.precision import fsdp2_loss_scale
 from areal_fn.sharding.mesh import Axis
@@ -107,6 +110,12 @@ class Fsdp2Engine(OptimizerSteps):
     ``torch.autocast(dtype=float16)`` with a dynamic loss scale
     (:mod:`~areal_fn.runtime.engines.precision`). Needs an initialised default process
     group of exactly the layout's world size.
+
+    ``lora``: train LoRA adapters with the base frozen (:mod:`~areal_fn.runtime.engines.lora`).
+    The layout is then ``with_lora`` of the FSDP2 layout (the adapters placed beside their
+    base layers); the base parameters get no gradient, no optimizer state and no gradient
+    reduction; the optimizer steps the adapters alone. ``base_layout`` and
+    ``adapter_layout`` are the two parts. Dropout is refused under TP.
     """
 
     @beartype
@@ -122,13 +131,26 @@ class Fsdp2Engine(OptimizerSteps):
         precision: PrecisionPolicy | None = None,
         device_type: str = "cpu",
         seed: int = 0,
+        lora: LoraConfig | None = None,
     ) -> None:
         pdims = dims.dims if isinstance(dims, Component) else dims
+        if lora is not None and lora.dropout > 0 and pdims.tp > 1:
+            raise LoraError(
+                f"LoraConfig.dropout={lora.dropout} with tp={pdims.tp}: the TP ranks of a layer "
+                "would drop different inputs; use dropout=0 under TP"
+            )
         loss_scale = fsdp2_loss_scale(precision, run_param_dtype=run_options.param_dtype)
         self.spec = model_spec
         self.dims = pdims
         self.options = options
-        self.layout: Layout = fsdp2_layout(model_spec, pdims, options=options)  # pure
+        self.lora = lora
+        self.base_layout: Layout = fsdp2_layout(model_spec, pdims, options=options)  # pure
+        self.layout: Layout = (
+            self.base_layout if lora is None else with_lora(self.base_layout, model_spec, lora)
+        )
+        self.adapter_layout: Layout | None = (
+            None if lora is None else adapter_layout(self.base_layout, model_spec, lora)
+        )
         self.mesh = self.layout.meshes[0]
         self.sp = pdims.cp
         self.data_mesh = fsdp2_data_mesh(self.mesh, pdims.cp)  # pure
@@ -149,9 +171,14 @@ class Fsdp2Engine(OptimizerSteps):
         )
         self.sp_group = fsdp2.init_groups(self.data_mesh.groups(Axis.CP), self.rank)
         model = build_hf_model(model_spec, seed=seed).to(self.device)
+        if lora is not None:
+            inject_lora(model, model_spec, lora, seed=seed)
         ulysses.install(model, self.sp_group)
         self.model = fsdp2.apply_fsdp2(model, self.layout, self.device_mesh, options=run_options)
-        self._params: dict[str, nn.Parameter] = dict(self.model.named_parameters())
+        # what the optimizer steps: every parameter, or under LoRA the adapters alone
+        self._params: dict[str, nn.Parameter] = (
+            dict(self.model.named_parameters()) if lora is None else adapter_parameters(self.model)
+        )
         # the layout's tensors: the parameters, and buffers such as a router's expert bias
         self._tensors: dict[str, Tensor] = fsdp2.layout_tensors(self.model)
         self._weights = norm_weights(self.layout, self.rank)
@@ -340,7 +367,7 @@ class Fsdp2Engine(OptimizerSteps):
         """
         out: dict[str, Tensor | None] = {}
         for lt in self.layout.local_tensors(self.rank):
-            if lt.name not in self._params:  # a buffer: not trained
+            if lt.name not in self._params:  # a buffer, or a frozen base under LoRA
                 out[lt.name] = None
                 continue
             g = self._params[lt.name].grad
@@ -363,13 +390,48 @@ class Fsdp2Engine(OptimizerSteps):
         ``read(name, box)`` that loads only the slices this rank needs (``hf_views(path)``
         of an HF checkpoint). Each piece is copied straight into its shard's storage,
         cast to the parameter's dtype (``to_megatron_into``), without a tensor of its own.
+
+        Under LoRA a reader, or a mapping that holds no adapter tensor, loads the base
+        alone (the adapters keep their values); a mapping with adapters must hold them all.
         """
+        layout = self.layout
+        if self.lora is not None and (
+            not isinstance(canonical, Mapping)
+            or not any(c.name in canonical for c in self._adapters.canonical)
+        ):
+            layout = self.base_layout
         if isinstance(canonical, Mapping):
-            fsdp2.load_canonical(self.model, self.layout, self.rank, canonical)
+            fsdp2.load_canonical(self.model, layout, self.rank, canonical)
             return
         out = {name: _local(t) for name, t in self._tensors.items()}
-        to_megatron_into(canonical, self.layout, self.rank, out=out, cast=True)
+        to_megatron_into(canonical, layout, self.rank, out=out, cast=True)
 
     def export_canonical(self) -> dict[str, Tensor]:
         """Every canonical tensor on every rank (collective; bitwise the shards' values)."""
         return fsdp2.export_canonical(self.model, self.layout)
+
+    # -- LoRA adapters -----------------------------------------------------------------
+    @property
+    def _adapters(self) -> Layout:
+        if self.adapter_layout is None:
+            raise LoraError(
+                "this engine trains no LoRA adapters; build it with lora=LoraConfig(...)"
+            )
+        return self.adapter_layout
+
+    @beartype
+    def load_adapters(self, adapters: Mapping[str, Tensor]) -> None:
+        """Write this rank's pieces of the adapter tensors (PEFT's names, every one of
+        them) into its shards (no communication)."""
+        fsdp2.load_canonical(self.model, self._adapters, self.rank, adapters)
+
+    def export_adapters(self) -> dict[str, Tensor]:
+        """Every adapter tensor (PEFT's names) on every rank (collective; bitwise)."""
+        return fsdp2.export_canonical(self.model, self._adapters)
+
+    def adapter_local_state(self) -> dict[str, Tensor]:
+        """This rank's live adapter shards by ``adapter_layout`` name (checkpoint state)."""
+        return {
+            lt.name: _local(self._tensors[lt.name]).detach()
+            for lt in self._adapters.local_tensors(self.rank)
+        }

@@ -26,6 +26,7 @@ from areal_fn.errors import LayoutError
 from areal_fn.layouts.layout import Layout
 from areal_fn.model.spec import layer_of
 from areal_fn.runtime.engines.fsdp2_mesh import TP, layout_mesh
+from areal_fn.runtime.engines.lora import lora_tp_plan
 from areal_fn.sharding.mesh import Mesh
 from areal_fn.sharding.placement import Placement, Replicate, Shard
 from areal_fn.typecheck import beartype
@@ -239,6 +240,8 @@ def tp_plan(model: nn.Module, layout: Layout) -> dict[str, ParallelStyle]:
     """The ``parallelize_module`` plan (module name -> style) the layout's ``tp`` axis implies.
 
     Empty when the layout has no ``tp`` axis. Module order is ``named_modules()`` order.
+    A LoRA layer (:class:`~areal_fn.runtime.engines.lora.LoraLinear`) split over ``tp``
+    gets one style for its base and adapters (:func:`~areal_fn.runtime.engines.lora.lora_tp_plan`).
     """
     mesh = layout_mesh(layout)
     if TP not in mesh.names:
@@ -253,7 +256,7 @@ def tp_plan(model: nn.Module, layout: Layout) -> dict[str, ParallelStyle]:
     for mname, module in model.named_modules():
         if mname in grouped:
             plan[mname] = _style(mname, module, grouped[mname], getattr(model, "config", None))
-    return plan
+    return lora_tp_plan(model, plan)
 
 
 def retie(model: nn.Module, names: Mapping[tuple[str, str], str]) -> None:

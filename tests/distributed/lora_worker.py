@@ -1,0 +1,311 @@
+"""torchrun worker: LoRA training in the FSDP2 engine against ``peft`` on one process.
+
+Launched once by ``tests/distributed/test_lora_training.py`` with 4 ranks (gloo, CPU).
+For every case (model, strategy) every rank:
+
+1. builds the reference: the transformers model of the tiny config, its canonical
+   tensors ``w0``, wrapped by ``peft.get_peft_model`` with adapters set to seeded random
+   values (``lora_B`` not zero, so both adapters get gradients); ``STEPS`` steps on the
+   whole global batch (mean next-token cross entropy, ``clip_grad_norm_`` over the
+   adapters, ``torch.optim.AdamW`` over the adapters): loss, grad norm and clipped
+   adapter gradients of every step, the adapters after the steps, the log-probs after;
+2. builds ``Fsdp2Engine(..., lora=config)``, loads ``w0`` (base only) and the adapters,
+   checks both export back bitwise;
+3. runs the same steps on its data-parallel share and measures the differences; records
+   whether any base parameter holds a gradient, what the optimizer holds, and whether
+   the base weights moved.
+
+Then (``checkpoint`` section) the adapters and their AdamW state are saved with
+``save_checkpoint`` under one strategy and loaded under another.
+
+Rank 0 writes ``<out>/results.json``. Checks never raise inside a case.
+"""
+
+import argparse
+import datetime
+import json
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from areal_fn.layouts.fsdp2 import Fsdp2Options  # noqa: E402
+from areal_fn.model.hf_memory import hf_state_to_canonical  # noqa: E402
+from areal_fn.model.lora import LoraConfig, lora_tensors  # noqa: E402
+from areal_fn.model.spec import ModelSpec, model_from_hf_config  # noqa: E402
+from areal_fn.plans.convert import to_hf  # noqa: E402
+from areal_fn.runtime.engines.common import AdamWConfig, split_rows  # noqa: E402
+from areal_fn.runtime.engines.fsdp2 import Fsdp2Engine, build_hf_model  # noqa: E402
+from areal_fn.strategy.parse import parse_allocation  # noqa: E402
+
+WORLD = 4
+BATCH, SEQ = 8, 16
+STEPS = 2
+ADAMW = AdamWConfig(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+CLIP = 0.5
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "qwen2": {
+        "model_type": "qwen2",
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "vocab_size": 50,
+        "torch_dtype": "float32",
+    },
+    "qwen3": {
+        "model_type": "qwen3",
+        "hidden_size": 16,
+        "intermediate_size": 24,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 8,
+        "vocab_size": 61,
+        "torch_dtype": "float32",
+    },
+}
+#: Every module, with a different rank for the MLP's down projection.
+LORA = LoraConfig(rank=4, alpha=8.0, module_ranks=(("down_proj", 2),))
+#: (config, strategy, HSDP replicas)
+CASES: tuple[tuple[str, str, int], ...] = (
+    ("qwen2", "fsdp:d4", 1),
+    ("qwen2", "fsdp:d2t2", 1),
+    ("qwen2", "fsdp:d2c2", 1),
+    ("qwen2", "fsdp:d4", 2),
+    ("qwen3", "fsdp:d2t2", 1),
+    ("qwen3", "fsdp:t2c2", 1),
+)
+
+
+#: Parameters whose DTensor placements the cases record.
+PLACED = tuple(
+    f"model.layers.0.{m}{a}weight"
+    for m in ("self_attn.q_proj", "self_attn.o_proj")
+    for a in (".", ".lora_A.", ".lora_B.")
+)
+
+
+def case_id(config: str, strategy: str, replicas: int) -> str:
+    return f"{config}/{strategy}" + (f"+r{replicas}" if replicas > 1 else "")
+
+
+def peft_name(name: str) -> str:
+    """PEFT's live parameter name of adapter tensor ``name`` (its ``default`` adapter)."""
+    return name.replace(".lora_A.weight", ".lora_A.default.weight").replace(
+        ".lora_B.weight", ".lora_B.default.weight"
+    )
+
+
+def adapters_of(spec: ModelSpec, seed: int = 7) -> dict[str, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {s.name: torch.randn(s.shape, generator=g) * 0.2 for s in lora_tensors(spec, LORA)}
+
+
+def batch(spec: ModelSpec) -> Tensor:
+    g = torch.Generator().manual_seed(11)
+    return torch.randint(0, spec.vocab_size, (BATCH, SEQ), generator=g)
+
+
+def peft_model(spec: ModelSpec, adapters: dict[str, Tensor]) -> torch.nn.Module:
+    import peft
+
+    config = peft.LoraConfig(
+        r=LORA.rank,
+        lora_alpha=LORA.alpha,
+        lora_dropout=LORA.dropout,
+        target_modules=list(LORA.target_modules),
+        rank_pattern=dict(LORA.module_ranks),
+    )
+    model = peft.get_peft_model(build_hf_model(spec), config)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, t in adapters.items():
+            params[peft_name(name)].copy_(t)
+    return model
+
+
+def mean_loss(logits: Tensor, ids: Tensor) -> Tensor:
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def logprobs(logits: Tensor, ids: Tensor) -> Tensor:
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    return logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+def reference(config: str) -> dict[str, Any]:
+    spec = model_from_hf_config(CONFIGS[config])
+    base = build_hf_model(spec)
+    w0 = hf_state_to_canonical(base.state_dict(), spec)
+    adapters = adapters_of(spec)
+    model = peft_model(spec, adapters)
+    trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    names = {peft_name(n): n for n in adapters}
+    if set(trained) != set(names):
+        raise AssertionError(f"peft trains {sorted(trained)[:4]}..., not the adapters")
+    opt = torch.optim.AdamW(
+        list(trained.values()),
+        lr=ADAMW.lr,
+        betas=ADAMW.betas,
+        eps=ADAMW.eps,
+        weight_decay=ADAMW.weight_decay,
+    )
+    ids = batch(spec)
+    steps = []
+    for _ in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        loss = mean_loss(model(input_ids=ids).logits, ids)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(list(trained.values()), CLIP)
+        grads = {names[n]: p.grad.detach().clone() for n, p in trained.items()}
+        steps.append({"loss": float(loss.detach()), "grad_norm": float(norm), "grads": grads})
+        opt.step()
+    with torch.no_grad():
+        logp = logprobs(model(input_ids=ids).logits, ids)
+    after = {names[n]: p.detach().clone() for n, p in trained.items()}
+    return dict(spec=spec, w0=w0, adapters=adapters, ids=ids, steps=steps, after=after, logp=logp)
+
+
+def max_abs(a: dict[str, Tensor], b: dict[str, Tensor]) -> float:
+    if set(a) != set(b):
+        raise AssertionError(f"names differ: {sorted(set(a) ^ set(b))[:4]}")
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+def bitwise(a: dict[str, Tensor], b: dict[str, Tensor]) -> bool:
+    return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def gathered_grads(engine: Fsdp2Engine) -> dict[str, Tensor]:
+    """The engine's clipped adapter gradients as canonical (PEFT-named) tensors."""
+    layout = engine.adapter_layout
+    assert layout is not None
+    grads = engine.local_grads()
+    mine = {lt.name: grads[lt.name] for lt in layout.local_tensors(engine.rank)}
+    every: list[Any] = [None] * WORLD
+    dist.all_gather_object(every, {k: None if v is None else v.cpu() for k, v in mine.items()})
+    return to_hf(dict(enumerate(every)), layout)
+
+
+def engine_of(spec: ModelSpec, strategy: str, replicas: int) -> Fsdp2Engine:
+    return Fsdp2Engine(
+        spec,
+        parse_allocation(strategy).training,
+        options=Fsdp2Options(hsdp_replicas=replicas),
+        optimizer=ADAMW,
+        grad_clip=CLIP,
+        lora=LORA,
+    )
+
+
+def run_case(ref: dict[str, Any], strategy: str, replicas: int) -> dict[str, Any]:
+    spec = ref["spec"]
+    engine = engine_of(spec, strategy, replicas)
+    engine.load_canonical(ref["w0"])
+    engine.load_adapters(ref["adapters"])
+    out: dict[str, Any] = {}
+    exported = engine.export_canonical()
+    base_names = [c.name for c in engine.base_layout.canonical]
+    out["load_export_bitwise"] = bitwise(engine.export_adapters(), ref["adapters"]) and bitwise(
+        {k: exported[k] for k in base_names}, ref["w0"]
+    )
+    rows = split_rows(ref["ids"], engine.dp_size, engine.dp_rank)
+    diffs = []
+    for want in ref["steps"]:
+        stats = engine.train_step(rows)
+        diffs.append(
+            dict(
+                loss_abs_diff=abs(stats["loss"] - want["loss"]),
+                grad_norm_rel_diff=abs(stats["grad_norm"] - want["grad_norm"]) / want["grad_norm"],
+                grad_max_abs_diff=max_abs(gathered_grads(engine), want["grads"]),
+                grad_max_abs=max(float(g.abs().max()) for g in want["grads"].values()),
+                clip_coef=stats["clip_coef"],
+            )
+        )
+    out["steps"] = diffs
+    out["adapter_max_abs_diff"] = max_abs(engine.export_adapters(), ref["after"])
+    out["adapter_moved"] = max_abs(ref["after"], ref["adapters"])
+    after = engine.export_canonical()
+    out["base_unchanged"] = bitwise({k: after[k] for k in base_names}, ref["w0"])
+    rows_logp = engine.forward_logprobs(rows)
+    want_logp = split_rows(ref["logp"], engine.dp_size, engine.dp_rank)
+    out["logprob_max_abs_diff"] = float((rows_logp - want_logp).abs().max())
+    frozen = [n for n, p in engine.model.named_parameters() if n not in engine._params]
+    out["frozen"] = len(frozen)
+    out["frozen_with_grad"] = [
+        n for n, p in engine.model.named_parameters() if n in frozen and p.grad is not None
+    ]
+    out["frozen_requiring_grad"] = [
+        n for n, p in engine.model.named_parameters() if n in frozen and p.requires_grad
+    ]
+    held = {id(p) for g in engine.optimizer.param_groups for p in g["params"]}
+    named = {id(p): n for n, p in engine.model.named_parameters()}
+    adapters = sorted(t.name for t in engine.adapter_layout.tensors)  # type: ignore[union-attr]
+    out["adapters"] = len(adapters)
+    out["optimizer_params_are_adapters"] = sorted(named[i] for i in held) == adapters
+    out["optimizer_state_is_adapters"] = (
+        sorted(named[id(p)] for p in engine.optimizer.state) == adapters
+    )
+    params = dict(engine.model.named_parameters())
+    out["placements"] = {
+        n: str(tuple(params[n].placements))  # type: ignore[attr-defined]
+        for n in PLACED
+        if n in params
+    }
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=180))
+    rank = dist.get_rank()
+    results: dict[str, Any] = {}
+    refs: dict[str, dict[str, Any]] = {}
+    start = time.monotonic()
+    try:
+        for config, strategy, replicas in CASES:
+            t0 = time.monotonic()
+            try:
+                if config not in refs:
+                    refs[config] = reference(config)
+                rec = run_case(refs[config], strategy, replicas)
+                rec["error"] = None
+            except Exception:
+                rec = {"error": traceback.format_exc()}
+            errors: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, rec["error"])
+            rec["rank_errors"] = errors
+            rec["seconds"] = round(time.monotonic() - t0, 2)
+            results[case_id(config, strategy, replicas)] = rec
+            if rank == 0:
+                print(f"{case_id(config, strategy, replicas)}: {rec['error']}", flush=True)
+    finally:
+        if rank == 0:
+            out = Path(args.out)
+            out.mkdir(parents=True, exist_ok=True)
+            body = {"cases": results, "seconds": round(time.monotonic() - start, 2)}
+            (out / "results.json").write_text(json.dumps(body, indent=1, sort_keys=True))
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""LoRA training law: the FSDP2 engine trains adapters as ``peft`` does on one process.
+
+One ``torchrun --nproc-per-node 4`` launch (``lora_worker.py``) runs, for tiny qwen2 and
+qwen3 models with adapters on every projection (``down_proj`` at another rank), two
+AdamW steps (gradients clipped to norm 0.5) of
+:class:`~areal_fn.runtime.engines.fsdp2.Fsdp2Engine` built with ``lora=`` under
+``fsdp:d4``, HSDP (2 replicas x 2 shards), ``fsdp:d2t2``, Ulysses ``fsdp:d2c2`` and
+``fsdp:t2c2``, from the same base weights and adapters, against ``peft.get_peft_model``
+of the transformers model stepping the whole batch with ``torch.optim.AdamW`` over its
+trainable parameters: loss, gradient norm and clipped adapter gradients of each step,
+the adapters after both steps and the log-probs after them agree within fp32 rounding;
+the base receives no gradient, is not in the optimizer and does not move.
+"""
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("peft")
+pytest.importorskip("transformers")
+
+from areal_fn.runtime.launch import run_torchrun
+from tests.distributed import lora_worker as worker
+
+WORKER = Path(__file__).with_name("lora_worker.py")
+REPO = Path(__file__).resolve().parents[2]
+
+# fp32 tolerances; observed on CPU/gloo, torch 2.13, peft 0.21.2:
+LOSS_ATOL = 1e-5  # <= 6.0e-7 (loss ~ 3.9)
+NORM_RTOL = 1e-5  # <= 1.2e-6
+GRAD_RTOL = 1e-5  # max abs diff / max |reference grad|: <= 1.3e-6
+ADAPTER_ATOL = 1e-5  # after two steps at lr 1e-2 (adapters move by 2e-2): <= 9.7e-7
+LOGPROB_ATOL = 1e-5  # <= 1.9e-6
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("lora_training")
+    result = run_torchrun(
+        WORKER, ["--out", str(out)], nproc=worker.WORLD, timeout_s=600, cwd=REPO, check=False
+    )
+    path = out / "results.json"
+    assert path.exists(), result.report()
+    data: dict[str, Any] = json.loads(path.read_text())
+    assert result.ok, result.report()
+    return data
+
+
+CASE_IDS = [worker.case_id(*c) for c in worker.CASES]
+
+
+@pytest.mark.parametrize("case", CASE_IDS)
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.xdist_group("lora_training")
+def test_adapter_training_equals_peft(results: dict[str, Any], case: str) -> None:
+    rec = results["cases"][case]
+    assert rec["error"] is None, rec["error"]
+    assert rec["rank_errors"] == [None] * worker.WORLD, rec["rank_errors"]
+    assert rec["load_export_bitwise"], "load -> export of base and adapters is not bitwise"
+    assert len(rec["steps"]) == worker.STEPS
+    for step in rec["steps"]:
+        assert step["loss_abs_diff"] <= LOSS_ATOL, step
+        assert step["grad_norm_rel_diff"] <= NORM_RTOL, step
+        assert step["grad_max_abs_diff"] <= GRAD_RTOL * step["grad_max_abs"], step
+    assert rec["adapter_moved"] > 100 * ADAPTER_ATOL, "the reference steps moved nothing"
+    assert rec["adapter_max_abs_diff"] <= ADAPTER_ATOL, rec["adapter_max_abs_diff"]
+    assert rec["logprob_max_abs_diff"] <= LOGPROB_ATOL, rec["logprob_max_abs_diff"]
+
+
+@pytest.mark.parametrize("case", CASE_IDS)
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.xdist_group("lora_training")
+def test_the_base_is_frozen(results: dict[str, Any], case: str) -> None:
+    rec = results["cases"][case]
+    assert rec["error"] is None, rec["error"]
+    assert rec["frozen"] > 0 and rec["adapters"] == 28
+    assert rec["frozen_with_grad"] == [], "base parameters got gradients (so a reduction)"
+    assert rec["frozen_requiring_grad"] == []
+    assert rec["optimizer_params_are_adapters"] and rec["optimizer_state_is_adapters"]
+    assert rec["base_unchanged"], "the base weights moved"
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.xdist_group("lora_training")
+def test_adapters_under_tp_are_placed_beside_their_base(results: dict[str, Any]) -> None:
+    """``fsdp:d2t2`` (mesh ``(dp_shard, tp)``): column-parallel q_proj's ``lora_B`` is split
+    like its base, ``lora_A`` replicated over ``tp``; row-parallel o_proj's ``lora_A`` is split
+    over ``tp`` like its base's columns, ``lora_B`` replicated; FSDP2 shards all on dim 0."""
+    placed = results["cases"]["qwen2/fsdp:d2t2"]["placements"]
+    q, o = "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.o_proj"
+    assert placed[f"{q}.lora_B.weight"] == placed[f"{q}.weight"]
+    assert placed[f"{q}.weight"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
+    assert placed[f"{q}.lora_A.weight"] == "(Shard(dim=0), Replicate())"
+    assert placed[f"{o}.weight"] == placed[f"{o}.lora_A.weight"] == "(Shard(dim=0), Shard(dim=1))"
+    assert placed[f"{o}.lora_B.weight"] == "(Shard(dim=0), Replicate())"
+
+
+def test_dropout_under_tp_is_refused_before_any_process_group() -> None:
+    from areal_fn.model.lora import LoraConfig, LoraError
+    from areal_fn.model.spec import model_from_hf_config
+    from areal_fn.runtime.engines.fsdp2 import Fsdp2Engine
+    from areal_fn.strategy.parse import parse_allocation
+
+    spec = model_from_hf_config(worker.CONFIGS["qwen2"])
+    with pytest.raises(
+        LoraError,
+        match=r"^LoraConfig\.dropout=0\.1 with tp=2: the TP ranks of a layer would drop "
+        r"different inputs; use dropout=0 under TP$",
+    ):
+        Fsdp2Engine(
+            spec,
+            parse_allocation("fsdp:d2t2").training,
+            lora=LoraConfig(rank=2, dropout=0.1),
+        )
