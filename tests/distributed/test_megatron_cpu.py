@@ -468,6 +468,8 @@ def test_redirections_are_opt_in_idempotent_and_reversible() -> None:
         torch.cuda.synchronize,
         mcore_random.CudaRNGStatesTracker.fork,
         schedules.torch,
+        mcore_random._get_cuda_rng_state,
+        mcore_random._set_cuda_rng_state,
     )
     had_gemm = "te_general_gemm" in vars(moe_utils)
     with megatron_cpu.cpu_megatron():
@@ -481,6 +483,9 @@ def test_redirections_are_opt_in_idempotent_and_reversible() -> None:
         assert megatron_cpu.is_enabled()
         assert schedules.torch.zeros([], device="cuda").device.type == "cpu"
         assert moe_utils.te_general_gemm is None or had_gemm
+        # activation recompute saves and restores "the CUDA RNG state": none on the CPU
+        assert mcore_random._get_cuda_rng_state().numel() == 0
+        mcore_random._set_cuda_rng_state(torch.empty(0, dtype=torch.uint8))
         tracker = mcore_random.CudaRNGStatesTracker()
         tracker.add("a", 1)
         outside = torch.get_rng_state()
@@ -497,6 +502,8 @@ def test_redirections_are_opt_in_idempotent_and_reversible() -> None:
         torch.cuda.synchronize,
         mcore_random.CudaRNGStatesTracker.fork,
         schedules.torch,
+        mcore_random._get_cuda_rng_state,
+        mcore_random._set_cuda_rng_state,
     ) == originals
     assert ("te_general_gemm" in vars(moe_utils)) == had_gemm
     assert "cuda" not in vars(torch.Tensor)

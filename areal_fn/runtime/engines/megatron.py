@@ -17,8 +17,9 @@ What runs, in order:
 - Megatron's ``parallel_state`` for the layout's TP/PP/VPP/CP/EP sizes (checked against
   the layout's mesh coordinates), the ``GPTModel`` chunks of
   :mod:`~areal_fn.runtime.megatron.build` (local spec, fp32), each wrapped in Megatron's
-  ``DistributedDataParallel`` (contiguous fp32 gradient buffers, no overlap, no
-  distributed optimizer); every parameter name and local shape is checked against
+  ``DistributedDataParallel`` (contiguous fp32 gradient buffers, no
+  distributed optimizer; bucket reductions overlapped with backward and activation
+  recompute as ``run_options`` say); every parameter name and local shape is checked against
   the layout;
 - a step: ``get_forward_backward_func()`` (no pipelining, 1F1B or interleaved 1F1B)
   over micro-batches of ``micro_batch_size`` rows with ``calculate_per_token_loss``:
@@ -56,6 +57,7 @@ Megatron's own optimizer (``get_megatron_optimizer``) is not used: on CPU it fai
 """
 
 import contextlib
+import importlib.util
 from collections.abc import Mapping
 from types import TracebackType
 from typing import Any
@@ -74,6 +76,7 @@ from areal_fn.plans.convert import Reader, to_hf, to_megatron_into
 from areal_fn.plans.memory import PrecisionPolicy
 from areal_fn.plans.optim import LossScale
 from areal_fn.runtime.engines.common import AdamWConfig, DynamicLossScaler, norm_weights
+from areal_fn.runtime.engines.megatron_options import MegatronRunOptions, megatron_option_fields
 from areal_fn.runtime.engines.megatron_steps import MegatronSteps
 from areal_fn.runtime.engines.precision import megatron_loss_scale
 from areal_fn.runtime.megatron import build as mb
@@ -84,6 +87,7 @@ from areal_fn.typecheck import beartype
 __all__ = ["MegatronEngine"]
 
 _ADAMW = AdamWConfig()
+_RUN = MegatronRunOptions()
 
 
 def _finalize_divided_before(model: Any, num_tokens: Any = None, **kwargs: Any) -> None:
@@ -110,6 +114,9 @@ class MegatronEngine(MegatronSteps):
     ``PrecisionPolicy.fp16_mixed()``: Megatron's fp16 (fp16 parameters, fp32 main
     gradients and master weights, a dynamic loss scale through ``config.grad_scale_func``;
     see :mod:`~areal_fn.runtime.engines.precision`).
+    ``run_options``: activation recompute, gradient-reduce overlap and DDP bucket size
+    (:class:`~areal_fn.runtime.engines.megatron_options.MegatronRunOptions`); they leave
+    the step's results unchanged.
     One engine per process at a time (Megatron's ``parallel_state`` is global); close it
     (or use it as a context manager) to tear the parallel state down.
     """
@@ -124,6 +131,7 @@ class MegatronEngine(MegatronSteps):
         optimizer: AdamWConfig = _ADAMW,
         grad_clip: float | None = 1.0,
         precision: PrecisionPolicy | None = None,
+        run_options: MegatronRunOptions = _RUN,
         micro_batch_size: int = 1,
         vocab_divisible_by: int = 128,
         device_type: str = "cpu",
@@ -146,6 +154,13 @@ class MegatronEngine(MegatronSteps):
             )
         pdims = dims.dims if isinstance(dims, Component) else dims
         loss_scale = megatron_loss_scale(precision)  # pure: refused before any group exists
+        self._option_fields = megatron_option_fields(
+            run_options,
+            mla=bool(model_spec.kv_lora_rank),
+            te_installed=importlib.util.find_spec("transformer_engine") is not None,
+            device_type=device_type,
+        )
+        self.run_options = run_options
         self.spec = model_spec
         self.dims = pdims
         self.vocab_divisible_by = vocab_divisible_by
@@ -216,8 +231,8 @@ class MegatronEngine(MegatronSteps):
             chunks = [c.half() for c in chunks]  # the norms' weights included
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
-            overlap_grad_reduce=False,
             use_distributed_optimizer=False,
+            **self._option_fields[1],
         )
         self.chunks = [
             DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
@@ -226,6 +241,12 @@ class MegatronEngine(MegatronSteps):
         config.no_sync_func = (
             [c.no_sync for c in self.chunks] if len(self.chunks) > 1 else self.chunks[0].no_sync
         )
+        if ddp_config.overlap_grad_reduce:  # as Megatron-LM: start each chunk's last reduce
+            config.grad_sync_func = (  # in the schedule, after its last backward
+                [c.start_grad_sync for c in self.chunks]
+                if len(self.chunks) > 1
+                else self.chunks[0].start_grad_sync
+            )
         config.finalize_model_grads_func = (
             finalize_model_grads if fp16 is None else _finalize_divided_before
         )
@@ -250,7 +271,7 @@ class MegatronEngine(MegatronSteps):
             config.grad_scale_func = self._scale_loss
 
     def _config_overrides(self) -> dict[str, Any]:
-        overrides: dict[str, Any] = {"calculate_per_token_loss": True}
+        overrides: dict[str, Any] = {"calculate_per_token_loss": True, **self._option_fields[0]}
         # (batched p2p is switched off on gloo by transformer_config itself)
         return overrides
 

@@ -75,6 +75,21 @@ The redirections (``REDIRECTIONS`` lists them by name, in the order applied):
     ``pin_memory=True`` and moved by ``.cuda(non_blocking=True)``. Redirected: the same
     selection with the index on the embedding's own device.
 
+``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state``
+    Activation recompute (``CheckpointFunction``, ``CheckpointWithoutOutput``) saves
+    the CPU RNG state, the CUDA generator's and the tracker's streams before the
+    forward and restores them for the recomputation; reading the CUDA generator fails
+    without CUDA. Redirected (while CUDA is not initialised): the CUDA state is an empty
+    tensor and setting it a no-op; the CPU state and the tracker's streams (CPU
+    generator states, above) are saved and restored by Megatron as before, so the
+    recomputation draws the same numbers.
+
+``CheckpointWithoutOutput.__init__`` (only when ``transformer_engine`` is not installed)
+    Selective recompute of ``layernorm`` builds ``CheckpointWithoutOutput()``, whose
+    ``fp8`` flag is ``fp8 is not None``, true for the default ``False``; its forward then
+    reads Transformer Engine's ``FP8GlobalStateManager`` (``NameError`` without TE).
+    Redirected: the flag is ``False`` (there is no FP8 without TE).
+
 ``megatron.core.pipeline_parallel.schedules.torch``
     The forward-backward schedules create their token counter with
     ``torch.zeros([], dtype=torch.int, device="cuda")``. Redirected: the module's
@@ -85,8 +100,7 @@ What this does not make work (choose other options instead): TransformerEngine
 specs and modules (TE is not installed; use ``get_gpt_layer_local_spec``), fused
 kernels (keep every ``*_fusion`` flag and ``persist_layer_norm`` off), the legacy
 ``GroupedMLP`` (needs the CUDA ``grouped_gemm`` package and bf16), the ``alltoall``
-and ``flex`` MoE token dispatchers (use ``allgather``), activation recomputation
-(``CheckpointFunction`` saves CUDA RNG states), CUDA graphs, autocast, fp8/fp4.
+and ``flex`` MoE token dispatchers (use ``allgather``), CUDA graphs, autocast, fp8/fp4.
 """
 
 import contextlib
@@ -118,6 +132,9 @@ REDIRECTIONS: tuple[str, ...] = (
     "megatron.core.models.common.embeddings.rope_utils.get_pos_emb_on_this_cp_rank",
     "megatron.core.models.common.embeddings.rotary_pos_embedding.get_pos_emb_on_this_cp_rank",
     "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding.get_pos_emb_on_this_cp_rank",
+    "megatron.core.tensor_parallel.random._get_cuda_rng_state",
+    "megatron.core.tensor_parallel.random._set_cuda_rng_state",
+    "megatron.core.tensor_parallel.random.CheckpointWithoutOutput.__init__",
     "megatron.core.pipeline_parallel.schedules.torch",
 )
 
@@ -180,6 +197,11 @@ def enable() -> None:
         patches.append((multi_latent_attention, "HAVE_TE", False))
     for module in (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding):
         patches.append((module, "get_pos_emb_on_this_cp_rank", _cpu_pos_emb_on_this_cp_rank))
+    patches.append((mcore_random, "_get_cuda_rng_state", _make_cuda_rng_get(mcore_random)))
+    patches.append((mcore_random, "_set_cuda_rng_state", _make_cuda_rng_set(mcore_random)))
+    if importlib.util.find_spec("transformer_engine") is None:
+        without = mcore_random.CheckpointWithoutOutput
+        patches.append((without, "__init__", _without_fp8(vars(without)["__init__"])))
     patches.append((schedules, "torch", _CpuZerosTorch()))
     for owner, name, value in patches:
         _saved.append((owner, name, vars(owner).get(name, _MISSING)))
@@ -224,6 +246,38 @@ def _make_synchronize(original: Callable[..., None]) -> Callable[..., None]:
             original(device)
 
     return synchronize
+
+
+def _make_cuda_rng_get(module: Any) -> Callable[..., torch.Tensor]:
+    original = module._get_cuda_rng_state
+
+    @functools.wraps(original)
+    def get(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if torch.cuda.is_initialized():
+            return original(*args, **kwargs)  # type: ignore[no-any-return]
+        return torch.empty(0, dtype=torch.uint8)
+
+    return get
+
+
+def _make_cuda_rng_set(module: Any) -> Callable[..., None]:
+    original = module._set_cuda_rng_state
+
+    @functools.wraps(original)
+    def set_state(*args: Any, **kwargs: Any) -> None:
+        if torch.cuda.is_initialized():
+            original(*args, **kwargs)
+
+    return set_state
+
+
+def _without_fp8(init: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(init)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self.fp8 = False
+
+    return wrapper
 
 
 def _cpu_tracker_add(self: Any, name: str, seed: int) -> None:
