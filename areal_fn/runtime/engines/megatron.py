@@ -98,6 +98,25 @@ def _finalize_divided_before(model: Any, num_tokens: Any = None, **kwargs: Any) 
     finalize_model_grads(model, None, **kwargs)
 
 
+def _check_inputs(model_spec: ModelSpec, device_type: str) -> None:
+    """What the engine refuses before anything is built."""
+    if device_type not in ("cpu", "cuda"):
+        raise LayoutError(
+            f"device_type={device_type!r} is not 'cpu' or 'cuda'; the CPU runs Megatron "
+            "with its CUDA-only calls redirected (gloo), 'cuda' the current CUDA device"
+        )
+    if model_spec.mtp_layers:
+        raise LayoutError(
+            f"the model has {model_spec.mtp_layers} multi-token-prediction layer(s) "
+            "(mtp_layers): MegatronEngine computes its loss from the main model's logits "
+            "and does not train MTP layers (Megatron-Core adds their loss inside "
+            "GPTModel's own loss only); build the model without them "
+            "(model_from_hf_config(config), the default) and read the checkpoint with "
+            "drop_mtp=True. The megatron layout carries them for conversion, weight sync "
+            "and checkpoints"
+        )
+
+
 class MegatronEngine(MegatronSteps):
     """Megatron-Core ``GPTModel`` chunks trained as ``megatron_layout`` lays them out.
 
@@ -137,21 +156,7 @@ class MegatronEngine(MegatronSteps):
         device_type: str = "cpu",
         seed: int = 0,
     ) -> None:
-        if device_type not in ("cpu", "cuda"):
-            raise LayoutError(
-                f"device_type={device_type!r} is not 'cpu' or 'cuda'; the CPU runs Megatron "
-                "with its CUDA-only calls redirected (gloo), 'cuda' the current CUDA device"
-            )
-        if model_spec.mtp_layers:
-            raise LayoutError(
-                f"the model has {model_spec.mtp_layers} multi-token-prediction layer(s) "
-                "(mtp_layers): MegatronEngine computes its loss from the main model's logits "
-                "and does not train MTP layers (Megatron-Core adds their loss inside "
-                "GPTModel's own loss only); build the model without them "
-                "(model_from_hf_config(config), the default) and read the checkpoint with "
-                "drop_mtp=True. The megatron layout carries them for conversion, weight sync "
-                "and checkpoints"
-            )
+        _check_inputs(model_spec, device_type)
         pdims = dims.dims if isinstance(dims, Component) else dims
         loss_scale = megatron_loss_scale(precision)  # pure: refused before any group exists
         self._option_fields = megatron_option_fields(
