@@ -45,6 +45,8 @@ from areal_fn.model.hf_memory import hf_state_to_canonical  # noqa: E402
 from areal_fn.model.lora import LoraConfig, lora_tensors  # noqa: E402
 from areal_fn.model.spec import ModelSpec, model_from_hf_config  # noqa: E402
 from areal_fn.plans.convert import to_hf  # noqa: E402
+from areal_fn.runtime.checkpoint import RankState, load_checkpoint, save_checkpoint  # noqa: E402
+from areal_fn.runtime.checkpoint.lora import lora_hf_files  # noqa: E402
 from areal_fn.runtime.engines.common import AdamWConfig, split_rows  # noqa: E402
 from areal_fn.runtime.engines.fsdp2 import Fsdp2Engine, build_hf_model  # noqa: E402
 from areal_fn.strategy.parse import parse_allocation  # noqa: E402
@@ -269,6 +271,78 @@ def run_case(ref: dict[str, Any], strategy: str, replicas: int) -> dict[str, Any
     return out
 
 
+#: The checkpoint section: saved under the first strategy, loaded under the second.
+CHECKPOINT = ("qwen2", "fsdp:d2t2", "fsdp:d4")
+
+
+def gathered_optimizer(engine: Fsdp2Engine) -> dict[str, Tensor]:
+    """The engine's AdamW moments as canonical tensors (``<adapter>/<state>``)."""
+    layout = engine.adapter_layout
+    assert layout is not None
+    opt = engine.optimizer_local_state()
+    out: dict[str, Tensor] = {}
+    for state in ("exp_avg", "exp_avg_sq"):
+        mine = {n: s[state].cpu() for n, s in opt.items()}
+        every: list[Any] = [None] * WORLD
+        dist.all_gather_object(every, mine)
+        out |= {f"{k}/{state}": v for k, v in to_hf(dict(enumerate(every)), layout).items()}
+    out["steps"] = torch.tensor(sorted({float(s["step"]) for s in opt.values()}))
+    return out
+
+
+def run_checkpoint(ref: dict[str, Any], root: Path) -> dict[str, Any]:
+    """One step under ``fsdp:d2t2``, adapters and AdamW state saved; a fresh ``fsdp:d4``
+    engine loads them and takes the second step."""
+    spec = ref["spec"]
+    _, src, dst = CHECKPOINT
+    a = engine_of(spec, src, 1)
+    a.load_canonical(ref["w0"])
+    a.load_adapters(ref["adapters"])
+    a.train_step(split_rows(ref["ids"], a.dp_size, a.dp_rank))
+    assert a.adapter_layout is not None
+    path = save_checkpoint(
+        root,
+        layout=a.adapter_layout,
+        states={a.rank: RankState(params=a.adapter_local_state(), optim=a.optimizer_local_state())},
+        model=spec,
+        allocation=src,
+        step=1,
+        optimizer="adamw",
+        lr_scheduler=a.scheduler_state(),
+        hf=lora_hf_files(spec, LORA),
+    )
+    saved, saved_opt = a.export_adapters(), gathered_optimizer(a)
+    logp = a.forward_logprobs(ref["ids"])  # every share passes the whole batch
+    b = engine_of(spec, dst, 1)
+    b.load_canonical(ref["w0"])  # the base; the adapters come from the checkpoint
+    assert b.adapter_layout is not None
+    fresh = b.export_adapters()
+    res = load_checkpoint(
+        path,
+        layout=b.adapter_layout,
+        states={
+            b.rank: RankState(
+                params=b.adapter_local_state(), optim=b.optimizer_local_state(create=True)
+            )
+        },
+        optimizer="adamw",
+    )
+    assert res.lr_scheduler is not None
+    b.load_scheduler_state(res.lr_scheduler)
+    loaded, loaded_opt = b.export_adapters(), gathered_optimizer(b)
+    stats = b.train_step(split_rows(ref["ids"], b.dp_size, b.dp_rank))
+    return dict(
+        path=str(path),
+        logprobs=logp.tolist(),
+        fresh_differs=not bitwise(fresh, saved),
+        adapters_bitwise=bitwise(loaded, saved),
+        optimizer_bitwise=bitwise(loaded_opt, saved_opt),
+        steps_done=b.steps_done,
+        second_loss_abs_diff=abs(stats["loss"] - ref["steps"][1]["loss"]),
+        adapter_max_abs_diff=max_abs(b.export_adapters(), ref["after"]),
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -297,6 +371,16 @@ def main() -> int:
             results[case_id(config, strategy, replicas)] = rec
             if rank == 0:
                 print(f"{case_id(config, strategy, replicas)}: {rec['error']}", flush=True)
+        t0 = time.monotonic()
+        try:
+            rec = run_checkpoint(refs[CHECKPOINT[0]], Path(args.out) / "checkpoint")
+            rec["error"] = None
+        except Exception:
+            rec = {"error": traceback.format_exc()}
+        rec["seconds"] = round(time.monotonic() - t0, 2)
+        results["checkpoint"] = rec
+        if rank == 0:
+            print(f"checkpoint: {rec['error']}", flush=True)
     finally:
         if rank == 0:
             out = Path(args.out)

@@ -117,3 +117,98 @@ def test_dropout_under_tp_is_refused_before_any_process_group() -> None:
             parse_allocation("fsdp:d2t2").training,
             lora=LoraConfig(rank=2, dropout=0.1),
         )
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.xdist_group("lora_training")
+def test_adapter_checkpoint_resumes_under_another_strategy(results: dict[str, Any]) -> None:
+    """Adapters and AdamW state saved after one step under ``fsdp:d2t2`` load bitwise
+    into a fresh ``fsdp:d4`` engine, whose second step is the reference's second step."""
+    rec = results["cases"]["checkpoint"]
+    assert rec["error"] is None, rec["error"]
+    assert rec["fresh_differs"], "the loading engine held the saved adapters already"
+    assert rec["adapters_bitwise"] and rec["optimizer_bitwise"]
+    assert rec["steps_done"] == 2
+    assert rec["second_loss_abs_diff"] <= LOSS_ATOL
+    assert rec["adapter_max_abs_diff"] <= ADAPTER_ATOL
+
+
+def _spec_and_ids() -> tuple[Any, Any]:
+    from areal_fn.model.spec import model_from_hf_config
+
+    spec = model_from_hf_config(worker.CONFIGS[worker.CHECKPOINT[0]])
+    return spec, worker.batch(spec)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.xdist_group("lora_training")
+def test_adapter_checkpoint_exports_to_peft_and_merged(
+    results: dict[str, Any], tmp_path: Path
+) -> None:
+    """The saved adapters, exported to PEFT's format and merged into the base, give the
+    training engine's log-probs in ``peft.PeftModel.from_pretrained`` and in transformers."""
+    import peft
+    import torch
+    import transformers
+
+    from areal_fn.model.hf_memory import hf_state_to_canonical
+    from areal_fn.runtime.checkpoint.lora import export_merged, export_peft
+    from areal_fn.runtime.engines.fsdp2 import build_hf_model
+    from areal_fn.runtime.hf.io import write_hf_checkpoint
+
+    rec = results["cases"]["checkpoint"]
+    assert rec["error"] is None, rec["error"]
+    spec, ids = _spec_and_ids()
+    want = torch.tensor(rec["logprobs"])
+    base_dir = write_hf_checkpoint(
+        tmp_path / "base",
+        hf_state_to_canonical(build_hf_model(spec).state_dict(), spec),
+        model=spec,
+    )
+    adapter = export_peft(rec["path"], tmp_path / "adapter")
+    merged = export_merged(rec["path"], base_dir, tmp_path / "merged")
+    for model in (
+        peft.PeftModel.from_pretrained(build_hf_model(spec), str(adapter)),
+        transformers.AutoModelForCausalLM.from_pretrained(str(merged)),
+    ):
+        with torch.no_grad():
+            got = worker.logprobs(model(input_ids=ids).logits, ids)
+        assert float((got - want).abs().max()) <= LOGPROB_ATOL
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.xdist_group("lora_training")
+def test_adapter_checkpoint_loads_into_megatron_fused_adapters(results: dict[str, Any]) -> None:
+    """Offline, one process holding every rank: the FSDP2 engine's adapter checkpoint
+    loads into Megatron ``t2p2``'s fused ``linear_qkv`` / ``linear_fc1`` adapters, which
+    convert back to bitwise the adapters PEFT's export holds."""
+    import torch
+
+    from areal_fn.layouts.layout_for import layout_for
+    from areal_fn.layouts.lora import adapter_layout
+    from areal_fn.model.tensor_spec import torch_dtype
+    from areal_fn.plans.convert import to_hf
+    from areal_fn.runtime.checkpoint import CheckpointReader, RankState, load_checkpoint
+
+    rec = results["cases"]["checkpoint"]
+    assert rec["error"] is None, rec["error"]
+    spec, _ = _spec_and_ids()
+    layout = adapter_layout(layout_for(spec, "megatron:t2p2"), spec, worker.LORA)
+    assert any(t.name.endswith("linear_qkv.lora_A.weight") for t in layout.tensors)
+    states = {
+        r: RankState(
+            params={
+                lt.name: torch.zeros(lt.shape, dtype=torch_dtype(lt.dtype))
+                for lt in layout.local_tensors(r)
+            }
+        )
+        for r in range(layout.world_size)
+    }
+    load_checkpoint(rec["path"], layout=layout, states=states, restore_rng_state=False)
+    back = to_hf({r: s.params for r, s in states.items()}, layout)
+    reader = CheckpointReader(rec["path"])
+    assert set(back) == {t.name for t in reader.manifest.tensors}
+    assert all(torch.equal(back[k], reader.read(k)) for k in back)
