@@ -421,6 +421,19 @@ def _rotary_fraction(c: _Config) -> float:
             f"partial_rotary_factor={inner!r}; they must agree"
         )
     value = top if top is not None else inner
+    dim_key = c.fam.rotary_dim_key
+    if dim_key is not None and c.cfg.get(dim_key) is not None:
+        dims, head_dim = c.integer(dim_key), c.integer("head_dim")
+        if dims > head_dim or dims % 2:
+            raise SpecError(
+                f"{dim_key}={dims} must be an even number of dims at most head_dim={head_dim}"
+            )
+        if value is not None and value != dims / head_dim:
+            raise SpecError(
+                f"config sets {dim_key}={dims} (a factor of {dims / head_dim} of head_dim="
+                f"{head_dim}) and partial_rotary_factor={value!r}; they must agree"
+            )
+        value = dims / head_dim
     return c.number(
         "partial_rotary_factor", value if value is not None else c.get("partial_rotary_factor")
     )

@@ -145,7 +145,7 @@ def _memory_view(spec: ModelSpec) -> tuple[MemoryTensor, ...]:
             continue
         if rel in renames:
             name = f"model.layers.{layer}.{renames[rel]}"
-            out.append(_whole(name, t.shape, t.dtype, source=t.name))
+            out.append(_whole(name, t.shape, t.dtype, source=t.name, buffer=rel in buffers))
             continue
         out.append(_whole(t.name, t.shape, t.dtype, buffer=rel in buffers))
     if spec.tie_word_embeddings:

@@ -59,7 +59,10 @@ def hf_configs(
     # partial rotary (a factor of 0.5) needs an even number of rotated dims
     head_dim = (4 if fam.partial_rotary else 2) * draw(st.integers(1, 4))
     layers = draw(st.integers(2 if fam.first_k_dense else 1, max(max_layers, 2)))
-    explicit_head_dim = fam.head_dim_required or draw(st.booleans())
+    # a family whose config class defaults head_dim to a number (MiniMax-M2: 128) is
+    # drawn with it explicit, so the tiny model stays tiny
+    fixed_head_dim = fam.has_default("head_dim") and fam.default("head_dim") is not None
+    explicit_head_dim = fam.head_dim_required or fixed_head_dim or draw(st.booleans())
     if not explicit_head_dim:
         hidden = heads * head_dim
     elif fam.hidden_divisible_by_heads:
@@ -104,7 +107,9 @@ def hf_configs(
         }
     if fam.sliding_window == "when_set":
         cfg["sliding_window"] = None  # a window is refused (no family models one)
-    if fam.partial_rotary:
+    if fam.rotary_dim_key and draw(st.booleans()):
+        cfg[fam.rotary_dim_key] = draw(st.sampled_from([head_dim // 2, head_dim]))
+    elif fam.partial_rotary:
         _maybe(draw, cfg, "partial_rotary_factor", st.sampled_from([0.5, 1.0]))
     _draw_moe(draw, cfg, name, layers, max_experts)
     return cfg
@@ -158,7 +163,7 @@ def _draw_moe(
         _maybe(draw, cfg, "routed_scaling_factor", st.sampled_from([1.0, 2.5]))
         _maybe(draw, cfg, "norm_topk_prob", st.booleans())
         _maybe(draw, cfg, "num_nextn_predict_layers", st.integers(0, 2))
-    elif name == "mixtral":
+    elif name in ("mixtral", "minimax_m2"):
         experts = draw(st.integers(1, max_experts))
         cfg["num_local_experts"] = experts
         cfg["num_experts_per_tok"] = draw(st.integers(1, experts))

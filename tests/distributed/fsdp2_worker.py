@@ -223,6 +223,7 @@ CONFIGS["gpt_oss"] = {
 #: the families with per-layer attention kinds (layer_type_configs), a 3-token window
 CONFIGS["olmo3"] = layer_type_configs.olmo3(3)
 CONFIGS["gemma3_text"] = layer_type_configs.gemma3_text(3)
+CONFIGS["minimax_m2"] = layer_type_configs.minimax_m2()
 DENSE = ("qwen2", "qwen3", "llama_tied", "llama_untied")
 
 #: label -> (allocation string, hsdp replicas, TP over the embeddings).
@@ -254,6 +255,7 @@ LAYOUT_CASES: tuple[tuple[str, str], ...] = (
     ("olmo3", "d4"),  # no TP: its q/k norms span every head (fsdp2_layout refuses t2)
     ("gemma3_text", "d4"),
     ("gemma3_text", "d2t2"),
+    ("minimax_m2", "d4"),  # no TP: q/k norms over the whole projections, as olmo3
 )
 #: label -> (runtime options, gradient tolerance, weight tolerance) of the training section.
 RUN_OPTIONS: dict[str, tuple[Fsdp2RunOptions, float, float]] = {
@@ -277,6 +279,7 @@ TRAIN_CASES: tuple[tuple[str, str, str], ...] = (
     ("gpt_oss", "d2t2", "fp32"),
     ("olmo3", "d4", "fp32"),
     ("gemma3_text", "d2t2", "fp32_wide"),
+    ("minimax_m2", "d4", "fp32"),
     ("llama_tied", "d2t2_rep_emb", "fp32"),
     ("qwen3", "d2t2", "ac"),
     ("qwen3", "d2t2", "offload"),

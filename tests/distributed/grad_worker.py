@@ -225,6 +225,7 @@ CONFIGS["gpt_oss"] = {
 #: shorter than SEQ
 CONFIGS["olmo3"] = layer_type_configs.olmo3(5)
 CONFIGS["gemma3_text"] = layer_type_configs.gemma3_text(5)
+CONFIGS["minimax_m2"] = layer_type_configs.minimax_m2()
 
 #: label -> (allocation string, HSDP replicas, pipeline chunk lengths or None for the
 #: even split, FSDP2 run options). All fill the 4 ranks.
@@ -306,6 +307,8 @@ CASES: tuple[tuple[str, str], ...] = (
     ("olmo3", "fsdp:d2c2"),  # Ulysses: sliding windows over the gathered sequence
     ("gemma3_text", "fsdp:d2t2"),
     ("gemma3_text", "fsdp:t2c2"),
+    ("minimax_m2", "fsdp:d4"),
+    ("minimax_m2", "fsdp:d2c2"),  # Ulysses: q/k norms over the whole projection per token
 )
 
 

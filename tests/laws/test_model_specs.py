@@ -45,6 +45,8 @@ PUBLISHED = {
     # the Hugging Face pages' safetensors counts: 7.3B (the name says 7B) and 1B
     "Olmo-3-1025-7B": (7.3, None),
     "gemma-3-1b-it": (1.0, None),
+    # MiniMax's model card: "230 billion total parameters" (ours 228.7B)
+    "MiniMax-M2": (230.0, None),
 }
 
 #: Wider bands where the vendor's figure counts differently: Z.ai's 355B / 106B round
@@ -52,7 +54,12 @@ PUBLISHED = {
 #: model's canonical tensors: 352.8B and 106.9B). Moonshot's card gives Kimi-K2 as "1T"
 #: (one significant figure; ours: 1026.4B, equal to transformers' count on the meta
 #: device, tests/oracles/test_model_specs_hf.py).
-TOLERANCE = {"GLM-4.5": 0.01, "GLM-4.5-Air": 0.01, "Kimi-K2-Instruct": 0.03}
+TOLERANCE = {
+    "GLM-4.5": 0.01,
+    "GLM-4.5-Air": 0.01,
+    "Kimi-K2-Instruct": 0.03,
+    "MiniMax-M2": 0.01,  # the card's "230B" has two significant figures
+}
 
 #: Published active parameters per token (billions), as the model cards round them.
 PUBLISHED_ACTIVE = {
@@ -66,13 +73,14 @@ PUBLISHED_ACTIVE = {
     "Kimi-K2-Instruct": 32.0,
     "gpt-oss-120b": 5.13,
     "gpt-oss-20b": 3.61,
+    "MiniMax-M2": 10.0,
 }
 
 #: Active-count bands wider than 2%: Kimi-K2's card gives "32B activated" (ours 32.86B).
 ACTIVE_TOLERANCE = {"Kimi-K2-Instruct": 0.03}
 
 #: Model cards whose active count leaves out the embedding and output layer.
-ACTIVE_WITHOUT_EMBEDDINGS = ("GLM-4.5", "GLM-4.5-Air")
+ACTIVE_WITHOUT_EMBEDDINGS = ("GLM-4.5", "GLM-4.5-Air", "MiniMax-M2")
 
 #: Model cards whose active count leaves out the embedding only (OpenAI's gpt-oss card
 #: counts the unembedding: 5.13B and 3.61B active).

@@ -287,6 +287,25 @@ CASES = {
         rope_local_base_freq=1000.0,
         torch_dtype="bfloat16",
     ),
+    "minimax_m2": _cfg(
+        "minimax_m2",
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        rotary_dim=4,
+        use_qk_norm=True,
+        qk_norm_type="per_layer",
+        scoring_func="sigmoid",
+    ),
+    "minimax_m2-tied-full-rotary-bf16": _cfg(
+        "minimax_m2",
+        num_hidden_layers=2,
+        head_dim=6,
+        num_local_experts=3,
+        num_experts_per_tok=1,
+        tie_word_embeddings=True,
+        torch_dtype="bfloat16",
+    ),
     "qwen3_moe-sparse2-mlp-only": _cfg(
         "qwen3_moe",
         num_hidden_layers=6,
@@ -381,11 +400,24 @@ def test_layer_rope_and_attention_scale_match_transformers(cfg: dict[str, object
         assert all(layer.self_attn.scaling == scale for layer in built.model.layers)
 
 
+@settings(max_examples=10, deadline=None)
+@given(cfg=st.sampled_from(["glm4_moe", "minimax_m2"]).flatmap(hf_configs))
+def test_partial_rotary_matches_transformers(cfg: dict[str, object]) -> None:
+    """The rotated dims (``partial_rotary_factor``, or MiniMax-M2's ``rotary_dim``) are
+    the spec's: transformers' rope frequencies from the config and from ``hf_config()``
+    are the same, ``rotary_fraction * head_dim / 2`` of them."""
+    spec = model_from_hf_config(cfg)
+    ref = _build(cfg).model.rotary_emb.inv_freq
+    again = _build(spec.hf_config()).model.rotary_emb.inv_freq
+    assert torch.equal(ref, again)
+    assert ref.numel() == round(spec.rotary_fraction * spec.head_dim) // 2
+
+
 @settings(max_examples=10)
 @given(
-    cfg=st.sampled_from(["qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "gpt_oss"]).flatmap(
-        lambda f: hf_configs(f, max_layers=3)
-    )
+    cfg=st.sampled_from(
+        ["qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "gpt_oss", "minimax_m2"]
+    ).flatmap(lambda f: hf_configs(f, max_layers=3))
 )
 def test_random_moe_round_trip_is_bitwise(cfg: dict[str, object]) -> None:
     spec = model_from_hf_config(cfg)

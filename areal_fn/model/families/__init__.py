@@ -164,6 +164,8 @@ class Family:
       sets one is refused rather than read differently from transformers.
     - ``partial_rotary``: the family may rotate part of each head (GLM's
       ``partial_rotary_factor``); other families refuse a factor other than 1.
+      ``rotary_dim_key``: the config key that may give the rotated dims per head instead
+      (MiniMax-M2's ``rotary_dim``: the factor is ``rotary_dim / head_dim``).
     - ``first_k_dense``: the config key naming how many leading layers are dense, every
       later layer MoE (DeepSeek/GLM's ``first_k_dense_replace``), or ``None`` when MoE
       layers follow ``decoder_sparse_step`` / ``mlp_only_layers``.
@@ -228,6 +230,7 @@ class Family:
         default=(), converter=lambda v: tuple((str(a), str(b)) for a, b in v)
     )
     partial_rotary: bool = False
+    rotary_dim_key: str | None = None
     mla: bool = False
     first_k_dense: str | None = None
     mtp: bool = False
@@ -262,6 +265,7 @@ def _registry() -> dict[str, Family]:
         glm4_moe,
         gpt_oss,
         llama,
+        minimax_m2,
         mistral,
         mixtral,
         olmo3,
@@ -276,6 +280,7 @@ def _registry() -> dict[str, Family]:
         glm4_moe.FAMILY,
         gpt_oss.FAMILY,
         llama.FAMILY,
+        minimax_m2.FAMILY,
         mistral.FAMILY,
         mixtral.FAMILY,
         olmo3.FAMILY,
