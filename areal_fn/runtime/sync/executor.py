@@ -102,6 +102,9 @@ class SyncReport:
     bytes_full: int = 0
     #: messages this rank sent or received as deltas (``delta=``), not dense
     delta_messages: int = 0
+    #: live tensors committed by exchanging storages with their shadows
+    #: (``commit="swap"``); the rest of what this rank received was copied in
+    tensors_swapped: int = 0
 
 
 # -- execution -------------------------------------------------------------------------
@@ -116,6 +119,7 @@ def send_and_receive(
     on_bucket: Callable[[int], None] | None = None,
     keep_staging: bool = False,
     delta: DeltaState | None = None,
+    commit: str = "copy",
 ) -> SyncReport:
     """Execute ``plan`` on this rank: send its sources, receive and commit its destinations.
 
@@ -135,6 +139,16 @@ def send_and_receive(
     :class:`~areal_fn.runtime.sync.delta.DeltaState` (every member passes one, or none
     does): each message carries only the elements changed since the version its
     receiver holds, else it goes dense (:mod:`areal_fn.runtime.sync.delta`).
+    ``commit``: how a dense sync's shadows become live once the group decided
+    ``commit``: ``"copy"`` (the default) copies each shadow into its live tensor;
+    ``"swap"`` exchanges their storages instead, for every live tensor that is no view
+    and spans its whole storage (:func:`~areal_fn.runtime.sync.staging.owns_storage`;
+    the others are copied): no copy, and the live tensor objects stay the same, but
+    their memory changes from sync to sync, so it is only for callers whose live
+    tensors have no aliases (views taken earlier, tied weights held as other tensors,
+    addresses captured by a CUDA graph keep the old memory). With ``keep_staging=True``
+    the old memory is the next sync's shadow (2x the received bytes held, as with
+    ``"copy"``). A delta sync writes its changes in place: it takes ``"copy"`` only.
 
     Raises :class:`~areal_fn.errors.PlanError` when this rank's tensors do not fit the
     plan and :class:`SyncError` when the sync fails; either way no live tensor
@@ -142,7 +156,7 @@ def send_and_receive(
     """
     try:
         return _send_and_receive(
-            plan, src_tensors, dst_tensors, group, wire_dtype, on_bucket, delta
+            plan, src_tensors, dst_tensors, group, wire_dtype, on_bucket, delta, commit
         )
     finally:
         if not keep_staging:
@@ -157,11 +171,13 @@ def _send_and_receive(
     wire_dtype: torch.dtype | None,
     on_bucket: Callable[[int], None] | None,
     delta: DeltaState | None = None,
+    commit: str = "copy",
 ) -> SyncReport:
     start = time.perf_counter()
     version, me = plan.version, group.rank
     seq = _begin(group, version)
     try:
+        _check_commit(commit, delta)
         _check_in_group(plan, group)
         # views share storage with the caller's tensors: committing writes them in place
         src_tensors = with_views(plan.src_views, src_tensors, "source")
@@ -189,9 +205,7 @@ def _send_and_receive(
     # past every bucket index of this rank's plan (a rank's own plan skips buckets)
     progress.advance(plan.buckets[-1].index + 2 if plan.buckets else 1, version)
     progress.vote(version)
-    with torch.no_grad():
-        for name, shadow in shadows.items():
-            dst_tensors[name].copy_(shadow)
+    swapped = _commit(group, shadows, dst_tensors, swap=commit == "swap")
     sent, received, copied, overhead, messages = counts
     return SyncReport(
         version=version,
@@ -204,7 +218,42 @@ def _send_and_receive(
         messages=messages,
         seconds=time.perf_counter() - start,
         bytes_full=sent + received,
+        tensors_swapped=swapped,
     )
+
+
+COMMITS = ("copy", "swap")
+
+
+def _check_commit(commit: str, delta: DeltaState | None) -> None:
+    if commit not in COMMITS:
+        raise PlanError(
+            f"commit={commit!r} is not a way to commit a sync; use one of {list(COMMITS)}"
+        )
+    if commit == "swap" and delta is not None:
+        raise PlanError(
+            "commit='swap' with delta=: a delta sync writes its changes into the live "
+            "tensors in place and has no shadows to swap; use commit='copy' with delta"
+        )
+
+
+def _commit(
+    group: SyncGroup,
+    shadows: Mapping[str, torch.Tensor],
+    dst_tensors: Mapping[str, torch.Tensor],
+    *,
+    swap: bool,
+) -> int:
+    """Make the shadows live (after the group decided ``commit``): each swapped in where
+    ``swap`` and its live tensor allows, else copied; the number swapped."""
+    staging, swapped = _buffers(group), 0
+    with torch.no_grad():
+        for name, shadow in shadows.items():
+            if swap and staging.swap_in(name, dst_tensors[name]):
+                swapped += 1
+            else:
+                dst_tensors[name].copy_(shadow)
+    return swapped
 
 
 def _delta_report(

@@ -15,6 +15,12 @@ handed back when the sync ends (:func:`release_staging`):
 - Everything else is freed (device memory goes back to torch's caching allocator).
 
 Without ``MADV_FREE`` (not Linux), CPU buffers are plain tensors and are freed too.
+
+A sync with ``commit="swap"`` commits a shadow by exchanging storages with its live
+tensor (:meth:`_Buffers.swap_in`): the live tensor keeps the shadow's memory (a mapped
+one leaves the staging, so its pages are never handed back) and the live tensor's old
+memory becomes the shadow, kept for the next sync with ``keep_staging=True`` (the two
+buffers then take turns) and freed otherwise.
 """
 
 import mmap
@@ -24,7 +30,7 @@ import torch
 
 from areal_fn.runtime.sync.group import SyncGroup
 
-__all__ = ["MAPPED_MIN", "release_staging"]
+__all__ = ["MAPPED_MIN", "owns_storage", "release_staging"]
 
 #: CPU staging buffers of at least this many bytes are mappings of their own.
 MAPPED_MIN = 1 << 20
@@ -73,12 +79,42 @@ class _Buffers:
             s.copy_(live.detach())
         return s
 
+    def swap_in(self, name: str, live: torch.Tensor) -> bool:
+        """Commit shadow ``name`` into ``live`` by exchanging their storages, when ``live``
+        owns its storage alone as far as can be seen (:func:`owns_storage`): ``live``
+        then holds the shadow's memory (a mapped shadow leaves the staging for good, its
+        pages never handed back) and its old memory becomes the shadow. False, with
+        nothing changed, otherwise."""
+        s = self._shadows[name]
+        if not owns_storage(live):
+            return False
+        spare = torch.empty(0, dtype=live.dtype, device=live.device)
+        spare.set_(live.untyped_storage(), 0, live.shape, live.stride())
+        live.set_(s.untyped_storage(), s.storage_offset(), s.shape, s.stride())
+        self._maps.pop(_storage(s), None)
+        self._shadows[name] = spare
+        return True
+
     def lend_back(self) -> None:
         """Give the mapped buffers' pages to the kernel (kept for reuse); free the rest."""
         self._flat = {k: t for k, t in self._flat.items() if _storage(t) in self._maps}
         self._shadows = {k: t for k, t in self._shadows.items() if _storage(t) in self._maps}
         for m in self._maps.values():
             m.madvise(_MADV_FREE)  # type: ignore[arg-type]
+
+
+def owns_storage(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a plain tensor or parameter that is no view and spans its whole
+    storage, contiguous: what :meth:`_Buffers.swap_in` exchanges. Other tensors sharing
+    that storage (aliases, tied weights) cannot be seen from here."""
+    return (
+        type(t) in (torch.Tensor, torch.nn.Parameter)
+        and t._base is None
+        and t.numel() > 0
+        and t.is_contiguous()
+        and t.storage_offset() == 0
+        and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    )
 
 
 def _storage(t: torch.Tensor) -> int:
