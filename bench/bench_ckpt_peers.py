@@ -5,9 +5,10 @@ One torchrun launch of 2 CPU processes (gloo, one thread each); every file goes 
 directory on the temporary directory's disk (``BENCH_CKPT_DIR`` overrides it).
 
 - **disk**, a third side in every round of both parts: each rank writes as many bytes
-  as its share of the state as one file, sequentially in 64 MiB chunks, then
-  ``fsync`` (both ranks at once, as the saves write), and reads the last one back: the
-  physical limits the saves and loads are compared with.
+  as its share of the state as ``THREADS`` files at once (the saves' writer threads),
+  each sequentially in 64 MiB chunks, then ``fsync`` (both ranks at once, as the saves
+  write), and reads the last ones back: the physical limits the saves and loads are
+  compared with.
 - **fsdp2**: an :class:`~areal_fn.runtime.engines.fsdp2.Fsdp2Engine` (``fsdp:d2``, fp32
   parameters, AdamW moments filled with random values). Ours:
   :func:`~areal_fn.runtime.checkpoint.api.save_checkpoint` of its local state and
@@ -126,31 +127,42 @@ def _zero(tensors: dict[str, Any]) -> None:
 def _disk(
     folder: Path, nbytes: int
 ) -> tuple[Callable[[int], Callable[[], Any]], Callable[[], None]]:
-    """The disk as a third side: (a save: write ``nbytes`` sequentially in 64 MiB chunks,
-    then fsync; a load: read that file back)."""
+    """The disk as a third side: (a save: write ``nbytes`` as ``THREADS`` files at once,
+    each sequentially in 64 MiB chunks, then fsync; a load: read those files back)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import torch.distributed as dist
 
     folder.mkdir(exist_ok=True)
     block = os.urandom(CHUNK)
+    share = -(-nbytes // THREADS)
 
-    def path(i: int) -> Path:
-        return folder / f"dd-{i}-rank{dist.get_rank()}"
+    def path(i: int, k: int) -> Path:
+        return folder / f"dd-{i}-rank{dist.get_rank()}-{k}"
+
+    def write_one(p: Path) -> None:
+        with open(p, "wb", buffering=0) as f:
+            left = share
+            while left > 0:
+                left -= f.write(memoryview(block)[: min(left, CHUNK)])
+            os.fsync(f.fileno())
+
+    def read_one(p: Path) -> None:
+        buf = bytearray(CHUNK)
+        with open(p, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
 
     def write(i: int) -> Callable[[], Any]:
         def save() -> None:
-            with open(path(i), "wb", buffering=0) as f:
-                left = nbytes
-                while left > 0:
-                    left -= f.write(memoryview(block)[: min(left, CHUNK)])
-                os.fsync(f.fileno())
+            with ThreadPoolExecutor(THREADS) as pool:
+                list(pool.map(write_one, [path(i, k) for k in range(THREADS)]))
 
         return save
 
     def read() -> None:
-        buf = bytearray(CHUNK)
-        with open(path(ROUNDS - 1), "rb", buffering=0) as f:
-            while f.readinto(buf):
-                pass
+        with ThreadPoolExecutor(THREADS) as pool:
+            list(pool.map(read_one, [path(ROUNDS - 1, k) for k in range(THREADS)]))
 
     return write, read
 
