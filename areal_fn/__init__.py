@@ -60,8 +60,8 @@ from areal_fn.plans.transfer import Transfer as Transfer
 from areal_fn.plans.transfer import TransferPlan as TransferPlan
 from areal_fn.plans.transfer import bucket as bucket
 from areal_fn.plans.transfer import plan_transfers as plan_transfers
-from areal_fn.plans.transfer_bound import required_bytes as required_bytes
-from areal_fn.plans.transfer_bound import transfer_lower_bound as transfer_lower_bound
+from areal_fn.plans.transfer.bound import required_bytes as required_bytes
+from areal_fn.plans.transfer.bound import transfer_lower_bound as transfer_lower_bound
 from areal_fn.sharding.box import Box as Box
 from areal_fn.sharding.mesh import Axis as Axis
 from areal_fn.sharding.mesh import Mesh as Mesh

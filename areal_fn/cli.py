@@ -120,7 +120,7 @@ def _checkpoint_key() -> bytes | None:
     """The checkpoint key from ``AREAL_FN_CHECKPOINT_KEY`` (its UTF-8 bytes), None when unset."""
     import os
 
-    from areal_fn.plans.checkpoint_keyed import KEY_ENV, MIN_KEY_BYTES
+    from areal_fn.plans.checkpoint.keyed import KEY_ENV, MIN_KEY_BYTES
 
     text = os.environ.get(KEY_ENV)
     if text is None:

@@ -63,7 +63,7 @@ from areal_fn.layouts.inference import inference_layout  # noqa: E402
 from areal_fn.layouts.layout import Layout  # noqa: E402
 from areal_fn.model.spec import ModelSpec, model_from_hf_config  # noqa: E402
 from areal_fn.plans.transfer import BucketPlan, Transfer, TransferPlan, bucket, plan_transfers  # noqa: E402
-from areal_fn.plans.transfer_bound import transfer_lower_bound  # noqa: E402
+from areal_fn.plans.transfer.bound import transfer_lower_bound  # noqa: E402
 from areal_fn.strategy.allocation import ParallelDims  # noqa: E402
 
 if TYPE_CHECKING:

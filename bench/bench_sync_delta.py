@@ -160,7 +160,7 @@ def _worker(tmp: Path) -> None:
 
     from areal_fn.plans.delta import delta_base_bytes
     from areal_fn.plans.transfer import bucket
-    from areal_fn.plans.transfer_bound import transfer_lower_bound
+    from areal_fn.plans.transfer.bound import transfer_lower_bound
 
     meta = json.loads((tmp / "meta.json").read_text())
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=900))

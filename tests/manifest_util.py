@@ -2,7 +2,7 @@
 
 from areal_fn.model.spec import ModelSpec
 from areal_fn.plans.checkpoint import WritePlan
-from areal_fn.plans.checkpoint_manifest import CheckpointManifest, make_manifest, optimizer_spec
+from areal_fn.plans.checkpoint.manifest import CheckpointManifest, make_manifest, optimizer_spec
 
 
 def weights_manifest(

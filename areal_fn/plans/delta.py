@@ -5,7 +5,7 @@ dtype's resolution rounds back to the same value). A delta sync sends, per bucke
 message (what one source sends one destination in one bucket,
 :mod:`areal_fn.runtime.sync.messages`), only the elements that changed since the
 version the destination holds. The message's dense payload (its boxes packed in plan
-order, :func:`~areal_fn.plans.transfer_apply.pack_boxes`) is read as ``n`` units of
+order, :func:`~areal_fn.plans.transfer.apply.pack_boxes`) is read as ``n`` units of
 ``unit`` bytes (the greatest common divisor of its dtypes' sizes: the element size
 when the message has one dtype); the **change mask** says which units differ bitwise
 from the payload of the version before. One of three encodings then travels:

@@ -12,7 +12,7 @@ way: the first :data:`SHOWN` names, then ``... and N more``.
       local states do not match the fsdp2 layout: rank 1 misses ['a', 'b']; rank 1 has
       unexpected ['c']; rank 1 mis-shaped ['model.norm.weight (3,) != (32,)']
 
-- canonical checks (:func:`~areal_fn.plans.checkpoint_manifest.check_model`,
+- canonical checks (:func:`~areal_fn.plans.checkpoint.manifest.check_model`,
   :func:`~areal_fn.plans.convert.check_canonical`) word the same lists their own way.
 
 Pure: it takes shapes, not tensors (callers pass ``{name: tuple(t.shape)}``).

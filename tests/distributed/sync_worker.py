@@ -75,7 +75,7 @@ from areal_fn.layouts.layout import Layout  # noqa: E402
 from areal_fn.model.spec import ModelSpec, model_from_hf_config  # noqa: E402
 from areal_fn.model.tensor_spec import DTYPE_BYTES  # noqa: E402
 from areal_fn.plans.transfer import BucketPlan, bucket, plan_transfers  # noqa: E402
-from areal_fn.plans.transfer_bound import transfer_lower_bound  # noqa: E402
+from areal_fn.plans.transfer.bound import transfer_lower_bound  # noqa: E402
 from areal_fn.runtime.engines import tp as tp_engine  # noqa: E402
 from areal_fn.runtime.engines.fsdp2_apply import (  # noqa: E402
     apply_fsdp2,

@@ -1,7 +1,7 @@
 """Delta syncs (:mod:`areal_fn.runtime.sync.delta`), in process: members are threads.
 
 Each test runs several versions through one group; every delta sync must leave the
-live tensors bitwise equal to :func:`~areal_fn.plans.transfer_apply.apply_transfers`
+live tensors bitwise equal to :func:`~areal_fn.plans.transfer.apply.apply_transfers`
 of the new version (the plan's reference semantics, i.e. a full sync).
 """
 

@@ -4,7 +4,7 @@ Two kinds of tests:
 
 - **in-process** (fast): the members of a sync are threads of this process, each with
   its own gloo process group over one ``HashStore``. The executor's result must equal
-  :func:`~areal_fn.plans.transfer_apply.apply_transfers` (the plan's reference semantics)
+  :func:`~areal_fn.plans.transfer.apply.apply_transfers` (the plan's reference semantics)
   bitwise; faults (a stalled sender, another version, other dtypes, a missing
   tensor) must raise ``SyncError``/``PlanError`` on every member and leave every live
   tensor as it was; a renewed group must then sync.
@@ -35,8 +35,8 @@ from areal_fn.layouts.megatron import megatron_layout
 from areal_fn.model.spec import model_from_hf_config
 from areal_fn.plans.convert import to_megatron
 from areal_fn.plans.transfer import BucketPlan, bucket, plan_rank_transfers, plan_transfers
-from areal_fn.plans.transfer_apply import apply_transfers
-from areal_fn.plans.transfer_bound import transfer_lower_bound
+from areal_fn.plans.transfer.apply import apply_transfers
+from areal_fn.plans.transfer.bound import transfer_lower_bound
 from areal_fn.runtime.engines.fsdp2_apply import materialize_local
 from areal_fn.runtime.sync.auth import SECRET_ENV
 from areal_fn.runtime.sync.executor import SyncError, SyncGroup, SyncReport, send_and_receive

@@ -35,7 +35,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from areal_fn.errors import CheckpointError  # noqa: E402
-from areal_fn.plans.checkpoint_keyed import check_keyed_digest, is_keyed_by  # noqa: E402
+from areal_fn.plans.checkpoint.keyed import check_keyed_digest, is_keyed_by  # noqa: E402
 from areal_fn.plans.convert import to_megatron  # noqa: E402
 from areal_fn.runtime.checkpoint.api import (  # noqa: E402
     CheckpointReader,
@@ -623,7 +623,7 @@ def test_the_keyed_digest_on_the_command_line(keyed, saved, tmp_path, capsys, mo
 def test_manifests_with_and_without_the_new_fields_round_trip(keyed, legacy):
     """Reading a manifest and writing it back gives its very text: the keyed and located one
     of this version, and the previous version's (no ``storage``, no ``manifest_hmac``)."""
-    from areal_fn.plans.checkpoint_manifest import CheckpointManifest
+    from areal_fn.plans.checkpoint.manifest import CheckpointManifest
 
     text = (keyed / STEP / "manifest.json").read_text()
     m = CheckpointManifest.from_json(text)

@@ -13,9 +13,9 @@ import pytest
 from areal_fn import ParallelDims, fsdp2_layout, inference_layout, megatron_layout
 from areal_fn.errors import CheckpointError
 from areal_fn.model.spec import model_from_hf_config
-from areal_fn.plans.checkpoint_manifest import Chunk
-from areal_fn.plans.checkpoint_read import plan_load
-from areal_fn.plans.checkpoint_write import plan_save
+from areal_fn.plans.checkpoint.manifest import Chunk
+from areal_fn.plans.checkpoint.read import plan_load
+from areal_fn.plans.checkpoint.write import plan_save
 from areal_fn.sharding.box import Box
 from tests.laws.test_strided_pieces import TINY_GPT_OSS
 from tests.manifest_util import weights_manifest

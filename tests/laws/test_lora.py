@@ -326,10 +326,10 @@ def test_model_refusals() -> None:
 def test_transfer_and_checkpoint_plans_carry_the_adapters(name: str, src: str, dst: str) -> None:
     """Weight sync between two LoRA layouts reproduces the destination's adapters (and the
     bytes moved equal the lower bound); a checkpoint plan writes every adapter element once."""
-    from areal_fn.plans.checkpoint_write import plan_save
+    from areal_fn.plans.checkpoint.write import plan_save
     from areal_fn.plans.transfer import plan_transfers
-    from areal_fn.plans.transfer_apply import apply_transfers
-    from areal_fn.plans.transfer_bound import transfer_lower_bound
+    from areal_fn.plans.transfer.apply import apply_transfers
+    from areal_fn.plans.transfer.bound import transfer_lower_bound
 
     model = _model(name)
     config = _config(model)

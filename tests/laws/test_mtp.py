@@ -18,7 +18,7 @@ from areal_fn.layouts.layout_for import layout_for
 from areal_fn.model.spec import ModelSpec, model_from_hf_config
 from areal_fn.plans.convert import to_hf, to_megatron
 from areal_fn.plans.transfer import bucket, plan_transfers
-from areal_fn.plans.transfer_apply import apply_transfers
+from areal_fn.plans.transfer.apply import apply_transfers
 from areal_fn.runtime.hf.io import HfCheckpoint, write_hf_checkpoint
 from areal_fn.sharding.placement import Replicate
 from areal_fn.testing.layouts import inference_dims_for

@@ -22,13 +22,13 @@ from areal_fn.layouts.megatron import stages_for
 from areal_fn.model.spec import ModelSpec, model_from_hf_config
 from areal_fn.pipeline.partition import StagePlan
 from areal_fn.plans.census import CensusIndex, census_of, megatron_census
-from areal_fn.plans.checkpoint_read import plan_load
-from areal_fn.plans.checkpoint_write import plan_save
+from areal_fn.plans.checkpoint.read import plan_load
+from areal_fn.plans.checkpoint.write import plan_save
 from areal_fn.plans.convert import to_hf, to_megatron, to_megatron_into
 from areal_fn.plans.grad_norm import canonical_multiplicity, norm_weights
 from areal_fn.plans.memory import ActivationModel, estimate_memory
 from areal_fn.plans.transfer import plan_transfers
-from areal_fn.plans.transfer_apply import apply_transfers
+from areal_fn.plans.transfer.apply import apply_transfers
 from areal_fn.sharding.box import Box
 from areal_fn.strategy.rules import dims_problems
 from areal_fn.testing.layouts import inference_dims_for, megatron_layouts_for

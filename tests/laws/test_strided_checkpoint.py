@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from areal_fn.layouts.lift import apply_view
-from areal_fn.plans.checkpoint_read import plan_load
-from areal_fn.plans.checkpoint_write import plan_save
+from areal_fn.plans.checkpoint.read import plan_load
+from areal_fn.plans.checkpoint.write import plan_save
 from areal_fn.plans.convert import to_megatron
 from areal_fn.testing.layouts import megatron_layouts_for
 from areal_fn.testing.models import model_specs

@@ -28,8 +28,8 @@ from areal_fn.model.spec import ModelSpec, model_from_hf_config
 from areal_fn.model.tensor_spec import TensorSpec
 from areal_fn.plans.convert import to_megatron
 from areal_fn.plans.transfer import bucket, plan_rank_transfers, plan_transfers
-from areal_fn.plans.transfer_apply import apply_transfers
-from areal_fn.plans.transfer_bound import transfer_lower_bound
+from areal_fn.plans.transfer.apply import apply_transfers
+from areal_fn.plans.transfer.bound import transfer_lower_bound
 from areal_fn.sharding.box import Box
 from areal_fn.sharding.mesh import Mesh
 from areal_fn.sharding.placement import Replicate, Shard

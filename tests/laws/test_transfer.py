@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 from areal_fn.layouts.layout import Layout
 from areal_fn.model.tensor_spec import DTYPE_BYTES
 from areal_fn.plans.transfer import bucket, plan_transfers
-from areal_fn.plans.transfer_apply import apply_transfers
-from areal_fn.plans.transfer_bound import required_bytes, transfer_lower_bound, union_numel
+from areal_fn.plans.transfer.apply import apply_transfers
+from areal_fn.plans.transfer.bound import required_bytes, transfer_lower_bound, union_numel
 from areal_fn.sharding.box import Box
 from areal_fn.testing.layouts import layout_pairs
 

@@ -108,7 +108,7 @@ def test_tensors_sharing_geometry_are_planned_once_per_class(colocated):
     ``t4`` x 2: the number of planned classes does not grow with layers or experts (when
     ranks are disjoint), and the rank plans stay the rows of the full plan."""
     from areal_fn import ParallelDims, inference_layout, megatron_layout, model_from_hf_config
-    from areal_fn.plans.transfer_classes import Planner
+    from areal_fn.plans.transfer.classes import Planner
 
     counts = []
     for layers in (4, 16):

@@ -44,8 +44,8 @@ import torch.distributed as dist
 
 from areal_fn.layouts.layout import Layout
 from areal_fn.model.spec import ModelSpec
-from areal_fn.plans.checkpoint_manifest import OptimizerSpec, optimizer_spec
-from areal_fn.plans.checkpoint_write import Dedup
+from areal_fn.plans.checkpoint.manifest import OptimizerSpec, optimizer_spec
+from areal_fn.plans.checkpoint.write import Dedup
 from areal_fn.runtime.checkpoint.files import (
     LATEST,
     MANIFEST,

@@ -446,7 +446,7 @@ def _viewed(
     views: Mapping[str, LocalView], name: str, tensor: torch.Tensor, what: str
 ) -> torch.Tensor:
     """Local tensor ``name`` seen through its view in ``views``, if it has one (a layout
-    with strided pieces: :class:`~areal_fn.plans.checkpoint_write.WritePlan.views`)."""
+    with strided pieces: :class:`~areal_fn.plans.checkpoint.write.WritePlan.views`)."""
     return viewed(views, name, tensor, what, CheckpointError)
 
 

@@ -12,7 +12,7 @@ from areal_fn.plans.checkpoint import (
     CheckpointManifest,
     FileDigest,
 )
-from areal_fn.plans.checkpoint_keyed import check_keyed_digest
+from areal_fn.plans.checkpoint.keyed import check_keyed_digest
 from areal_fn.runtime.checkpoint.hashing import file_digest
 from areal_fn.runtime.checkpoint.metadata import METADATA, check_metadata_file
 from areal_fn.runtime.hf.files import HF_DIR

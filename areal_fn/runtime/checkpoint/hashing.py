@@ -20,7 +20,7 @@ from typing import BinaryIO
 
 import blake3
 
-from areal_fn.plans.checkpoint_storage import Checksum, FileDigest
+from areal_fn.plans.checkpoint.storage import Checksum, FileDigest
 
 #: the checksum a save writes
 SAVE_CHECKSUM: Checksum = "blake3"

@@ -18,7 +18,7 @@ from areal_fn.plans.checkpoint import (
     check_model,
     optim_key,
 )
-from areal_fn.plans.checkpoint_keyed import KEY_ENV, check_keyed_digest
+from areal_fn.plans.checkpoint.keyed import KEY_ENV, check_keyed_digest
 from areal_fn.runtime.checkpoint.dcp import _ChunkReader, _LoadPlanner, _read_into, _Reshaped
 from areal_fn.runtime.checkpoint.files import (
     _latest_name,

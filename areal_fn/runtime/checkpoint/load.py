@@ -25,16 +25,16 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from areal_fn.errors import CheckpointError, SpecError
 from areal_fn.layouts.layout import Layout
 from areal_fn.model.tensor_spec import dtype_name, torch_dtype
-from areal_fn.plans.checkpoint_keyed import check_keyed_digest
-from areal_fn.plans.checkpoint_manifest import (
+from areal_fn.plans.checkpoint.keyed import check_keyed_digest
+from areal_fn.plans.checkpoint.manifest import (
     CheckpointManifest,
     OptimizerSpec,
     check_model,
     check_optimizer,
     optim_key,
 )
-from areal_fn.plans.checkpoint_read import LoadPlan as PieceLoadPlan
-from areal_fn.plans.checkpoint_read import plan_load
+from areal_fn.plans.checkpoint.read import LoadPlan as PieceLoadPlan
+from areal_fn.plans.checkpoint.read import plan_load
 from areal_fn.runtime.checkpoint.dcp import (
     _ChunkReader,
     _from_bytes,

@@ -28,7 +28,7 @@ from pathlib import Path
 from areal_fn.errors import CheckpointError
 from areal_fn.model.lora import LoraConfig, lora_tensors
 from areal_fn.model.spec import ModelSpec, model_from_hf_config
-from areal_fn.plans.checkpoint_manifest import check_model
+from areal_fn.plans.checkpoint.manifest import check_model
 from areal_fn.plans.lora_export import ADAPTER_CONFIG, lora_config_from_peft, peft_adapter_config
 from areal_fn.runtime.checkpoint.inspect import CheckpointReader
 from areal_fn.runtime.hf.files import HfFiles, checkpoint_hf_files

@@ -37,8 +37,8 @@ from torch.distributed.checkpoint.metadata import (
 
 from areal_fn.errors import CheckpointError
 from areal_fn.model.tensor_spec import torch_dtype
-from areal_fn.plans.checkpoint_manifest import CheckpointManifest, SavedTensor, optim_key
-from areal_fn.plans.checkpoint_storage import StoredItem
+from areal_fn.plans.checkpoint.manifest import CheckpointManifest, SavedTensor, optim_key
+from areal_fn.plans.checkpoint.storage import StoredItem
 
 #: DCP's metadata file in a checkpoint directory
 METADATA = ".metadata"

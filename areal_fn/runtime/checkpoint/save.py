@@ -30,15 +30,15 @@ from areal_fn.errors import CheckpointError, SpecError
 from areal_fn.layouts.layout import Layout
 from areal_fn.model.spec import ModelSpec
 from areal_fn.model.tensor_spec import dtype_name
-from areal_fn.plans.checkpoint_keyed import check_key, with_keyed_digest
-from areal_fn.plans.checkpoint_manifest import (
+from areal_fn.plans.checkpoint.keyed import check_key, with_keyed_digest
+from areal_fn.plans.checkpoint.manifest import (
     CheckpointManifest,
     FileDigest,
     OptimizerSpec,
     make_manifest,
     optim_key,
 )
-from areal_fn.plans.checkpoint_write import Dedup, WritePlan, plan_save
+from areal_fn.plans.checkpoint.write import Dedup, WritePlan, plan_save
 from areal_fn.runtime.checkpoint.dcp import (
     _identity,
     _owned,

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from areal_fn.errors import CheckpointError, SpecError
 from areal_fn.layouts.layout import Layout
-from areal_fn.plans.checkpoint_manifest import CheckpointManifest, OptimizerSpec
+from areal_fn.plans.checkpoint.manifest import CheckpointManifest, OptimizerSpec
 from areal_fn.plans.tensor_check import check_local_tensors, listing
 
 _LR_KEY = "train/lr_scheduler"

@@ -37,7 +37,7 @@ from areal_fn.layouts.layout_for import layout_for
 from areal_fn.model.demo import DEMO_CONFIG
 from areal_fn.model.spec import model_from_hf_config
 from areal_fn.plans.transfer import bucket, plan_transfers
-from areal_fn.plans.transfer_bound import transfer_lower_bound
+from areal_fn.plans.transfer.bound import transfer_lower_bound
 from areal_fn.runtime.demo.packed_phase import stage_packed_cp, stage_packed_sp
 from areal_fn.runtime.engines.common import AdamWConfig, LRSchedule
 from areal_fn.runtime.engines.protocol import Engine

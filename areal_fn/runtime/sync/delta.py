@@ -42,7 +42,7 @@ import torch
 from areal_fn.errors import PlanError
 from areal_fn.plans.delta import Encoding, delta_changes, encode_changes, unit_of
 from areal_fn.plans.transfer import Transfer
-from areal_fn.plans.transfer_apply import copy_box, unpack_boxes
+from areal_fn.plans.transfer.apply import copy_box, unpack_boxes
 from areal_fn.runtime.sync.auth import TAG_BYTES, message_tag, payload_view, sign, verified
 from areal_fn.runtime.sync.group import SyncGroup, _fail, _td
 from areal_fn.runtime.sync.messages import (

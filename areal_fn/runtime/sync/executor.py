@@ -16,8 +16,8 @@ header and the boxes (:mod:`areal_fn.runtime.sync.messages`); large boxes travel
 straight from the sources and into the shadows, the rest through message buffers
 (kept by the group between syncs with ``keep_staging=True``). The receiver derives the same order and offsets from the same
 plan, and the header turns a disagreement into an error instead of wrong weights. Transfers a rank makes to
-itself are local copies (:func:`~areal_fn.plans.transfer_apply.copy_box`, as in the
-plan's reference semantics :func:`~areal_fn.plans.transfer_apply.apply_transfers`).
+itself are local copies (:func:`~areal_fn.plans.transfer.apply.copy_box`, as in the
+plan's reference semantics :func:`~areal_fn.plans.transfer.apply.apply_transfers`).
 
 **Progress and timeouts.** Every member publishes on the group's store which bucket
 it has started; a rank posts a bucket's operations only once its peers in that
@@ -57,7 +57,7 @@ import torch
 
 from areal_fn.errors import PlanError
 from areal_fn.plans.transfer import BucketPlan, Transfer
-from areal_fn.plans.transfer_apply import copy_box, with_views
+from areal_fn.plans.transfer.apply import copy_box, with_views
 from areal_fn.runtime.sync.delta import (
     DeltaStaged,
     DeltaState,

@@ -3,8 +3,8 @@
 **Wire format.** Per bucket, everything a rank sends one peer, in plan order, is one
 message: an 80-byte header (magic, version, bucket index, payload size, a digest of
 the transfers, a digest of their dtypes, then a 32-byte MAC) followed by each
-transfer's box, 8-byte aligned (:func:`~areal_fn.plans.transfer_apply.pack_boxes`; the
-receiver unpacks with :func:`~areal_fn.plans.transfer_apply.unpack_boxes`). The
+transfer's box, 8-byte aligned (:func:`~areal_fn.plans.transfer.apply.pack_boxes`; the
+receiver unpacks with :func:`~areal_fn.plans.transfer.apply.unpack_boxes`). The
 receiver derives the same order and offsets from the same plan, so no other metadata
 travels; the header turns a disagreement (another version, another plan, other
 dtypes) into an error instead of wrong weights.
@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from areal_fn.plans.transfer import Transfer
-from areal_fn.plans.transfer_apply import pack_boxes, unpack_boxes
+from areal_fn.plans.transfer.apply import pack_boxes, unpack_boxes
 from areal_fn.runtime.sync.auth import TAG_BYTES, message_tag, payload_view
 from areal_fn.runtime.sync.group import SyncError, SyncGroup, _fail, _td
 from areal_fn.runtime.sync.staging import _buffers

@@ -17,7 +17,7 @@ from areal_fn.layouts.layout import Layout
 from areal_fn.layouts.vllm import VLLM_FAMILIES, vllm_layout
 from areal_fn.model.spec import ModelSpec
 from areal_fn.plans.transfer import plan_rank_transfers
-from areal_fn.plans.transfer_bound import transfer_lower_bound
+from areal_fn.plans.transfer.bound import transfer_lower_bound
 from areal_fn.strategy.allocation import ParallelDims
 
 __all__ = ["Targets", "default_mode", "modes", "target_layout"]

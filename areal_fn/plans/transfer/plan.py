@@ -5,7 +5,7 @@ destination layout's pieces with the source layout's pieces. Every destination
 element of every non-padding piece is received exactly once; a destination rank that
 already holds an element as a source (colocated layouts) copies it locally; otherwise
 the replicas holding it take turns, by a rule local to each destination piece
-(:mod:`areal_fn.plans.transfer_classes`). The result is data: readable, diffable, and
+(:mod:`areal_fn.plans.transfer.classes`). The result is data: readable, diffable, and
 identical on every rank that computes it. ``plan_rank_transfers(src, dst, rank, ...)``
 computes one rank's rows of the same plan alone, and :func:`bucket` cuts either into
 the same buckets.
@@ -18,9 +18,9 @@ import attrs
 from areal_fn.errors import LayoutError, PlanError
 from areal_fn.layouts.layout import Layout
 from areal_fn.layouts.lift import LiftedLayout, LocalView, lift_layouts
-from areal_fn.plans.transfer_classes import Planner, no_gc
-from areal_fn.plans.transfer_records import Transfer as Transfer
-from areal_fn.plans.transfer_records import check_ranks as check_ranks
+from areal_fn.plans.transfer.classes import Planner, no_gc
+from areal_fn.plans.transfer.records import Transfer as Transfer
+from areal_fn.plans.transfer.records import check_ranks as check_ranks
 from areal_fn.sharding.box import Box
 from areal_fn.typecheck import beartype
 
@@ -36,7 +36,7 @@ class TransferPlan:
     is made in the lifted basis (:mod:`areal_fn.layouts.lift`): ``lifted`` gives the
     step per dim of each canonical tensor whose boxes are lifted, and ``src_views`` /
     ``dst_views`` the view of each local tensor the rows' boxes index (the executor and
-    :func:`~areal_fn.plans.transfer_apply.apply_transfers` apply them). All three are
+    :func:`~areal_fn.plans.transfer.apply.apply_transfers` apply them). All three are
     empty otherwise.
     """
 
@@ -117,7 +117,7 @@ def plan_transfers(
     ``src_ranks[i]`` / ``dst_ranks[i]`` are the global ranks of layout rank ``i``
     (default: ``range(world)`` for both, i.e. colocated). Raises ``PlanError`` when a
     destination needs canonical data the source does not hold, or shapes disagree.
-    Sources are chosen per destination piece (:mod:`areal_fn.plans.transfer_classes`),
+    Sources are chosen per destination piece (:mod:`areal_fn.plans.transfer.classes`),
     so :func:`plan_rank_transfers` gives any one rank's rows of this plan alone.
     """
     lifted_src, lifted_dst = lifted_pair(src, dst)
