@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 import attrs
 
 from areal_fn.errors import SpecError
+from areal_fn.model import linear_attention as lin
 from areal_fn.model.embedded import resolve_config
 from areal_fn.model.families import FAMILIES, Family, family
 from areal_fn.model.families.mapping import CONDITIONS, Dim, layer_tensors
@@ -127,7 +128,8 @@ class ModelSpec:
     others (:mod:`areal_fn.model.mtp`; 0 unless read with ``mtp=True``). Gemma 3:
     ``rope_local_theta`` the sliding layers' rope base (``None`` elsewhere: one base),
     ``query_pre_attn_scalar`` the attention scale's ``d`` in ``d ** -0.5`` (0 elsewhere:
-    ``head_dim``).
+    ``head_dim``). Qwen3-Next, Qwen3.5: ``linear_attention`` and ``shared_expert_size``
+    (:mod:`areal_fn.model.linear_attention`; ``None`` and 0 elsewhere).
     """
 
     model_type: str = attrs.field(validator=_check_model_type)
@@ -174,6 +176,8 @@ class ModelSpec:
     mtp_layers: int = attrs.field(default=0, validator=_nonneg)
     rope_local_theta: float | None = attrs.field(default=None, converter=_optional_float)
     query_pre_attn_scalar: int = attrs.field(default=0, validator=_nonneg)
+    linear_attention: lin.LinearAttention | None = attrs.field(default=None, validator=lin.check)
+    shared_expert_size: int = attrs.field(default=0, validator=_nonneg)
 
     def __attrs_post_init__(self) -> None:
         check_model(self)
@@ -365,7 +369,7 @@ class ModelSpec:
             cfg["sliding_window"] = None
         if fam.clamped_swiglu:
             cfg["swiglu_alpha"], cfg["swiglu_limit"] = self.swiglu_alpha, self.swiglu_limit
-        cfg = layer_type_config(self, cfg)
+        cfg = lin.linear_config(self, layer_type_config(self, cfg))
         if fam.mtp:
             cfg[MTP_KEY] = self.mtp_layers
         return dict(sorted(cfg.items()))
@@ -417,6 +421,7 @@ def dim_sizes(spec: ModelSpec) -> dict[Dim, int]:
         Dim.KV_A_OUT: spec.kv_lora_rank + spec.qk_rope_head_dim,
         Dim.KV_B_OUT: spec.num_attention_heads * (spec.qk_nope_head_dim + spec.v_head_dim),
         Dim.V_OUT: spec.num_attention_heads * spec.v_head_dim,
+        **lin.linear_sizes(spec),
     }
 
 
@@ -443,6 +448,7 @@ def _canonical_shapes(spec: ModelSpec) -> list[tuple[str, tuple[int, ...], str |
             flags=flags,
             sizes=sizes,
             num_experts=spec.num_experts,
+            linear=lin.is_linear_layer(spec, i),
         )
     out.append(("model.norm.weight", (hid,), None))
     if not spec.tie_word_embeddings:

@@ -35,6 +35,8 @@ _ST_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 def _build(cfg: dict[str, object], *, meta: bool = False) -> Any:
     spec = model_from_hf_config(cfg)  # its model_type: Kimi-K2's kimi_k2 is deepseek_v3
+    if isinstance(cfg.get("text_config"), dict):  # Qwen3.5: the text model of a VLM config
+        cfg = cfg["text_config"]
     rest = {k: v for k, v in cfg.items() if k not in ("model_type", "quantization_config")}
     config = transformers.AutoConfig.for_model(spec.model_type, **rest)
     dtype = torch_dtype(spec.dtype)

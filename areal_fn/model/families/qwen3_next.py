@@ -1,0 +1,176 @@
+"""Qwen3-Next (``qwen3_next``: Qwen3-Next-80B-A3B): three gated-delta-net linear-attention
+layers to one gated full-attention layer, every layer with routed experts and a gated
+shared expert; (1 + w) RMSNorms; rope on a quarter of each head.
+
+A layer is linear attention or full attention as ``layer_types`` says (default: every
+``full_attention_interval``-th layer, 4, is full; :mod:`areal_fn.model.linear_attention`).
+A full-attention layer is Qwen3's (per-head q/k norms) with ``q_proj`` twice as wide:
+per head ``[q_h; gate_h]``, the attention output multiplied by ``sigmoid(gate)``. A
+linear-attention layer holds ``linear_attn.{dt_bias, A_log}``, ``conv1d.weight``
+``[2*key_dim + value_dim, 1, conv_kernel]``, ``in_proj_qkvz`` (per key-head group ``g``:
+``[q_g; k_g; v_g; z_g]``), ``in_proj_ba`` (per group ``[b_g; a_g]``), ``norm`` (a gated
+RMSNorm of ``value_head_dim``) and ``out_proj``. The MoE block: router ``mlp.gate``,
+experts ``mlp.experts.{e}.{gate,up,down}_proj`` (softmax top-k, ``norm_topk_prob``), a
+shared SwiGLU expert ``mlp.shared_expert`` of ``shared_expert_intermediate_size`` scaled
+by ``sigmoid(mlp.shared_expert_gate(x))``. Layers in ``mlp_only_layers`` (or off the
+``decoder_sparse_step``) have a dense MLP of ``intermediate_size``. The published
+checkpoint's ``mtp.*`` tensors are not part of the model transformers builds.
+
+Where it runs: specs, FSDP2 layouts (data parallel), inference layouts, weight sync,
+checkpoints and HF export. Refused, with the reason: Megatron layouts, the FSDP2
+engine under ``tp > 1``, and splitting or packing sequences (Ulysses, CP, packed rows).
+"""
+
+from areal_fn.model.families import SOFTMAX_ROUTING, STACKED_SWIGLU_EXPERTS, Family
+from areal_fn.model.families.mapping import (
+    GQA_ATTENTION_HF,
+    LAYER_NORMS_HF,
+    ROUTED_EXPERTS_HF,
+    SWIGLU_MLP_HF,
+    Dim,
+    HfTensor,
+    LayerKind,
+)
+from areal_fn.model.families.mixer import Mixer
+
+_FULL, _LINEAR = Mixer.ATTENTION, Mixer.LINEAR
+
+#: Gated full attention: Qwen3's attention whose q_proj also gives the output gate.
+GATED_ATTENTION_HF: tuple[HfTensor, ...] = tuple(
+    HfTensor(name=r.name, shape=(Dim.GATED_Q_OUT, Dim.HIDDEN), mixer=_FULL)
+    if r.name == "self_attn.q_proj.weight"
+    else HfTensor(name=r.name, shape=r.shape, when=r.when, mixer=_FULL)
+    for r in GQA_ATTENTION_HF
+    if r.when != "qkv_bias" and r.when != "o_bias"
+)
+
+
+def linear_params_hf() -> tuple[HfTensor, ...]:
+    """The per-value-head parameters and the conv, first in a linear-attention layer."""
+    return (
+        HfTensor(name="linear_attn.dt_bias", shape=(Dim.LIN_V_HEADS,), mixer=_LINEAR),
+        HfTensor(name="linear_attn.A_log", shape=(Dim.LIN_V_HEADS,), mixer=_LINEAR),
+        HfTensor(
+            name="linear_attn.conv1d.weight",
+            shape=(Dim.LIN_QKV, Dim.ONE, Dim.LIN_CONV),
+            mixer=_LINEAR,
+        ),
+    )
+
+
+#: The gated RMSNorm and the output projection of a linear-attention layer.
+LINEAR_TAIL_HF: tuple[HfTensor, ...] = (
+    HfTensor(name="linear_attn.norm.weight", shape=(Dim.LIN_V_HEAD_DIM,), mixer=_LINEAR),
+    HfTensor(name="linear_attn.out_proj.weight", shape=(Dim.HIDDEN, Dim.LIN_V), mixer=_LINEAR),
+)
+
+#: Qwen3-Next's gated delta net: fused per-group projections ``in_proj_qkvz``, ``in_proj_ba``.
+FUSED_GATED_DELTA_NET_HF: tuple[HfTensor, ...] = (
+    *linear_params_hf(),
+    HfTensor(
+        name="linear_attn.in_proj_qkvz.weight", shape=(Dim.LIN_QKVZ, Dim.HIDDEN), mixer=_LINEAR
+    ),
+    HfTensor(name="linear_attn.in_proj_ba.weight", shape=(Dim.LIN_BA, Dim.HIDDEN), mixer=_LINEAR),
+    *LINEAR_TAIL_HF,
+)
+
+#: The router first, routed experts, then the gated shared expert (Qwen2-MoE's block).
+GATED_SHARED_MOE_HF: tuple[HfTensor, ...] = (
+    *(r for r in ROUTED_EXPERTS_HF if r.name == "mlp.gate.weight"),
+    *(r for r in ROUTED_EXPERTS_HF if r.expert),
+    *(
+        HfTensor(name=f"mlp.shared_expert.{n}.weight", shape=s, layers=LayerKind.MOE)
+        for n, s in (
+            ("gate_proj", (Dim.SHARED_EXPERT, Dim.HIDDEN)),
+            ("up_proj", (Dim.SHARED_EXPERT, Dim.HIDDEN)),
+            ("down_proj", (Dim.HIDDEN, Dim.SHARED_EXPERT)),
+        )
+    ),
+    HfTensor(
+        name="mlp.shared_expert_gate.weight", shape=(Dim.ONE, Dim.HIDDEN), layers=LayerKind.MOE
+    ),
+)
+
+#: Why Megatron layouts are refused (shared by the Qwen3.5 families).
+MEGATRON_REFUSAL = (
+    "Megatron-Core 0.16's GPTModel cannot express {mt}: its layers are all one kind of "
+    "attention, with no gated-delta-net linear-attention layers (Megatron-Core has them only "
+    "in its hybrid Mamba model, outside our conversion), no sigmoid gate on the attention "
+    "output and no (1 + w) RMSNorm on CPU; use the fsdp backend"
+)
+
+#: Why the FSDP2 engine refuses ``tp > 1`` (shared by the Qwen3.5 families).
+TP_REFUSAL = (
+    "{mt}'s linear-attention layers split their fused projections and conv by key-head "
+    "group, which transformers' module does not do under TP (it reshapes by the model's "
+    "global head counts)"
+)
+
+#: Why Ulysses, context parallelism and packed rows are refused (shared by Qwen3.5).
+SEQUENCE_REFUSAL = (
+    "{mt}'s linear-attention layers carry a recurrent state along the sequence: Ulysses "
+    "and context parallelism would run it over part of a sequence, and transformers' "
+    "torch delta rule and conv do not reset the state at packed-sequence boundaries "
+    "(position_ids); train one sequence per row with c=1"
+)
+
+#: The defaults the Qwen3-Next and Qwen3.5 config classes share.
+LINEAR_DEFAULTS: tuple[tuple[str, object], ...] = (
+    ("num_key_value_heads", 2),
+    ("head_dim", 256),
+    ("tie_word_embeddings", False),
+    ("attention_bias", False),
+    ("rms_norm_eps", 1e-6),
+    ("rope_theta", 10000.0),
+    ("max_position_embeddings", 32768),
+    ("partial_rotary_factor", 0.25),
+    ("full_attention_interval", 4),
+    ("linear_conv_kernel_dim", 4),
+    ("linear_key_head_dim", 128),
+    ("linear_value_head_dim", 128),
+    ("linear_num_key_heads", 16),
+    ("linear_num_value_heads", 32),
+)
+
+
+FAMILY = Family(
+    model_type="qwen3_next",
+    architecture="Qwen3NextForCausalLM",
+    canonical=(
+        *GATED_ATTENTION_HF,
+        *FUSED_GATED_DELTA_NET_HF,
+        *SWIGLU_MLP_HF,
+        *GATED_SHARED_MOE_HF,
+        *LAYER_NORMS_HF,
+    ),
+    megatron=(),
+    required=("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"),
+    defaults=(
+        *LINEAR_DEFAULTS,
+        ("intermediate_size", 5632),
+        ("decoder_sparse_step", 1),
+        ("mlp_only_layers", ()),
+        ("norm_topk_prob", True),
+        ("num_experts", 512),
+        ("num_experts_per_tok", 10),
+        ("moe_intermediate_size", 512),
+        ("shared_expert_intermediate_size", 512),
+    ),
+    bias_flags=(),
+    fixed=(
+        ("qkv_bias", False),
+        ("o_bias", False),
+        ("mlp_bias", False),
+        ("qk_norm", True),
+        *SOFTMAX_ROUTING,
+    ),
+    moe=True,
+    fused_experts=STACKED_SWIGLU_EXPERTS,
+    partial_rotary=True,
+    linear_attention=True,
+    must_be=(("attention_bias", False),),
+    foreign_keys=(("num_local_experts", "num_experts"),),
+    megatron_refusal=MEGATRON_REFUSAL.format(mt="qwen3_next"),
+    fsdp2_tp_refusal=TP_REFUSAL.format(mt="qwen3_next"),
+    sequence_refusal=SEQUENCE_REFUSAL.format(mt="qwen3_next"),
+)

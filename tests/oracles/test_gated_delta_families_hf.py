@@ -1,0 +1,188 @@
+"""Oracle: the gated-delta-net families (Qwen3-Next, Qwen3.5 dense and MoE) against the
+models transformers builds and the files its ``save_pretrained`` writes.
+
+Facts pinned here (transformers 5): a ``linear_attention`` layer holds ``linear_attn``
+(``dt_bias``, ``A_log``, ``conv1d``, Qwen3-Next's fused ``in_proj_qkvz``/``in_proj_ba``
+or Qwen3.5's ``in_proj_qkv``/``_z``/``_b``/``_a``, ``norm``, ``out_proj``) and no
+``self_attn``; a ``full_attention`` layer's ``q_proj`` is ``2 * heads * head_dim`` wide;
+the MoE block is router, experts, ``shared_expert``, ``shared_expert_gate``;
+``save_pretrained`` writes experts one tensor per expert; a published Qwen3.5 config's
+``text_config`` builds the text model.
+"""
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from areal_fn.errors import SpecError, UnsupportedConfigError
+from areal_fn.model.linear_attention import is_linear_layer
+from areal_fn.model.spec import model_from_hf_config
+from areal_fn.testing.models import hf_configs
+from tests.oracles.test_model_specs_hf import _build, _check_model
+
+pytest.importorskip("transformers")
+
+SPECS = Path(__file__).resolve().parents[2] / "specs" / "models"
+_LINEAR = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+
+
+def _cfg(model_type: str, **kw: object) -> dict[str, object]:
+    base: dict[str, object] = {
+        "model_type": model_type,
+        "hidden_size": 16,
+        "intermediate_size": 24,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "vocab_size": 40,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 4,
+        "linear_value_head_dim": 6,
+        "linear_conv_kernel_dim": 3,
+        "torch_dtype": "float32",
+    }
+    base.update(kw)
+    return {k: v for k, v in base.items() if v is not None}
+
+
+_MOE = {
+    "num_experts": 3,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 8,
+    "shared_expert_intermediate_size": 10,
+}
+
+CASES = {
+    "qwen3_next": _cfg("qwen3_next", **_MOE),
+    "qwen3_next-sparse2-mlp-only-layer-types-bf16": _cfg(
+        "qwen3_next",
+        num_hidden_layers=5,
+        decoder_sparse_step=2,
+        mlp_only_layers=[3],
+        norm_topk_prob=False,
+        layer_types=["full_attention", "linear_attention", "linear_attention"]
+        + ["full_attention"] * 2,
+        tie_word_embeddings=True,
+        torch_dtype="bfloat16",
+        **_MOE,
+    ),
+    "qwen3_5_text": _cfg("qwen3_5_text", full_attention_interval=2),
+    "qwen3_5_text-tied-half-rotary": _cfg(
+        "qwen3_5_text", partial_rotary_factor=0.5, tie_word_embeddings=True, linear_num_key_heads=1
+    ),
+    "qwen3_5_moe_text": _cfg("qwen3_5_moe_text", intermediate_size=None, **_MOE),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_spec_matches_transformers_and_save_pretrained(name: str, tmp_path: Path) -> None:
+    _check_model(CASES[name], tmp_path)
+
+
+def _kinds(model: Any) -> tuple[tuple[bool, bool], ...]:
+    """Per layer: (linear attention, routed experts), as transformers built them."""
+    return tuple(
+        (
+            hasattr(layer, "linear_attn") and not hasattr(layer, "self_attn"),
+            type(layer.mlp).__name__.endswith("SparseMoeBlock"),
+        )
+        for layer in model.model.layers
+    )
+
+
+@settings(max_examples=15, deadline=None)
+@given(cfg=st.sampled_from(_LINEAR).flatmap(lambda f: hf_configs(f, max_layers=5)))
+def test_layer_kinds_and_hf_config_match_transformers(cfg: dict[str, object]) -> None:
+    """Which layers are linear attention and which have experts, in the model transformers
+    builds from the config and from ``hf_config()``; the rotated dims of each head."""
+    spec = model_from_hf_config(cfg)
+    want = tuple((is_linear_layer(spec, i), spec.moe_layers[i]) for i in range(spec.num_layers))
+    for built in (_build(cfg, meta=True), _build(spec.hf_config(), meta=True)):
+        assert _kinds(built) == want
+        rotated = built.model.rotary_emb.inv_freq.numel() * 2
+        assert rotated == int(spec.head_dim * spec.rotary_fraction)
+
+
+@pytest.mark.parametrize("name", ["Qwen3.5-27B", "Qwen3.5-35B-A3B"])
+def test_published_qwen3_5_reads_its_text_config(name: str) -> None:
+    """The published multimodal config is read as its text model: the spec equals the
+    one read from ``text_config`` alone, and the multimodal rope keys are dropped."""
+    import json
+
+    cfg = json.loads((SPECS / f"{name}.json").read_text())
+    spec = model_from_hf_config(cfg)
+    assert spec == model_from_hf_config(cfg["text_config"])
+    assert spec.model_type == cfg["text_config"]["model_type"]
+    assert spec.rope_scaling == () and spec.rotary_fraction == 0.25
+    assert model_from_hf_config(spec.hf_config()) == spec
+
+
+@pytest.mark.parametrize(
+    ("cfg", "err", "match"),
+    [
+        (
+            _cfg("qwen3_5_text", layer_types=["linear_attention", "sliding_attention"] * 2),
+            UnsupportedConfigError,
+            r"qwen3_5_text config has layer_types\[1\]='sliding_attention'; the qwen3_5_text "
+            r"family models \['full_attention', 'linear_attention'\] layers only",
+        ),
+        (
+            _cfg("qwen3_5_text", layer_types=["full_attention"] * 4, full_attention_interval=4),
+            SpecError,
+            r"qwen3_5_text config gives layer_types and full_attention_interval=4, which disagree",
+        ),
+        (
+            _cfg("qwen3_5_text", linear_num_value_heads=3),
+            SpecError,
+            r"value_heads=3 is not a multiple of key_heads=2",
+        ),
+        (
+            _cfg("qwen3_5_moe_text", **_MOE),
+            UnsupportedConfigError,
+            r"qwen3_5_moe_text config sets intermediate_size=24, which transformers' "
+            r"qwen3_5_moe_text config class does not have",
+        ),
+        (
+            _cfg("qwen3_next", num_local_experts=3, **{**_MOE, "num_experts": None}),
+            UnsupportedConfigError,
+            r"qwen3_next config sets num_local_experts=3",
+        ),
+        (
+            {"model_type": "qwen3_5", "text_config": {"model_type": "qwen3_5_moe_text"}},
+            SpecError,
+            r"model_type='qwen3_5', a multimodal model whose text model is read from "
+            r"text_config \(model_type 'qwen3_5_text'\)",
+        ),
+        (
+            {
+                "model_type": "qwen3_5",
+                "tie_word_embeddings": True,
+                "text_config": _cfg("qwen3_5_text", tie_word_embeddings=False),
+            },
+            SpecError,
+            r"tie_word_embeddings=True and text_config.tie_word_embeddings=False; they must agree",
+        ),
+    ],
+)
+def test_refusals(cfg: dict[str, object], err: type[Exception], match: str) -> None:
+    with pytest.raises(err, match=match):
+        model_from_hf_config(cfg)
+
+
+def test_gated_attention_and_delta_rule_run_on_cpu() -> None:
+    """A forward and backward of each tiny model runs on CPU (transformers' torch delta
+    rule), so the engines can train these families here."""
+    for name in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"):
+        model = _build(CASES[name])
+        ids = torch.arange(12).reshape(2, 6) % 40
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        assert torch.isfinite(loss)
+        grads = [p.grad for n, p in model.named_parameters() if "linear_attn" in n]
+        assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
