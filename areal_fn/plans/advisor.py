@@ -128,6 +128,7 @@ from areal_fn.plans.memory import (
     estimate_memory,
     estimate_rows,
 )
+from areal_fn.plans.precision import engine_policy
 from areal_fn.strategy.allocation import Backend, Component, ParallelDims, divisors
 from areal_fn.strategy.rules import dims_problems
 from areal_fn.typecheck import beartype
@@ -343,8 +344,11 @@ def suggest_strategy(
     ``device_memory_bytes`` each, best first (see the module docstring for the search,
     the fit rule and the score).
 
-    ``global_batch_size``: sequences per optimizer step (sets the micro-batches per
-    replica, hence the bubble and the per-step communication). ``memory_margin``: the
+    ``policy``: counted for each backend as its engine runs it
+    (:func:`~areal_fn.plans.precision.engine_policy`: FSDP2 runs fp16 parameters with
+    masters as fp32 parameters without one). ``global_batch_size``: sequences per
+    optimizer step (sets the micro-batches per replica, hence the bubble and the per-step
+    communication). ``memory_margin``: the
     fraction of device memory kept free for what the estimate leaves out (CUDA context,
     communication buffers, allocator fragmentation). ``optimizer_offload``: the
     optimizer's master copy and states live in host memory (not counted on the device;
@@ -383,10 +387,12 @@ def _screened(
     (with their score), the count tried per backend, the labels the checks rejected,
     and the smallest screened peak with its label."""
     skipped: list[str] = []
+    policy = w.policy
     fitting: list[_Candidate] = []
     tried: dict[Backend, int] = {}
     smallest: tuple[int, str] | None = None
     for backend in chosen:
+        w = attrs.evolve(w, policy=engine_policy(policy, backend))  # what its engine runs
         gen = _fsdp_dims(w, skipped) if backend is Backend.FSDP else _megatron_dims(w, skipped)
         for dims in gen:
             label = str(Component(backend=backend, dims=dims))
@@ -420,6 +426,7 @@ def _screened(
 
 def _report(w: _Workload, c: _Candidate) -> MemoryReport:
     """The full per-rank report of a candidate (LoRA's when it has adapters)."""
+    w = attrs.evolve(w, policy=engine_policy(w.policy, c.backend))
     if c.adapters is not None:
         return estimate_lora_memory(
             c.census,

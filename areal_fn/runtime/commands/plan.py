@@ -21,7 +21,8 @@ from areal_fn.model.tensor_spec import DTYPE_BYTES
 from areal_fn.plans.activations import ActivationModel
 from areal_fn.plans.census import CensusIndex, census_of
 from areal_fn.plans.kv_cache import KVCache, kv_cache
-from areal_fn.plans.memory import MemoryReport, PrecisionPolicy, estimate_memory
+from areal_fn.plans.memory import MemoryReport, estimate_memory
+from areal_fn.plans.precision import engine_policy, named_policy, policy_json, policy_line
 from areal_fn.runtime.commands.output import emit_json, human, parse_size
 from areal_fn.runtime.commands.plan_flags import check_plan_ranks
 from areal_fn.runtime.commands.suggest import (
@@ -82,7 +83,7 @@ def _training_memory(
     from areal_fn.layouts.lora import adapter_layout
     from areal_fn.plans.lora_memory import estimate_lora_memory
 
-    policy = PrecisionPolicy.bf16_mixed()
+    policy = engine_policy(named_policy(args.precision), comp.backend)
     kw: dict[str, Any] = {}
     if args.seq_len is not None:
         act = ActivationModel(
@@ -291,7 +292,10 @@ def _component_json(
         "memory": None
         if facts.report is None
         else _memory_json(facts.report, facts.first)
-        | {"lora": lora_json(model, lora_of(model, args))},
+        | {
+            "lora": lora_json(model, lora_of(model, args)),
+            "precision": {"name": args.precision} | policy_json(facts.report.policy),
+        },
         "weights": None if facts.kv is None else list(facts.rows),
         "kv_cache": None if facts.kv is None else _kv_json(facts.kv),
         "fit": None if device is None else _fit_json(facts, device, args),
@@ -379,6 +383,17 @@ def _print_component(
         console.print(note, markup=False, highlight=False)
     if facts.report is not None:
         console.print(facts.report.table(first_rank=facts.first))  # global ranks
+        mapped = facts.report.policy != named_policy(args.precision)
+        console.print(
+            f"precision (--precision {args.precision}): {policy_line(facts.report.policy)}"
+            + (
+                "; FSDP2 runs fp16 with fp32 sharded parameters (the optimizer's weights)"
+                if mapped
+                else ""
+            ),
+            markup=False,
+            highlight=False,
+        )
         if (lora := lora_of(model, args)) is not None:
             console.print(lora_line(model, lora), markup=False, highlight=False)
     else:
@@ -412,6 +427,11 @@ def _check_inference_flags(alloc: Allocation, args: argparse.Namespace) -> None:
             raise SpecError(
                 f"--lora-rank counts the LoRA training of a training component (fsdp, "
                 f"megatron); {alloc} has none: drop --lora-rank"
+            )
+        if "precision" in args.given:
+            raise SpecError(
+                f"--precision sets the policy of the training components (fsdp, megatron); "
+                f"{alloc} has none: drop --precision (inference weights keep the config's dtype)"
             )
         given = [f for d, f in (("micro_batch", "--micro-batch"),) if d in args.given]
         given += ["--seq-len"] if args.seq_len is not None else []

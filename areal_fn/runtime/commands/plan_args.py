@@ -3,6 +3,7 @@
 import argparse
 from collections.abc import Callable
 
+from areal_fn.plans.precision import PRECISIONS
 from areal_fn.runtime.commands.plan_flags import MAX_PLAN_RANKS
 
 __all__ = ["add_plan_parser"]
@@ -68,6 +69,15 @@ def add_plan_parser(
         help="count LoRA training of rank R in the training memory: the base frozen (its "
         "weights only), adapters on every attention projection and, in dense families, "
         "gate/up/down_proj trained; with an ALLOCATION it needs a training component",
+    )
+    plan.add_argument(
+        "--precision",
+        choices=tuple(PRECISIONS),
+        default=None,
+        help="the training precision counted and printed (bf16): bf16 or fp16 parameters and "
+        "compute with fp32 gradients, master weights and Adam states (fp16 with a dynamic "
+        "loss scale; fsdp components keep fp32 sharded parameters, the optimizer's weights, "
+        "and no master copy), or fp32 throughout; needs a training component",
     )
     _add_suggest_arguments(plan)
     plan.set_defaults(func=handler)

@@ -34,6 +34,7 @@ DEFAULTS: dict[str, tuple[str, object]] = {
     "adam_dtype": ("--adam-dtype", "fp32"),
     "ep_dispatch": ("--ep-dispatch", "alltoall"),
     "memory_margin": ("--memory-margin", 0.1),
+    "precision": ("--precision", "bf16"),
 }
 
 #: Flags only ``--suggest`` uses.

@@ -19,6 +19,7 @@ from areal_fn.model.spec import ModelSpec
 from areal_fn.plans.advisor import Hardware, Suggestion, suggest_strategy
 from areal_fn.plans.advisor_score import EP_DISPATCHES
 from areal_fn.plans.memory import ActivationModel, PrecisionPolicy
+from areal_fn.plans.precision import named_policy, policy_json
 from areal_fn.runtime.commands.output import emit_json, human, parse_size
 
 __all__ = [
@@ -100,18 +101,28 @@ def _dtype(flag: str, value: str, *, none: bool = False) -> str | None:
 
 
 def policy_of(args: argparse.Namespace) -> PrecisionPolicy:
-    """The precision policy of ``--grad-dtype``, ``--master-dtype`` and ``--adam-dtype``
-    (bf16 parameters and compute, Adam)."""
+    """The precision policy of ``--precision`` (its parameter and compute dtypes, its loss
+    scale; Adam) with ``--grad-dtype``, ``--master-dtype`` and ``--adam-dtype``; the
+    master copy is ``--precision``'s own (none under fp32) unless ``--master-dtype`` is
+    given."""
+    base = named_policy(args.precision)
     grad = _dtype("--grad-dtype", args.grad_dtype)
     master = _dtype("--master-dtype", args.master_dtype, none=True)
+    if "master_dtype" not in getattr(args, "given", ()):
+        master = base.master_dtype if base.master_weights else None
     state = _dtype("--adam-dtype", args.adam_dtype)
     return attrs.evolve(
-        PrecisionPolicy.bf16_mixed(),
+        base,
         grad_dtype=grad,
         master_weights=master is not None,
         master_dtype=master or "float32",
         state_dtype=state,
     )
+
+
+def _short(dtype: str | None) -> str:
+    """``float32`` -> ``fp32`` (the dtype flags' spelling); ``None`` -> ``none``."""
+    return next((k for k, v in DTYPES.items() if v == dtype), "none")
 
 
 def lora_of(model: ModelSpec, args: argparse.Namespace) -> LoraConfig | None:
@@ -183,6 +194,7 @@ def _assumptions(args: argparse.Namespace, device_bytes: int) -> dict[str, Any]:
             f"use one of {', '.join(EP_DISPATCHES)}"
         )
     margin_bytes = device_bytes - usable_bytes(device_bytes, margin)
+    policy = policy_of(args)
     return {
         "seq_len": seq_len_of(args),
         "micro_batch": args.micro_batch,
@@ -190,9 +202,11 @@ def _assumptions(args: argparse.Namespace, device_bytes: int) -> dict[str, Any]:
         "recompute": args.recompute,
         "gpus_per_node": args.gpus_per_node,
         "optimizer_offload": args.optimizer_offload,
-        "policy": str(policy_of(args)),
+        "policy": str(policy),
+        "precision": args.precision,
+        "precision_policy": policy_json(policy),
         "grad_dtype": args.grad_dtype,
-        "master_dtype": args.master_dtype,
+        "master_dtype": _short(policy.master_dtype if policy.master_weights else None),
         "adam_dtype": args.adam_dtype,
         "ep_dispatch": args.ep_dispatch,
         "memory_margin": margin,
@@ -221,14 +235,21 @@ def _assumption_lines(a: dict[str, Any], device_bytes: int) -> list[str]:
         f"  recompute {on[a['recompute']]} (--recompute / --no-recompute), "
         f"{a['gpus_per_node']} GPUs per node (--gpus-per-node), optimizer state {offload} "
         f"(--optimizer-offload)",
-        f"  precision: {a['policy']} (--grad-dtype {a['grad_dtype']}, --master-dtype "
-        f"{a['master_dtype']}, --adam-dtype {a['adam_dtype']})",
+        f"  precision {a['precision']} (--precision): {a['policy']} (--grad-dtype "
+        f"{a['grad_dtype']}, --master-dtype {a['master_dtype']}, --adam-dtype {a['adam_dtype']})"
+        + ("; fsdp counts fp32 sharded parameters, no master copy" if _fp16_masters(a) else ""),
         f"  EP all-to-all: {_DISPATCH_WORDS[a['ep_dispatch']]} (--ep-dispatch {a['ep_dispatch']})",
         f"  margin: {a['memory_margin']:.0%} of {device_bytes:,} bytes ({human(a['margin_bytes'])})"
         f" kept free for what the estimate leaves out ({', '.join(a['left_out'])}); a "
         f"strategy fits when its estimate is at most {a['usable_bytes']:,} bytes "
         f"({human(a['usable_bytes'])}) (--memory-margin)",
     ]
+
+
+def _fp16_masters(a: dict[str, Any]) -> bool:
+    """fp16 parameters with a master copy: what FSDP2 runs as fp32 parameters."""
+    p = a["precision_policy"]
+    return bool(p["param_dtype"] == "float16" and p["master_dtype"] is not None)
 
 
 def _suggestion_json(i: int, s: Suggestion) -> dict[str, Any]:
@@ -244,6 +265,7 @@ def _suggestion_json(i: int, s: Suggestion) -> dict[str, Any]:
         "activations": p.activations,
         "buffers": p.buffers,
         "step_seconds": s.score,
+        "policy": str(s.memory.policy),
         "why": s.why,
     }
 

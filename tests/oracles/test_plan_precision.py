@@ -1,0 +1,152 @@
+"""``areal-fn plan --precision``: the policy each training component is counted under,
+printed and in the JSON; its bytes against the same state built in torch (a transformers
+model in the policy's dtypes, its gradients, ``torch.optim.AdamW``'s state after a step
+and ``torch.amp.GradScaler``'s after an update); the advisor sizes each backend under a
+policy its engine runs (the engines' own checks accept it)."""
+
+import json
+
+import pytest
+import torch
+
+from areal_fn.cli import main
+from areal_fn.model.demo import DEMO_CONFIG
+from areal_fn.model.embedded import resolve_config
+from areal_fn.model.spec import model_from_hf_config
+from areal_fn.plans.advisor import suggest_strategy
+from areal_fn.plans.memory import PrecisionPolicy
+from areal_fn.runtime.engines.fsdp2 import build_hf_model
+from areal_fn.runtime.engines.precision import fsdp2_loss_scale, megatron_loss_scale
+from areal_fn.strategy.allocation import Backend
+
+
+def _out(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    assert main(argv) == 0
+    return capsys.readouterr().out
+
+
+def _nbytes(tensors: object) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)  # type: ignore[attr-defined]
+
+
+def _torch_state(precision: str) -> tuple[int, int, int]:
+    """(params, grads, optimizer) bytes of the demo model trained one step in torch as a
+    single FSDP2 rank runs ``precision``: fp32 and fp16 (autocast, a GradScaler) keep fp32
+    parameters; bf16 keeps bf16 parameters beside fp32 master copies that AdamW steps."""
+    model = build_hf_model(model_from_hf_config(DEMO_CONFIG), seed=0)
+    ids = torch.randint(0, 100, (1, 8), generator=torch.Generator().manual_seed(0))
+    params = list(model.parameters())
+    if precision == "bf16":
+        masters = [p.detach().clone().requires_grad_(True) for p in params]
+        model = model.bfloat16()
+        params = list(model.parameters())
+    scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")
+    with torch.autocast("cpu", dtype=torch.float16, enabled=precision == "fp16"):
+        loss = model(ids, labels=ids).loss
+    scaler.scale(loss).backward()
+    if precision == "bf16":
+        for m, p in zip(masters, params, strict=True):
+            m.grad = p.grad.float()  # type: ignore[union-attr]
+        trained = masters
+    else:
+        trained = params
+    optim = torch.optim.AdamW(trained)
+    scaler.step(optim)
+    scaler.update()
+    states = [t for s in optim.state.values() for t in s.values()]
+    extra = _nbytes(masters) if precision == "bf16" else 0
+    if precision == "fp16":  # the scale and the growth tracker
+        extra += _nbytes([scaler._scale, scaler._growth_tracker])  # type: ignore[list-item]
+    grads = _nbytes(m.grad for m in trained)  # type: ignore[misc]
+    return _nbytes(params), grads, _nbytes(states) + extra
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+def test_fsdp_memory_is_the_state_torch_builds(
+    capsys: pytest.CaptureFixture[str], precision: str
+) -> None:
+    doc = json.loads(_out(capsys, ["plan", "demo", "fsdp:d1", "--precision", precision, "--json"]))
+    (row,) = doc["components"][0]["memory"]["per_rank"]
+    assert (row["params"], row["grads"], row["optimizer"]) == _torch_state(precision)
+
+
+def test_the_policy_is_printed_and_in_the_json(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "demo", "fsdp:d2+megatron:t2", "--precision", "fp16"]
+    lines = [ln for ln in _out(capsys, argv).splitlines() if ln.startswith("precision")]
+    assert lines == [
+        "precision (--precision fp16): params float32, compute float16, grads (reduced) "
+        "float32, no master copy, adam states float32: 16 B per parameter element; dynamic "
+        "loss scale from 65536 (x2 after 2000 good steps, x0.5 on an overflow, the step "
+        "skipped), 8 B per rank; FSDP2 runs fp16 with fp32 sharded parameters (the "
+        "optimizer's weights)",
+        "precision (--precision fp16): params float16, compute float16, grads (reduced) "
+        "float32, float32 master weights, adam states float32: 18 B per parameter element; "
+        "dynamic loss scale from 65536 (x2 after 2000 good steps, x0.5 on an overflow, the "
+        "step skipped), 8 B per rank",
+    ]
+    doc = json.loads(_out(capsys, [*argv, "--json"]))
+    fsdp, megatron = (c["memory"]["precision"] for c in doc["components"])
+    default = torch.amp.GradScaler("cpu")
+    scale = {
+        "init_scale": default._init_scale,
+        "growth_factor": default._growth_factor,
+        "backoff_factor": default._backoff_factor,
+        "growth_interval": default._growth_interval,
+    }
+    assert megatron == {
+        "name": "fp16",
+        "param_dtype": "float16",
+        "compute_dtype": "float16",
+        "grad_dtype": "float32",
+        "master_dtype": "float32",
+        "optimizer": "adam",
+        "state_dtype": "float32",
+        "loss_scale": scale,
+        "loss_scale_bytes": 8,
+        "bytes_per_param": 2 + 4 + 4 + 8,
+    }
+    assert fsdp == megatron | {
+        "param_dtype": "float32",
+        "master_dtype": None,
+        "bytes_per_param": 16,
+    }
+    plain = json.loads(_out(capsys, ["plan", "demo", "megatron:t2", "--json"]))
+    assert plain["components"][0]["memory"]["precision"]["name"] == "bf16"
+
+
+def test_precision_without_a_training_component_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["plan", "demo", "vllm:t2", "--precision", "fp32"]) == 2
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith(
+            "--precision sets the policy of the training components (fsdp, megatron); vllm:d1t2 "
+            "has none: drop --precision (inference weights keep the config's dtype)"
+        )
+    )
+
+
+@pytest.mark.parametrize("precision", ["fp16", "fp32"])
+def test_suggest_sizes_each_backend_under_a_policy_its_engine_runs(
+    capsys: pytest.CaptureFixture[str], precision: str
+) -> None:
+    argv = ["plan", "Qwen2.5-7B", "--suggest", "8", "--device-memory", "80GB", "--top", "10"]
+    doc = json.loads(_out(capsys, [*argv, "--precision", precision, "--json"]))
+    a = doc["assumptions"]
+    assert a["precision"] == precision and a["precision_policy"]["loss_scale_bytes"] == (
+        8 if precision == "fp16" else 0
+    )
+    assert a["master_dtype"] == ("fp32" if precision == "fp16" else "none")
+    named = PrecisionPolicy.fp16_mixed() if precision == "fp16" else PrecisionPolicy.fp32()
+    model = model_from_hf_config(resolve_config("Qwen2.5-7B"))
+    found = suggest_strategy(model, 8, 80 * 10**9, policy=named, top=10)
+    assert {s.backend for s in found} == {Backend.FSDP, Backend.MEGATRON}
+    for s in found:  # each engine's own check accepts the policy it was sized under
+        if s.backend is Backend.FSDP:
+            fsdp2_loss_scale(s.memory.policy, run_param_dtype=None)
+        else:
+            megatron_loss_scale(s.memory.policy)
+    assert [s["allocation"] for s in doc["suggestions"]] == [s.allocation for s in found]
+    assert [s["policy"] for s in doc["suggestions"]] == [str(s.memory.policy) for s in found]
