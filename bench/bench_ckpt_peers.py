@@ -18,9 +18,9 @@ directory on the temporary directory's disk (``BENCH_CKPT_DIR`` overrides it).
   DCP: ``dcp.save`` of ``get_state_dict(model, optimizer)`` with
   ``FileSystemWriter(thread_count=THREADS, sync_files=True)`` and ``dcp.load`` of the
   same state dict followed by ``set_state_dict`` (what AReaL's FSDP engine does).
-- **megatron**: a Megatron-Core ``GPTModel`` under tp=2 (CPU, local spec, bf16). Ours:
-  ``save_checkpoint`` / ``load_checkpoint`` of its parameters (the ``megatron:t2``
-  layout). Megatron: ``dist_checkpointing.save(model.sharded_state_dict(), dir)``
+- **megatron**: a Megatron-Core ``GPTModel`` under tp=2 (CPU, local spec, fp32
+  parameters as the FSDP2 engine's). Ours: ``save_checkpoint`` / ``load_checkpoint``
+  of its parameters (the ``megatron:t2`` layout). Megatron: ``dist_checkpointing.save(model.sharded_state_dict(), dir)``
   (``torch_dist``, its default of 2 writer threads) and ``dist_checkpointing.load``
   then ``load_state_dict``. The optimizer is left out: Megatron's distributed optimizer
   is not built on CPU here.
@@ -271,7 +271,7 @@ def _megatron(folder: Path) -> dict[str, Any]:
     s, rank, sizes = spec(), dist.get_rank(), MegatronSizes(tp=2)
     with megatron_session(sizes):
         arch = arch_of(s)
-        config = transformer_config(arch, sizes, params_dtype=torch.bfloat16)
+        config = transformer_config(arch, sizes, params_dtype=torch.float32)
         gpt = build_gpt_model(arch, config, vocab_size=padded_vocab_size(s.vocab_size, tp=2))
         layout = megatron_layout(s, ParallelDims(tp=2))
         params = dict(gpt.named_parameters())
