@@ -20,8 +20,9 @@ directory on the temporary directory's disk (``BENCH_CKPT_DIR`` overrides it).
   same state dict followed by ``set_state_dict`` (what AReaL's FSDP engine does).
 - **megatron**: a Megatron-Core ``GPTModel`` under tp=2 (CPU, local spec, fp32
   parameters as the FSDP2 engine's). Ours: ``save_checkpoint`` / ``load_checkpoint``
-  of its parameters (the ``megatron:t2`` layout). Megatron: ``dist_checkpointing.save(model.sharded_state_dict(), dir)``
-  (``torch_dist``, its default of 2 writer threads) and ``dist_checkpointing.load``
+  of its parameters (the ``megatron:t2`` layout). Megatron:
+  ``dist_checkpointing.save(model.sharded_state_dict(), dir)`` (``torch_dist``, its
+  default of 2 writer threads) and ``dist_checkpointing.load``
   then ``load_state_dict``. The optimizer is left out: Megatron's distributed optimizer
   is not built on CPU here.
 
