@@ -63,6 +63,7 @@ from areal_fn.runtime.engines.common import (
     next_token_targets,
     norm_weights,
 )
+from areal_fn.runtime.engines.fp8_training import check_float8
 from areal_fn.runtime.engines.fsdp2_apply import DP_REPLICATE, DP_SHARD, TP, Fsdp2RunOptions
 from areal_fn.runtime.engines.lora import adapter_parameters, inject_lora
 from areal_fn.runtime.engines.packed import PackedRow, TokenSequence, full_row_targets, pack_rows
@@ -140,6 +141,7 @@ class Fsdp2Engine(OptimizerSteps):
                 "would drop different inputs; use dropout=0 under TP"
             )
         loss_scale = fsdp2_loss_scale(precision, run_param_dtype=run_options.param_dtype)
+        check_float8(run_options.float8_recipe, tp=pdims.tp, precision=precision, lora=lora)
         self.spec = model_spec
         self.dims = pdims
         self.options = options

@@ -62,6 +62,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from areal_fn.errors import LayoutError, SpecError
 from areal_fn.layouts.layout import Layout, LocalTensor, LogicalTensor
 from areal_fn.model.spec import layer_of
+from areal_fn.runtime.engines.fp8_training import FLOAT8_RECIPES, convert_to_float8
 from areal_fn.runtime.engines.fsdp2_data import export_canonical as export_canonical
 from areal_fn.runtime.engines.fsdp2_data import layout_tensors as layout_tensors
 from areal_fn.runtime.engines.fsdp2_data import load_canonical as load_canonical
@@ -110,6 +111,14 @@ def _dtype_or_none(_inst: object, attr: "attrs.Attribute[str | None]", value: st
         raise SpecError(f"Fsdp2RunOptions.{attr.name}={value!r} is not one of {_DTYPES} or None")
 
 
+def _float8_recipe(_inst: object, _attr: object, value: str | None) -> None:
+    if value is not None and value not in FLOAT8_RECIPES:
+        raise SpecError(
+            f"Fsdp2RunOptions.float8_recipe={value!r} is not one of torchao's recipes "
+            f"{FLOAT8_RECIPES} or None"
+        )
+
+
 @attrs.frozen(kw_only=True)
 class Fsdp2RunOptions:
     """How the runtime applies FSDP2 (choices that do not change the layout).
@@ -119,6 +128,8 @@ class Fsdp2RunOptions:
     optimizer state on the CPU (``CPUOffloadPolicy``; on a CPU mesh the data is
     already there). ``activation_checkpointing``: recompute each decoder layer in
     backward (transformers' activation checkpointing, non-reentrant). ``reshard_after_forward``: free unsharded parameters after forward.
+    ``float8_recipe``: torchao's float8 training of the linear layers
+    (:mod:`~areal_fn.runtime.engines.fp8_training`; ``None``: off).
     """
 
     param_dtype: str | None = attrs.field(default=None, validator=_dtype_or_none)
@@ -126,6 +137,7 @@ class Fsdp2RunOptions:
     cpu_offload: bool = False
     activation_checkpointing: bool = False
     reshard_after_forward: bool = True
+    float8_recipe: str | None = attrs.field(default=None, validator=_float8_recipe)
 
     def mixed_precision(self) -> MixedPrecisionPolicy:
         return MixedPrecisionPolicy(
@@ -202,6 +214,8 @@ def apply_fsdp2(
     """
     mesh = layout_mesh(layout)
     check_device_mesh(mesh, device_mesh)
+    if options.float8_recipe is not None:  # before TP and FSDP2 wrap the linear layers
+        convert_to_float8(model, options.float8_recipe)
     names = param_names(model)
     plan = tp_plan(model, layout)
     if plan:
