@@ -43,14 +43,13 @@ def engine_policy(policy: PrecisionPolicy, backend: Backend) -> PrecisionPolicy:
     """The policy an engine of ``backend`` runs for ``policy``.
 
     FSDP2 runs fp16 with fp32 sharded parameters (they are AdamW's weights) and fp16
-    compute under autocast, and refuses fp16 parameters with fp32 masters (Megatron's
-    layout): for FSDP that policy becomes fp32 parameters without a master copy, the rest
-    (compute, gradients, optimizer states, loss scale) unchanged, which for
-    ``PrecisionPolicy.fp16_mixed()`` is ``PrecisionPolicy.fp32_params_fp16_compute()``.
-    Every other policy is counted as given.
+    compute under autocast, and refuses fp16 parameters (with fp32 masters that is
+    Megatron's layout): for FSDP a policy with fp16 parameters becomes fp32 parameters
+    without a master copy, the rest (compute, gradients, optimizer states, loss scale)
+    unchanged, which for ``PrecisionPolicy.fp16_mixed()`` is
+    ``PrecisionPolicy.fp32_params_fp16_compute()``. Every other policy is counted as given.
     """
-    fp16_masters = policy.param_dtype == "float16" and policy.master_weights
-    if backend is Backend.FSDP and fp16_masters:
+    if backend is Backend.FSDP and policy.param_dtype == "float16":
         return attrs.evolve(policy, param_dtype="float32", master_weights=False)
     return policy
 

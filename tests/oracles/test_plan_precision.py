@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from areal_fn.cli import main
+from areal_fn.errors import LayoutError
 from areal_fn.model.demo import DEMO_CONFIG
 from areal_fn.model.embedded import resolve_config
 from areal_fn.model.spec import model_from_hf_config
@@ -150,3 +151,19 @@ def test_suggest_sizes_each_backend_under_a_policy_its_engine_runs(
             megatron_loss_scale(s.memory.policy)
     assert [s["allocation"] for s in doc["suggestions"]] == [s.allocation for s in found]
     assert [s["policy"] for s in doc["suggestions"]] == [str(s.memory.policy) for s in found]
+
+
+def test_fsdp_counts_any_fp16_parameters_as_fsdp2_runs_them() -> None:
+    """With or without a master copy, fp16 parameters are what Fsdp2Engine refuses; the
+    policy counted for fsdp is one its check accepts."""
+    import attrs
+
+    from areal_fn.plans.precision import engine_policy
+
+    fp16 = PrecisionPolicy.fp16_mixed()
+    for policy in (fp16, attrs.evolve(fp16, master_weights=False)):
+        with pytest.raises(LayoutError):
+            fsdp2_loss_scale(policy, run_param_dtype=None)
+        counted = engine_policy(policy, Backend.FSDP)
+        assert fsdp2_loss_scale(counted, run_param_dtype=None) == policy.loss_scale
+        assert engine_policy(policy, Backend.MEGATRON) == policy

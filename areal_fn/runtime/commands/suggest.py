@@ -237,7 +237,7 @@ def _assumption_lines(a: dict[str, Any], device_bytes: int) -> list[str]:
         f"(--optimizer-offload)",
         f"  precision {a['precision']} (--precision): {a['policy']} (--grad-dtype "
         f"{a['grad_dtype']}, --master-dtype {a['master_dtype']}, --adam-dtype {a['adam_dtype']})"
-        + ("; fsdp counts fp32 sharded parameters, no master copy" if _fp16_masters(a) else ""),
+        + ("; fsdp counts fp32 sharded parameters, no master copy" if _fp16_params(a) else ""),
         f"  EP all-to-all: {_DISPATCH_WORDS[a['ep_dispatch']]} (--ep-dispatch {a['ep_dispatch']})",
         f"  margin: {a['memory_margin']:.0%} of {device_bytes:,} bytes ({human(a['margin_bytes'])})"
         f" kept free for what the estimate leaves out ({', '.join(a['left_out'])}); a "
@@ -246,10 +246,9 @@ def _assumption_lines(a: dict[str, Any], device_bytes: int) -> list[str]:
     ]
 
 
-def _fp16_masters(a: dict[str, Any]) -> bool:
-    """fp16 parameters with a master copy: what FSDP2 runs as fp32 parameters."""
-    p = a["precision_policy"]
-    return bool(p["param_dtype"] == "float16" and p["master_dtype"] is not None)
+def _fp16_params(a: dict[str, Any]) -> bool:
+    """fp16 parameters: what FSDP2 runs as fp32 parameters (engine_policy)."""
+    return bool(a["precision_policy"]["param_dtype"] == "float16")
 
 
 def _suggestion_json(i: int, s: Suggestion) -> dict[str, Any]:
