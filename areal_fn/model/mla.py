@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from areal_fn.errors import SpecError
+from areal_fn.model.dsa import dsa_config
 
 #: ModelSpec fields only multi-latent attention sets (0 / True elsewhere).
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "v_head_dim")
@@ -101,4 +102,5 @@ def mla_config(spec: Any) -> dict[str, object]:
         "v_head_dim": spec.v_head_dim,
         "head_dim": spec.qk_rope_head_dim,
         "rope_interleave": spec.rope_interleave,
+        **dsa_config(spec),
     }

@@ -24,10 +24,12 @@ from collections.abc import Callable, Mapping, Sequence
 import attrs
 
 from areal_fn.errors import SpecError
-from areal_fn.model import linear_attention as lin
+from areal_fn.model.dims import condition_flags as condition_flags
+from areal_fn.model.dims import dim_sizes as dim_sizes
+from areal_fn.model.dsa import layer_flags
 from areal_fn.model.embedded import resolve_config
 from areal_fn.model.families import FAMILIES, Family, family
-from areal_fn.model.families.mapping import CONDITIONS, Dim, layer_tensors
+from areal_fn.model.families.mapping import layer_tensors
 from areal_fn.model.hf_config import ROPE_TYPES as ROPE_TYPES
 from areal_fn.model.hf_config import _positive_float, _rope_pairs, _spec_fields
 from areal_fn.model.layer_types import layer_type_config
@@ -76,6 +78,7 @@ def _bools_of(field: str) -> Callable[[object], tuple[bool, ...]]:
 
 _moe_converter = _bools_of("moe_layers")
 _sliding_converter = _bools_of("sliding_layers")
+_indexer_converter = _bools_of("indexer_layers")
 
 
 def _bools(value: object) -> tuple[bool, ...]:
@@ -84,6 +87,10 @@ def _bools(value: object) -> tuple[bool, ...]:
 
 def _sliding_bools(value: object) -> tuple[bool, ...]:
     return _sliding_converter(value)
+
+
+def _indexer_bools(value: object) -> tuple[bool, ...]:
+    return _indexer_converter(value)
 
 
 def _optional_float(value: object) -> float | None:
@@ -128,8 +135,9 @@ class ModelSpec:
     others (:mod:`areal_fn.model.mtp`; 0 unless read with ``mtp=True``). Gemma 3:
     ``rope_local_theta`` the sliding layers' rope base (``None`` elsewhere: one base),
     ``query_pre_attn_scalar`` the attention scale's ``d`` in ``d ** -0.5`` (0 elsewhere:
-    ``head_dim``). Qwen3-Next, Qwen3.5: ``linear_attention`` and ``shared_expert_size``
-    (:mod:`areal_fn.model.linear_attention`; ``None`` and 0 elsewhere).
+    ``head_dim``). DeepSeek sparse attention (:mod:`areal_fn.model.dsa`): the indexer's
+    ``index_n_heads``, ``index_head_dim``, ``index_topk``; ``indexer_layers[i]`` is True
+    when layer ``i`` runs its own indexer (0 and empty elsewhere).
     """
 
     model_type: str = attrs.field(validator=_check_model_type)
@@ -176,8 +184,10 @@ class ModelSpec:
     mtp_layers: int = attrs.field(default=0, validator=_nonneg)
     rope_local_theta: float | None = attrs.field(default=None, converter=_optional_float)
     query_pre_attn_scalar: int = attrs.field(default=0, validator=_nonneg)
-    linear_attention: lin.LinearAttention | None = attrs.field(default=None, validator=lin.check)
-    shared_expert_size: int = attrs.field(default=0, validator=_nonneg)
+    index_n_heads: int = attrs.field(default=0, validator=_nonneg)
+    index_head_dim: int = attrs.field(default=0, validator=_nonneg)
+    index_topk: int = attrs.field(default=0, validator=_nonneg)
+    indexer_layers: tuple[bool, ...] = attrs.field(default=(), converter=_indexer_bools)
 
     def __attrs_post_init__(self) -> None:
         check_model(self)
@@ -369,7 +379,7 @@ class ModelSpec:
             cfg["sliding_window"] = None
         if fam.clamped_swiglu:
             cfg["swiglu_alpha"], cfg["swiglu_limit"] = self.swiglu_alpha, self.swiglu_limit
-        cfg = lin.linear_config(self, layer_type_config(self, cfg))
+        cfg = layer_type_config(self, cfg)
         if fam.mtp:
             cfg[MTP_KEY] = self.mtp_layers
         return dict(sorted(cfg.items()))
@@ -402,34 +412,6 @@ def _stacked_names(spec: ModelSpec) -> list[str]:
     return [f"model.layers.{i}.{r.name}" for i in _moe_indices(spec) for r in rows]
 
 
-def dim_sizes(spec: ModelSpec) -> dict[Dim, int]:
-    """The size of every :class:`~areal_fn.model.families.mapping.Dim` for ``spec``."""
-    hd = spec.head_dim
-    return {
-        Dim.HIDDEN: spec.hidden_size,
-        Dim.HEAD_DIM: hd,
-        Dim.HEADS: spec.num_attention_heads,
-        Dim.Q_OUT: spec.num_attention_heads * hd,
-        Dim.KV_OUT: spec.num_key_value_heads * hd,
-        Dim.INTER: spec.intermediate_size,
-        Dim.MOE_INTER: spec.moe_intermediate_size,
-        Dim.GLU_INTER: 2 * spec.moe_intermediate_size,
-        Dim.EXPERTS: spec.num_experts,
-        Dim.SHARED_INTER: spec.num_shared_experts * spec.moe_intermediate_size,
-        Dim.Q_LORA: spec.q_lora_rank,
-        Dim.KV_LORA: spec.kv_lora_rank,
-        Dim.KV_A_OUT: spec.kv_lora_rank + spec.qk_rope_head_dim,
-        Dim.KV_B_OUT: spec.num_attention_heads * (spec.qk_nope_head_dim + spec.v_head_dim),
-        Dim.V_OUT: spec.num_attention_heads * spec.v_head_dim,
-        **lin.linear_sizes(spec),
-    }
-
-
-def condition_flags(spec: ModelSpec) -> dict[str, object]:
-    """The value of every table condition (``when``) for ``spec``."""
-    return {c: getattr(spec, c) for c in CONDITIONS}
-
-
 def _canonical_shapes(spec: ModelSpec) -> list[tuple[str, tuple[int, ...], str | None]]:
     """The embedding, each decoder layer from the family's canonical table, the final
     norm and the (untied) output layer."""
@@ -445,10 +427,9 @@ def _canonical_shapes(spec: ModelSpec) -> list[tuple[str, tuple[int, ...], str |
             table,
             f"model.layers.{i}.",
             moe=spec.moe_layers[i],
-            flags=flags,
+            flags=layer_flags(spec, flags, i),
             sizes=sizes,
             num_experts=spec.num_experts,
-            linear=lin.is_linear_layer(spec, i),
         )
     out.append(("model.norm.weight", (hid,), None))
     if not spec.tie_word_embeddings:

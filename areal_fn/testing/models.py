@@ -128,7 +128,10 @@ def _mla_config(
         "num_hidden_layers": layers,
         "num_attention_heads": draw(st.integers(1, 4)),
         "vocab_size": draw(st.integers(1, 64)),
-        "q_lora_rank": draw(st.one_of(st.none(), st.integers(1, 8))),
+        # DeepSeek sparse attention's indexer reads the query LoRA: never absent there
+        "q_lora_rank": draw(
+            st.integers(1, 8) if _family(name).indexer else st.one_of(st.none(), st.integers(1, 8))
+        ),
         "kv_lora_rank": draw(st.integers(1, 8)),
         "qk_nope_head_dim": draw(st.integers(1, 6)),
         "qk_rope_head_dim": 2 * draw(st.integers(1, 3)),
@@ -141,7 +144,29 @@ def _mla_config(
     _maybe(draw, cfg, "max_position_embeddings", st.integers(16, 4096))
     _maybe(draw, cfg, "torch_dtype", st.sampled_from(_DTYPES))
     _draw_moe(draw, cfg, name, layers, max_experts)
+    if _family(name).indexer:
+        _draw_indexer(draw, cfg, name, layers)
     return cfg
+
+
+def _draw_indexer(draw: st.DrawFn, cfg: dict[str, object], name: str, layers: int) -> None:
+    """DeepSeek sparse attention's indexer keys: heads, a head at least as wide as the
+    rope dims, top-k; GLM-5's ``indexer_types`` (layer 0 full) or its freq/offset rule."""
+    rope = cfg["qk_rope_head_dim"]
+    assert isinstance(rope, int)
+    cfg["index_n_heads"] = draw(st.integers(1, 3))
+    cfg["index_head_dim"] = rope + draw(st.integers(0, 4))
+    cfg["index_topk"] = draw(st.integers(1, 8))
+    cfg["num_key_value_heads"] = cfg["num_attention_heads"]  # the class default is 128
+    if _family(name).indexer != "indexer_types":
+        return
+    if draw(st.booleans()):
+        kinds = st.sampled_from(["full", "shared"])
+        rest = draw(st.lists(kinds, min_size=layers - 1, max_size=layers - 1))
+        cfg["indexer_types"] = ["full", *rest]
+    else:  # an offset of 1 or 2 keeps layer 0 full
+        _maybe(draw, cfg, "index_topk_freq", st.integers(1, 3))
+        cfg["index_skip_topk_offset"] = draw(st.integers(1, 2))
 
 
 def _draw_moe(
@@ -149,7 +174,7 @@ def _draw_moe(
 ) -> None:
     """The MoE keys of ``name``'s config (none for a dense family)."""
     fam = _family(name)
-    if name in ("glm4_moe", "deepseek_v3"):
+    if name in ("glm4_moe", "deepseek_v3") or fam.indexer:
         groups = draw(st.integers(1, 2))
         experts = groups * draw(st.integers(1, max(1, max_experts // groups)))
         group_topk = draw(st.integers(1, groups))
@@ -171,8 +196,6 @@ def _draw_moe(
         _draw_gpt_oss(draw, cfg, max_experts)
     elif fam.sliding_window == "layer_types":
         _draw_layer_types(draw, cfg, fam)
-    elif fam.linear_attention:
-        _draw_linear(draw, cfg, fam, layers, max_experts)
     elif fam.moe:
         experts = draw(st.integers(1, max_experts))
         cfg["num_local_experts" if draw(st.booleans()) else "num_experts"] = experts
@@ -239,41 +262,3 @@ def model_specs(
     the multi-token-prediction layers the config declares; ``megatron``: of a family
     Megatron-Core can express)."""
     return model_from_hf_config(draw(hf_configs(family, megatron=megatron, **kwargs)), mtp=mtp)
-
-
-def _draw_linear(
-    draw: st.DrawFn, cfg: dict[str, object], fam: Family, layers: int, max_experts: int
-) -> None:
-    """Qwen3-Next, Qwen3.5: head_dim a multiple of 8 (a quarter of it rotates, in pairs),
-    small gated-delta-net heads, the layer kinds from ``layer_types`` or the interval, and
-    the MoE keys with the gated shared expert (Qwen3.5-MoE: no dense MLP keys)."""
-    cfg["head_dim"] = 8 * draw(st.integers(1, 2))
-    key_heads = draw(st.integers(1, 2))
-    cfg["linear_num_key_heads"] = key_heads
-    cfg["linear_num_value_heads"] = key_heads * draw(st.integers(1, 2))
-    cfg["linear_key_head_dim"] = draw(st.integers(1, 6))
-    cfg["linear_value_head_dim"] = draw(st.integers(1, 6))
-    cfg["linear_conv_kernel_dim"] = draw(st.integers(1, 4))
-    if draw(st.booleans()):
-        cfg["layer_types"] = draw(
-            st.lists(
-                st.sampled_from(["linear_attention", "full_attention"]),
-                min_size=layers,
-                max_size=layers,
-            )
-        )
-    else:
-        _maybe(draw, cfg, "full_attention_interval", st.integers(1, 3))
-    if not fam.moe:
-        return
-    experts = draw(st.integers(1, max_experts))
-    cfg["num_experts"] = experts
-    cfg["num_experts_per_tok"] = draw(st.integers(1, experts))
-    cfg["moe_intermediate_size"] = draw(st.integers(1, 16))
-    cfg["shared_expert_intermediate_size"] = draw(st.integers(1, 16))
-    if fam.has_default("norm_topk_prob"):  # Qwen3-Next; Qwen3.5-MoE has every layer MoE
-        _maybe(draw, cfg, "decoder_sparse_step", st.integers(1, 3))
-        _maybe(draw, cfg, "mlp_only_layers", st.lists(st.integers(0, layers - 1), unique=True))
-        _maybe(draw, cfg, "norm_topk_prob", st.booleans())
-    else:
-        cfg.pop("intermediate_size")

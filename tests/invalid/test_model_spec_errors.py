@@ -200,7 +200,8 @@ CASES: list[tuple[str, Callable[..., object], type[Exception], str]] = [
         "no model_type",
         cfg("llama", model_type=None),
         SpecError,
-        r"config has model_type=None.*one of \['deepseek_v3', 'gemma3_text', 'glm4_moe', 'gpt_oss', 'llama'",
+        r"config has model_type=None.*one of \['deepseek_v3', 'deepseek_v32', 'gemma3_text', 'glm4_moe', "
+        r"'glm_moe_dsa', 'gpt_oss', 'llama'",
     ),
     (
         "missing hidden_size",

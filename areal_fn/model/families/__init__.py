@@ -175,6 +175,9 @@ class Family:
       gives (``("num_shared_experts", "n_shared_experts")``...).
     - ``mla``: multi-latent attention (DeepSeek-V3): the config gives ``q_lora_rank``,
       ``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``.
+    - ``indexer``: DeepSeek sparse attention (:mod:`areal_fn.model.dsa`): ``""`` none,
+      ``"every_layer"`` an indexer in every layer (DeepSeek-V3.2), ``"indexer_types"``
+      the config's ``indexer_types`` say which layers run their own (GLM-5).
     - ``memory_names``: canonical names (relative to the layer) that transformers 5 keeps
       under another name in memory (Mixtral's ``block_sparse_moe.gate.weight`` is
       ``mlp.gate.weight`` in ``state_dict()``).
@@ -194,12 +197,6 @@ class Family:
       (every Megatron layout is refused with it), or empty.
     - ``fsdp2_tp_refusal``: why the FSDP2 engine cannot run the family under ``tp > 1``,
       or empty.
-    - ``linear_attention``: some layers are gated-delta-net linear attention, as
-      ``layer_types`` / ``full_attention_interval`` say (:mod:`areal_fn.model.linear_attention`).
-    - ``sequence_refusal``: why the engines cannot split a sequence over ranks (Ulysses,
-      context parallelism) or pack sequences into one row for the family, or empty.
-    - ``ignored_rope_keys``: ``rope_parameters`` keys that change nothing for text input
-      (Qwen3.5's multimodal ``mrope_section``: with one position per token it is plain rope).
     """
 
     model_type: str
@@ -238,6 +235,9 @@ class Family:
     partial_rotary: bool = False
     rotary_dim_key: str | None = None
     mla: bool = False
+    indexer: Literal["", "every_layer", "indexer_types"] = attrs.field(
+        default="", validator=attrs.validators.in_(("", "every_layer", "indexer_types"))
+    )
     first_k_dense: str | None = None
     mtp: bool = False
     moe_keys: tuple[tuple[str, str], ...] = attrs.field(
@@ -253,9 +253,6 @@ class Family:
     attn_scalar: bool = False
     megatron_refusal: str = ""
     fsdp2_tp_refusal: str = ""
-    linear_attention: bool = False
-    sequence_refusal: str = ""
-    ignored_rope_keys: tuple[str, ...] = attrs.field(default=(), converter=_strs)
 
     def default(self, key: str) -> object:
         for k, v in self.defaults:
@@ -270,8 +267,10 @@ class Family:
 def _registry() -> dict[str, Family]:
     from areal_fn.model.families import (
         deepseek_v3,
+        deepseek_v32,
         gemma3_text,
         glm4_moe,
+        glm_moe_dsa,
         gpt_oss,
         llama,
         minimax_m2,
@@ -280,15 +279,15 @@ def _registry() -> dict[str, Family]:
         olmo3,
         qwen2,
         qwen3,
-        qwen3_5,
         qwen3_moe,
-        qwen3_next,
     )
 
     fams = (
         deepseek_v3.FAMILY,
+        deepseek_v32.FAMILY,
         gemma3_text.FAMILY,
         glm4_moe.FAMILY,
+        glm_moe_dsa.FAMILY,
         gpt_oss.FAMILY,
         llama.FAMILY,
         minimax_m2.FAMILY,
@@ -297,10 +296,7 @@ def _registry() -> dict[str, Family]:
         olmo3.FAMILY,
         qwen2.FAMILY,
         qwen3.FAMILY,
-        qwen3_5.FAMILY,
-        qwen3_5.MOE_FAMILY,
         qwen3_moe.FAMILY,
-        qwen3_next.FAMILY,
     )
     return {f.model_type: f for f in sorted(fams, key=lambda f: f.model_type)}
 
@@ -309,13 +305,6 @@ def _registry() -> dict[str, Family]:
 #: family whose architecture they declare (Kimi-K2's ``kimi_k2`` configs name
 #: ``DeepseekV3ForCausalLM``).
 MODEL_TYPE_ALIASES: tuple[tuple[str, str], ...] = (("kimi_k2", "deepseek_v3"),)
-
-#: ``model_type`` values of published multimodal configs whose text model is a family:
-#: the config's ``text_config`` is read (Qwen3.5's ``qwen3_5`` holds a ``qwen3_5_text``).
-TEXT_CONFIG_TYPES: tuple[tuple[str, str], ...] = (
-    ("qwen3_5", "qwen3_5_text"),
-    ("qwen3_5_moe", "qwen3_5_moe_text"),
-)
 
 #: Every supported family, keyed by ``model_type`` (sorted).
 FAMILIES: dict[str, Family] = _registry()
