@@ -286,9 +286,19 @@ def _add_convert_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser
         action="store_true",
         help="leave out the checkpoint's multi-token-prediction layers (listed as not carried)",
     )
+    _add_merge_flag(conv)
     _add_fp8_flag(conv)
     conv.add_argument("--json", action="store_true", help="print one JSON document (docs/cli.md)")
     conv.set_defaults(func=cmd_convert)
+
+
+def _add_merge_flag(conv: argparse.ArgumentParser) -> None:
+    conv.add_argument(
+        "--merge",
+        metavar="BASE",
+        help="--to-hf of a LoRA adapter checkpoint: merge its adapters into the HF checkpoint "
+        "BASE (without: write them as a PEFT adapter directory)",
+    )
 
 
 def _add_fp8_flag(conv: argparse.ArgumentParser) -> None:

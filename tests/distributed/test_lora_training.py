@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 # fp32 tolerances; observed on CPU/gloo, torch 2.13, peft 0.21.2:
 LOSS_ATOL = 1e-5  # <= 6.0e-7 (loss ~ 3.9)
 NORM_RTOL = 1e-5  # <= 1.2e-6
-GRAD_RTOL = 1e-5  # max abs diff / max |reference grad|: <= 1.3e-6
+GRAD_RTOL = 1e-5  # max abs diff / max |reference grad|: <= 3.2e-6
 ADAPTER_ATOL = 1e-5  # after two steps at lr 1e-2 (adapters move by 2e-2): <= 9.7e-7
 LOGPROB_ATOL = 1e-5  # <= 1.9e-6
 

@@ -64,6 +64,7 @@ STRINGS: dict[str, tuple[list[str], list[str]]] = {
     "model": (["demo", "Qwen3-8B"], ["{hf}", "nope", "{file}"]),
     "format": (["rank-files", "torch_dist"], ["safetensors"]),
     "fp8": (["128x128", "16x16"], ["0x128", "128", "x16"]),
+    "merge": (["{hf}"], ["nope", "{file}"]),
 }
 #: Positionals of each command: pools per positional ("" leaves an optional one out).
 POSITIONALS: dict[str, list[tuple[list[str], list[str]]]] = {

@@ -1,5 +1,6 @@
 """Reading canonical tensors out of a checkpoint, HF export, and ``checkpoint inspect``."""
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -166,6 +167,12 @@ def export_hf(
 
     # every file's checksum checked, hf/ included
     reader = CheckpointReader(path, trust_pickle=trust_pickle, hmac_key=hmac_key)
+    if _lora_lines(reader.path, reader.manifest):
+        raise CheckpointError(
+            f"{reader.path} holds LoRA adapters, not a model; write them with areal-fn convert "
+            f"{reader.path} DST --to-hf (PEFT's format) or --to-hf --merge BASE (merged into "
+            "the base model), or export_peft / export_merged"
+        )
     model = model_from_hf_config(reader.manifest.model)
     check_model(reader.manifest, model.tensors, source=str(reader.path))
     hf = checkpoint_hf_files(reader.path, reader.manifest)
@@ -222,6 +229,23 @@ def _security_lines(
     return [storage, keyed]
 
 
+def _lora_lines(folder: Path, m: CheckpointManifest) -> list[str]:
+    """An adapter checkpoint's line: its LoRA configuration (``hf/adapter_config.json``)."""
+    from areal_fn.plans.lora_export import ADAPTER_CONFIG, lora_config_from_peft
+
+    hf = checkpoint_hf_files(folder, m)
+    raw = None if hf is None else dict(hf.files).get(ADAPTER_CONFIG)
+    if raw is None:
+        return []
+    c = lora_config_from_peft(json.loads(raw))
+    ranks = "".join(f", {mod} r={r}" for mod, r in c.module_ranks)
+    return [
+        f"  LoRA adapters of a frozen base (hf/{ADAPTER_CONFIG}): r={c.rank}, alpha={c.alpha}, "
+        f"dropout={c.dropout}, targets {list(c.target_modules)}{ranks}; export with "
+        "convert DIR DST --to-hf (PEFT) or --to-hf --merge BASE"
+    ]
+
+
 def inspect_checkpoint(
     path: "str | os.PathLike[str]",
     *,
@@ -260,6 +284,7 @@ def inspect_checkpoint(
         f"  optimizer {m.optimizer}",
         f"  extras {list(m.extras)}",
         f"  {describe_checkpoint_hf_files(m)}",
+        *_lora_lines(folder, m),
         f"  files {len(m.files)}, {_human(m.nbytes)}"
         + (
             f" (every checksum verified: {_algorithms(m)})"

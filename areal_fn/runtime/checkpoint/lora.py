@@ -31,12 +31,18 @@ from areal_fn.model.spec import ModelSpec, model_from_hf_config
 from areal_fn.plans.checkpoint.manifest import check_model
 from areal_fn.plans.lora_export import ADAPTER_CONFIG, lora_config_from_peft, peft_adapter_config
 from areal_fn.runtime.checkpoint.inspect import CheckpointReader
-from areal_fn.runtime.hf.files import HfFiles, checkpoint_hf_files
+from areal_fn.runtime.hf.files import HF_DIR, HfFiles, checkpoint_hf_files
 from areal_fn.runtime.hf.io import HfCheckpoint
 from areal_fn.runtime.hf.peft_io import write_merged_hf, write_peft_adapter
 from areal_fn.typecheck import beartype
 
-__all__ = ["checkpoint_lora", "export_merged", "export_peft", "lora_hf_files"]
+__all__ = [
+    "checkpoint_lora",
+    "export_merged",
+    "export_peft",
+    "is_adapter_checkpoint",
+    "lora_hf_files",
+]
 
 
 @beartype
@@ -47,6 +53,20 @@ def lora_hf_files(model: ModelSpec, config: LoraConfig, *, hf: HfFiles | None = 
     text = json.dumps(peft_adapter_config(config), indent=2, sort_keys=True) + "\n"
     files = [(n, b) for n, b in base.files if n != ADAPTER_CONFIG]
     return HfFiles(config=base.config, files=[*files, (ADAPTER_CONFIG, text.encode())])
+
+
+@beartype
+def is_adapter_checkpoint(path: "str | os.PathLike[str]") -> bool:
+    """Whether ``path`` is a checkpoint (or a root with ``latest``) whose ``hf/`` holds
+    PEFT's ``adapter_config.json`` (nothing but the manifest is read)."""
+    from areal_fn.runtime.checkpoint.files import read_manifest, resolve_checkpoint
+
+    try:
+        folder = resolve_checkpoint(path)
+        manifest = read_manifest(folder)
+    except CheckpointError:
+        return False
+    return any(f.path == f"{HF_DIR}/{ADAPTER_CONFIG}" for f in manifest.files)
 
 
 @beartype

@@ -9,6 +9,10 @@ checksum. The progress bar goes to stderr and stays there as a summary line.
 ``--format torch_dist`` writes Megatron-Core's own dist checkpoint instead of the
 per-rank files (:mod:`~areal_fn.runtime.checkpoint.megatron_convert`); ``--to-hf``
 reads either, telling them apart by what SRC holds.
+
+``--to-hf`` of a LoRA adapter checkpoint (:mod:`~areal_fn.runtime.checkpoint.lora`)
+writes its adapters as a PEFT adapter directory, or with ``--merge BASE`` merged into
+the HF checkpoint ``BASE``.
 """
 
 import argparse
@@ -268,9 +272,51 @@ def _allocation(args: argparse.Namespace) -> str:
     return choose_component(args.allocation, args.component)
 
 
+def _adapters(args: argparse.Namespace) -> int:
+    """``convert CKPT DST --to-hf`` of a LoRA adapter checkpoint: PEFT's adapter directory,
+    or with ``--merge BASE`` the adapters merged into the HF checkpoint ``BASE``."""
+    from areal_fn.runtime.checkpoint.lora import export_merged, export_peft
+
+    others = [f for f in ("--format", "--fp8", "--model") if _given(args, f)]
+    others += ["--rank"] if args.rank is not None else []
+    if others or args.allocation is not None:
+        raise ConversionError(
+            f"{args.src} is a LoRA adapter checkpoint; --to-hf writes its adapters (PEFT's "
+            f"format, or merged with --merge BASE) and takes no "
+            f"{others[0] if others else 'ALLOCATION'}: drop it"
+        )
+    if args.merge is None:
+        out = export_peft(args.src, args.dst, overwrite=args.overwrite)
+        what = "PEFT adapter (adapter_config.json, adapter_model.safetensors)"
+    else:
+        out = export_merged(args.src, args.merge, args.dst, overwrite=args.overwrite)
+        what = f"HF checkpoint: {args.merge} with the adapters merged"
+    if args.json:
+        emit_json(
+            {
+                "schema": "areal-fn.convert/1",
+                "direction": "to-peft" if args.merge is None else "to-merged",
+                "src": args.src,
+                "dst": str(out),
+                "base": args.merge,
+            }
+        )
+    else:
+        text_console().print(f"wrote {out}: {what}")
+    return 0
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
+    from areal_fn.runtime.checkpoint.lora import is_adapter_checkpoint
     from areal_fn.runtime.hf.convert import convert_back, convert_to_local
 
+    if args.to_hf and is_adapter_checkpoint(args.src):
+        return _adapters(args)
+    if getattr(args, "merge", None) is not None:
+        raise ConversionError(
+            f"--merge BASE merges a LoRA adapter checkpoint; {args.src} is not one (or --to-hf "
+            "is missing): pass an adapter checkpoint with --to-hf, or drop --merge"
+        )
     fmt = _format(args)
     if fmt == "torch_dist":
         return _torch_dist(args, fmt)
