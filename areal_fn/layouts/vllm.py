@@ -42,6 +42,7 @@ import re
 from areal_fn.errors import LayoutError
 from areal_fn.layouts.inference import inference_layout
 from areal_fn.layouts.layout import FusionPiece, Layout, LayoutKind, LogicalTensor
+from areal_fn.model.families import FAMILIES
 from areal_fn.model.spec import ModelSpec, layer_of
 from areal_fn.sharding.box import Box
 from areal_fn.sharding.placement import Replicate, Shard
@@ -52,8 +53,9 @@ from areal_fn.typecheck import beartype
 
 __all__ = ["VLLM_FAMILIES", "vllm_layout"]
 
-#: The ``model_type`` values whose vLLM parameters this layout describes.
-VLLM_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+#: The ``model_type`` values whose vLLM parameters this layout describes
+#: (``Serving.vllm_layout`` of their families).
+VLLM_FAMILIES = tuple(n for n, f in FAMILIES.items() if f.serving.vllm_layout)
 
 _QKV = ("q_proj", "k_proj", "v_proj")
 _GATE_UP = ("gate_proj", "up_proj")

@@ -283,30 +283,21 @@ def _stages(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
     )
 
 
-def _sglang_tied_llama(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
-    if m.model_type != "llama" or not m.tie_word_embeddings or d.pp == 1:
-        return None
-    return Problem(
-        field="pp",
-        reads=("pp",),
-        fixed=True,
-        text=f"SGLang's LlamaForCausalLM cannot serve a model with tie_word_embeddings at "
-        f"pp={d.pp}: it uses model.embed_tokens as lm_head, and embed_tokens exists on the first "
-        "pipeline rank only (sglang/srt/models/llama.py); use pp=1, vllm, or an untied model",
-    )
+def _tied_refusal(engine: str, *, pp_only: bool) -> _Rule:
+    """The family's refusal of tied models on ``engine``
+    (:attr:`~areal_fn.model.families.serving.Serving.tied_refusals`): those refused at any
+    ``pp`` (``pp_only`` false) or only under pipeline parallelism (true)."""
 
-
-def _sglang_tied_qwen3_moe(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
-    if m.model_type != "qwen3_moe" or not m.tie_word_embeddings:
+    def rule(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
+        if not m.tie_word_embeddings or (pp_only and d.pp == 1):
+            return None
+        for r in m.family.serving.tied_refusals:
+            if r.engine == engine and r.pp_only == pp_only:
+                reads = ("pp",) if pp_only else ()
+                return Problem(field="pp", reads=reads, fixed=True, text=r.reason.format(pp=d.pp))
         return None
-    return Problem(
-        field="pp",
-        reads=(),
-        fixed=True,
-        text="SGLang's Qwen3MoeForCausalLM cannot serve a model with tie_word_embeddings: it "
-        "builds its own lm_head and never loads the tied embedding into it "
-        "(sglang/srt/models/qwen3_moe.py); use vllm or an untied model",
-    )
+
+    return rule
 
 
 _INFERENCE: tuple[_Rule, ...] = (
@@ -343,7 +334,11 @@ _RULES: dict[str, tuple[_Rule, ...]] = {
     ),
     "inference": _INFERENCE,
     # sglang 0.5.23, read in its model code; vLLM holds what the inference layout says
-    "sglang": (_sglang_tied_qwen3_moe, *_INFERENCE, _sglang_tied_llama),
+    "sglang": (
+        _tied_refusal("sglang", pp_only=False),
+        *_INFERENCE,
+        _tied_refusal("sglang", pp_only=True),
+    ),
     "vllm": _INFERENCE,
 }
 

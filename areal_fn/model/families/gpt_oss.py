@@ -38,6 +38,7 @@ from areal_fn.model.families.mapping import (
     LayerKind,
     MegatronTensor,
 )
+from areal_fn.model.families.serving import Serving
 from areal_fn.sharding.placement import Replicate, Shard
 
 _MOE = LayerKind.MOE
@@ -153,4 +154,5 @@ FAMILY = Family(
         ("mlp_only_layers", "nothing: every gpt-oss layer is sparse"),
         ("norm_topk_prob", "nothing: gpt-oss always softmaxes the top-k logits"),
     ),
+    serving=Serving(megatron_yarn=True),
 )

@@ -12,6 +12,7 @@ from areal_fn.model.families.mapping import (
     SWIGLU_MLP,
     SWIGLU_MLP_HF,
 )
+from areal_fn.model.families.serving import Serving, TiedRefusal
 
 FAMILY = Family(
     model_type="llama",
@@ -35,4 +36,17 @@ FAMILY = Family(
     ),
     fixed=(("qk_norm", False),),
     hidden_divisible_by_heads=True,
+    serving=Serving(
+        vllm_layout=True,
+        tied_refusals=(
+            TiedRefusal(
+                engine="sglang",
+                pp_only=True,
+                reason="SGLang's LlamaForCausalLM cannot serve a model with "
+                "tie_word_embeddings at pp={pp}: it uses model.embed_tokens as lm_head, and "
+                "embed_tokens exists on the first pipeline rank only "
+                "(sglang/srt/models/llama.py); use pp=1, vllm, or an untied model",
+            ),
+        ),
+    ),
 )

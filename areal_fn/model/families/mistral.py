@@ -14,6 +14,7 @@ from areal_fn.model.families.mapping import (
     SWIGLU_MLP,
     SWIGLU_MLP_HF,
 )
+from areal_fn.model.families.serving import Serving
 
 FAMILY = Family(
     model_type="mistral",
@@ -33,4 +34,5 @@ FAMILY = Family(
     bias_flags=(),
     fixed=(("qkv_bias", False), ("o_bias", False), ("mlp_bias", False), ("qk_norm", False)),
     sliding_window="when_set",
+    serving=Serving(vllm_layout=True),
 )

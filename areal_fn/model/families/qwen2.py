@@ -8,6 +8,7 @@ from areal_fn.model.families.mapping import (
     SWIGLU_MLP,
     SWIGLU_MLP_HF,
 )
+from areal_fn.model.families.serving import Serving
 
 FAMILY = Family(
     model_type="qwen2",
@@ -40,4 +41,5 @@ FAMILY = Family(
         ("mlp_bias", False),
         ("qk_norm", False),
     ),
+    serving=Serving(vllm_layout=True),
 )

@@ -12,6 +12,7 @@ from areal_fn.model.families.mapping import (
     SWIGLU_MLP,
     SWIGLU_MLP_HF,
 )
+from areal_fn.model.families.serving import Serving
 
 FAMILY = Family(
     model_type="qwen3",
@@ -41,4 +42,5 @@ FAMILY = Family(
     fixed=(("mlp_bias", False), ("qk_norm", True)),
     head_dim_required=True,
     sliding_window="max_window_layers",
+    serving=Serving(vllm_layout=True),
 )

@@ -22,6 +22,7 @@ from areal_fn.model.families.mapping import (
     SWIGLU_MLP,
     SWIGLU_MLP_HF,
 )
+from areal_fn.model.families.serving import Serving, TiedRefusal
 
 FAMILY = Family(
     model_type="qwen3_moe",
@@ -61,4 +62,17 @@ FAMILY = Family(
     moe=True,
     sliding_window="all_layers",
     fused_experts=STACKED_SWIGLU_EXPERTS,
+    serving=Serving(
+        vllm_layout=True,
+        tied_refusals=(
+            TiedRefusal(
+                engine="sglang",
+                pp_only=False,
+                reason="SGLang's Qwen3MoeForCausalLM cannot serve a model with "
+                "tie_word_embeddings: it builds its own lm_head and never loads the tied "
+                "embedding into it (sglang/srt/models/qwen3_moe.py); use vllm or an untied "
+                "model",
+            ),
+        ),
+    ),
 )

@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from areal_fn.errors import LayoutError
+from areal_fn.model.families import FAMILIES
 from areal_fn.runtime.megatron.config import ARCH_FIELDS as ARCH_FIELDS
 from areal_fn.runtime.megatron.config import arch_field
 from areal_fn.runtime.megatron.config import arch_of as arch_of
@@ -206,9 +207,9 @@ MCORE_LLAMA3_ROPE: Mapping[str, float] = {
 }
 
 
-#: Families whose yarn rope the builder gives GPTModel (logits parity with transformers
-#: is proven for them: tests/distributed/conversion_worker.py).
-YARN_FAMILIES = ("gpt_oss",)
+#: Families whose yarn rope the builder gives GPTModel (``Serving.megatron_yarn``: logits
+#: parity with transformers is proven for them: tests/distributed/conversion_worker.py).
+YARN_FAMILIES = tuple(n for n, f in FAMILIES.items() if f.serving.megatron_yarn)
 
 
 @beartype

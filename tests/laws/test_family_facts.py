@@ -1,0 +1,56 @@
+"""A family's facts live in its module: no module outside ``model/families/`` names a
+registered ``model_type`` in its code (docstrings may), so adding a family never edits
+a rule, a layout or a builder for a ``model_type`` check.
+
+Exempt, with the reason: ``model/demo.py`` (the main job's own ``config.json``, a
+``qwen2`` model by choice) and ``testing/`` (hypothesis strategies that draw each
+family's own config keys).
+"""
+
+import ast
+import pathlib
+
+from areal_fn.model.families import FAMILIES, MODEL_TYPE_ALIASES
+
+ROOT = pathlib.Path(__file__).resolve().parents[2] / "areal_fn"
+EXEMPT = ("model/families/", "model/demo.py", "testing/")
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    out = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            first = body[0] if body else None
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                out.add(id(first.value))
+    return out
+
+
+def _model_type_literals(
+    path: pathlib.Path, names: set[str], root: pathlib.Path = ROOT
+) -> list[str]:
+    tree = ast.parse(path.read_text())
+    docs = _docstrings(tree)
+    return [
+        f"{path.relative_to(root)}:{node.lineno}: {node.value!r}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and id(node) not in docs and node.value in names
+    ]
+
+
+def test_no_module_outside_the_families_names_a_model_type() -> None:
+    names = set(FAMILIES) | {alias for alias, _ in MODEL_TYPE_ALIASES}
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if not rel.startswith(EXEMPT):
+            found += _model_type_literals(path, names)
+    assert found == [], "model_type literals outside model/families/:\n" + "\n".join(found)
+
+
+def test_the_check_finds_a_literal(tmp_path: pathlib.Path) -> None:
+    """The scan sees a literal in code and skips one in a docstring."""
+    src = tmp_path / "m.py"
+    src.write_text('"""A llama model."""\n\n\ndef f(m):\n    return m.model_type == "llama"\n')
+    assert _model_type_literals(src, set(FAMILIES), tmp_path) == ["m.py:5: 'llama'"]
