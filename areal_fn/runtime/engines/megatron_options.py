@@ -18,7 +18,9 @@ Megatron-Core, refusing, in one line with the reason, what does not run. Both ar
   (elements; ``None``: Megatron's default, at least 40M) sets how many buckets there are.
 - **overlap_param_gather** is refused: it overlaps the distributed optimizer's parameter
   all-gather, and the engine steps ``torch.optim.AdamW`` over whole local parameters
-  (Megatron's ``DistributedOptimizer`` does not build on CPU, see ``docs/engines.md``).
+  (Megatron's ``DistributedOptimizer`` does not build on CPU: its ``MixedPrecisionOptimizer``
+  base allocates a ``device='cuda'`` tensor; DDP with ``overlap_param_gather`` and
+  ``use_distributed_optimizer`` itself builds).
 - **fp8_recipe** (Megatron's ``fp8_recipe`` names) is refused: FP8 GEMMs in Megatron-Core
   run in Transformer Engine's layers on an FP8 GPU, and the engine builds the local
   (TE-free) layer spec.
@@ -119,7 +121,9 @@ def _refusal(
             "MegatronEngine: overlap_param_gather overlaps the distributed optimizer's "
             "parameter all-gather (use_distributed_optimizer=True); the engine steps "
             "torch.optim.AdamW over whole local parameters, as Megatron's DistributedOptimizer "
-            "does not build on CPU; use overlap_grad_reduce alone"
+            "does not build on CPU (its MixedPrecisionOptimizer base allocates "
+            "torch.tensor([0], device='cuda'): 'Torch not compiled with CUDA enabled'); use "
+            "overlap_grad_reduce alone"
         )
     if options.fp8_recipe is not None:
         missing = [
