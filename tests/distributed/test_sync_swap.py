@@ -2,8 +2,8 @@
 
 Threads over a ``HashStore``, the tiny model of ``test_weight_sync``. Checked: the
 result equals the plan's reference semantics bitwise over successive versions, with
-the staging kept and handed back; the live tensors keep their identity while their
-memory changes; the memory a live tensor holds after a swap is never handed to the
+the staging kept and handed back, for plain tensors and for parameters (autograd
+leaves); the live tensors keep their identity while their memory changes; the memory a live tensor holds after a swap is never handed to the
 kernel with the staging (the pages of every mapping the staging still keeps are
 dropped, and the live tensors keep their values); a live tensor that shares its
 storage is copied into instead; a forged message changes no live tensor, neither its
@@ -41,10 +41,15 @@ def mapped(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(staging, "MAPPED_MIN", 1)
 
 
-def test_swapped_commits_equal_the_reference_and_survive_the_staging_handed_back(mapped) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("parameters", [False, True], ids=["tensors", "parameters"])
+def test_swapped_commits_equal_the_reference_and_survive_the_staging_handed_back(
+    mapped, parameters
+) -> None:  # type: ignore[no-untyped-def]
     case = split_case()
     values = [canonical(80 + v) for v in range(4)]
     lives = [case.live(r, values[0]) for r in range(case.world)]
+    if parameters:  # an engine's parameters, as autograd leaves
+        lives = [{k: torch.nn.Parameter(v) for k, v in live.items()} for live in lives]
     objects = [dict(live) for live in lives]  # the tensor objects the caller holds
 
     def body(rank: int, store: Any) -> list[tuple[int, bool, bool]]:
@@ -73,6 +78,7 @@ def test_swapped_commits_equal_the_reference_and_survive_the_staging_handed_back
     for rank in range(case.world):
         n = len(lives[rank])
         assert all(lives[rank][k] is t for k, t in objects[rank].items())
+        assert all(t.requires_grad == parameters for t in lives[rank].values())
         assert seen[rank] == [(n, True, n > 0)] * 4, (rank, seen[rank])
     assert all(len(lives[r]) > 0 for r in case.dst_ranks)
 
