@@ -25,6 +25,7 @@ import attrs
 
 from areal_fn.errors import LayoutError
 from areal_fn.layouts.layout import FusionPiece, Layout, LayoutKind, LogicalTensor
+from areal_fn.layouts.vocab import vocab_tensors
 from areal_fn.model.hf_memory import hf_memory_view
 from areal_fn.model.spec import ModelSpec
 from areal_fn.sharding.mesh import Axis, Mesh
@@ -103,28 +104,36 @@ def fsdp2_data_mesh(mesh: Mesh, cp: int) -> Mesh:
     return mesh.split(Axis.DP_SHARD, dp_shard=shards // cp, cp=cp)
 
 
-def tp_placement(name: str, options: Fsdp2Options) -> Placement:
-    """The TP placement of a parameter by its role (its name's suffix)."""
+def tp_placement(name: str, options: Fsdp2Options, *, vocab: bool) -> Placement:
+    """The TP placement of a parameter by its role (its name's suffix; ``vocab``: a
+    vocabulary tensor, :func:`~areal_fn.layouts.vocab.vocab_tensors`)."""
     if name.endswith("self_attn.sinks"):
         return Shard(dim=0)  # one per head, beside the column-wise q/k/v heads
     if name.endswith(_COLWISE) and ".experts." not in name:
         return Shard(dim=0)
     if name.endswith(_ROWWISE) and ".experts." not in name:
         return Shard(dim=1)
-    if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+    if vocab:
         return Shard(dim=0) if options.tp_embeddings else Replicate()
     return Replicate()
 
 
 def fsdp2_sharding(
-    name: str, shape: tuple[int, ...], dims: ParallelDims, mesh: Mesh, options: Fsdp2Options
+    name: str,
+    shape: tuple[int, ...],
+    dims: ParallelDims,
+    mesh: Mesh,
+    options: Fsdp2Options,
+    *,
+    vocab: bool,
 ) -> Sharding:
-    """The sharding FSDP2 (+TP) gives parameter ``name`` of ``shape`` on ``mesh``.
+    """The sharding FSDP2 (+TP) gives parameter ``name`` of ``shape`` on ``mesh``
+    (``vocab``: a vocabulary tensor).
 
     ``LayoutError`` when FSDP2 would store the parameter unlike its own placements: a
     TP row-sharded dim not divisible by ``tp`` over more than two FSDP shards.
     """
-    tp = tp_placement(name, options)
+    tp = tp_placement(name, options, vocab=vocab)
     dp_shard = mesh.axis_size(Axis.DP_SHARD)
     row_tp = isinstance(tp, Shard) and tp.dim == 0 and dims.tp > 1
     if row_tp and shape[0] % dims.tp and dp_shard > 2:
@@ -167,13 +176,14 @@ def fsdp2_layout(
     )
     mesh = fsdp2_mesh(dims, options)
     tensors = []
+    vocab = vocab_tensors(model)
     for mt in hf_memory_view(model):
-        if model.tie_word_embeddings and mt.name == "lm_head.weight":
+        if model.tie_word_embeddings and mt.name == model.family.outer.output:
             continue  # the same Parameter as the embedding
         sharding = (  # FSDP2 shards parameters; a buffer stays whole on every rank
             Sharding.replicated(mesh)
             if mt.buffer
-            else fsdp2_sharding(mt.name, mt.shape, dims, mesh, options)
+            else fsdp2_sharding(mt.name, mt.shape, dims, mesh, options, vocab=mt.name in vocab)
         )
         fusion = tuple(
             FusionPiece(

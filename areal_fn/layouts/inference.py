@@ -45,6 +45,7 @@ Mesh: ``(dp, pp, tp)``, replicas outermost; ``tp`` varies fastest.
 """
 
 from areal_fn.layouts.layout import FusionPiece, Layout, LayoutKind, LogicalTensor
+from areal_fn.layouts.vocab import vocab_tensors
 from areal_fn.model.spec import ModelSpec, layer_of
 from areal_fn.model.tensor_spec import TensorSpec
 from areal_fn.sharding.box import Box
@@ -71,7 +72,6 @@ def layer_stage(layer: int, num_layers: int, pp: int) -> int:
 
 
 #: Weight names (suffixes) by their ``tp`` placement.
-_VOCAB = ("embed_tokens.weight", "lm_head.weight", "shared_head.head.weight")
 _KV = ("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")
 _COLUMN = (
     "q_proj.weight",
@@ -126,7 +126,7 @@ def _stage(name: str, model: ModelSpec, pp: int) -> int:
         return pp - 1  # a multi-token-prediction layer: after the last decoder layer
     if layer is not None:
         return layer_stage(layer, model.num_layers, pp)
-    if name.startswith("model.embed_tokens"):
+    if name == model.family.outer.embedding:
         return 0
     return pp - 1
 
@@ -141,12 +141,13 @@ _STACKED = (
 )
 
 
-def _tp_placement(name: str) -> Placement:
-    """The ``tp`` placement of canonical tensor ``name`` (KV weights: on ``tp_kv``)."""
+def _tp_placement(name: str, *, vocab: bool) -> Placement:
+    """The ``tp`` placement of canonical tensor ``name`` (KV weights: on ``tp_kv``;
+    ``vocab``: a vocabulary tensor)."""
     for suffix, placement in _STACKED:
         if name.endswith(suffix):
             return placement
-    if name.endswith(_VOCAB + _KV + _COLUMN):
+    if vocab or name.endswith(_KV + _COLUMN):
         return Shard(dim=0)
     if name.endswith(_ROW):
         return Shard(dim=1)
@@ -162,8 +163,9 @@ def _logical_tensor(
     fusion = (
         FusionPiece(canonical=name, canonical_box=Box.full(shape), logical_box=Box.full(shape)),
     )
-    lshape = (vpad, shape[1]) if name.endswith(_VOCAB) else shape
-    placement = _tp_placement(name)
+    vocab = name in vocab_tensors(model)
+    lshape = (vpad, shape[1]) if vocab else shape
+    placement = _tp_placement(name, vocab=vocab)
     placements: tuple[Placement, ...]
     if name.endswith(_KV):
         m = kv_mesh
@@ -189,12 +191,12 @@ def _tied_output_layer(
     hidden = model.hidden_size
     rows = Box(ranges=((0, model.vocab_size), (0, hidden)))
     return LogicalTensor(
-        name="lm_head.weight",
+        name=model.family.outer.output,
         shape=(vpad, hidden),
         dtype=model.dtype,
         fusion=(
             FusionPiece(
-                canonical="model.embed_tokens.weight", canonical_box=rows, logical_box=rows
+                canonical=model.family.outer.embedding, canonical_box=rows, logical_box=rows
             ),
         ),
         sharding=Sharding(mesh=mesh, placements=(Replicate(), Replicate(), Shard(dim=0))),

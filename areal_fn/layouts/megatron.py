@@ -397,19 +397,20 @@ class _Builder:
         if mtp and self.model.tie_word_embeddings and self.dims.pp == 1:
             tied += self._mtp_names("shared_head.head.weight")
         name = pre + "embedding.word_embeddings.weight"
-        self.vocab(name, "model.embed_tokens.weight", stage, tied)
+        self.vocab(name, self.model.family.outer.embedding, stage, tied)
 
     def final_norm(self, pre: str, stage: int) -> None:
         hid = self.model.hidden_size
-        norm = ((hid,), _full("model.norm.weight", (hid,)))
+        norm = ((hid,), _full(self.model.family.outer.final_norm, (hid,)))
         self.add(pre + "decoder.final_layernorm.weight", norm, Replicate(), ((Axis.PP, stage),))
 
     def head(self, pre: str, stage: int) -> None:
         heads = self._mtp_names("shared_head.head.weight")
+        outer = self.model.family.outer
         if not self.model.tie_word_embeddings:
-            self.vocab(pre + "output_layer.weight", "lm_head.weight", stage, heads)
+            self.vocab(pre + "output_layer.weight", outer.output, stage, heads)
         elif self.dims.pp > 1:
-            self.vocab(pre + "output_layer.weight", "model.embed_tokens.weight", stage, heads)
+            self.vocab(pre + "output_layer.weight", outer.embedding, stage, heads)
 
     def mtp(self, pre: str, stage: int) -> None:
         """Megatron-Core's MTP block on the last chunk: per layer ``enorm``, ``hnorm``,

@@ -1,4 +1,4 @@
-"""Megatron's vocabulary padding rule.
+"""Megatron's vocabulary padding rule, and which tensors are vocabulary tensors.
 
 Megatron pads the embedding and output layer to a multiple of
 ``make_vocab_size_divisible_by * tensor_model_parallel_size`` (its
@@ -7,7 +7,11 @@ already on a multiple is not padded). The padded rows have no canonical source: 
 are pieces of padding in a layout, never checkpoint data.
 """
 
+import functools
+
 from areal_fn.errors import SpecError
+from areal_fn.model.mtp import MTP_VOCAB
+from areal_fn.model.spec import ModelSpec
 from areal_fn.typecheck import beartype
 
 
@@ -33,3 +37,13 @@ def padded_vocab_size(vocab_size: int, *, tp: int, divisible_by: int = 128) -> i
 def vocab_padding(vocab_size: int, *, tp: int, divisible_by: int = 128) -> int:
     """Number of padding rows Megatron adds: ``padded_vocab_size(...) - vocab_size``."""
     return padded_vocab_size(vocab_size, tp=tp, divisible_by=divisible_by) - vocab_size
+
+
+@functools.lru_cache(maxsize=16)
+def vocab_tensors(model: ModelSpec) -> frozenset[str]:
+    """The canonical tensors with a row per token (padded and split like the vocabulary):
+    the family's embedding and output layer (``Family.outer``) and each MTP layer's own
+    embedding copy and head."""
+    outer = model.family.outer
+    mtp = {f"model.layers.{i}.{leaf}" for i in model.mtp_layer_ids for leaf in MTP_VOCAB}
+    return frozenset({outer.embedding, outer.output, *mtp})

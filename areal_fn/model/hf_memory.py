@@ -149,8 +149,9 @@ def _memory_view(spec: ModelSpec) -> tuple[MemoryTensor, ...]:
             continue
         out.append(_whole(t.name, t.shape, t.dtype, buffer=rel in buffers))
     if spec.tie_word_embeddings:
-        embed = spec.tensor("model.embed_tokens.weight")
-        out.append(_whole("lm_head.weight", embed.shape, embed.dtype, source=embed.name))
+        outer = spec.family.outer
+        embed = spec.tensor(outer.embedding)
+        out.append(_whole(outer.output, embed.shape, embed.dtype, source=embed.name))
     return tuple(out)
 
 

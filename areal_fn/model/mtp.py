@@ -57,6 +57,9 @@ from areal_fn.model.tensor_spec import layer_of
 
 #: The config key giving the number of MTP layers.
 MTP_KEY = "num_nextn_predict_layers"
+#: An MTP layer's own vocabulary tensors (relative to the layer): its embedding copy and
+#: its head, ``[vocab, H]`` each.
+MTP_VOCAB = ("embed_tokens.weight", "shared_head.head.weight")
 
 Shapes = list[tuple[str, tuple[int, ...], str | None]]
 
@@ -78,7 +81,7 @@ def mtp_shapes(
     for j in range(mtp_layers):
         p = f"model.layers.{num_layers + j}."
         out += [
-            (p + "embed_tokens.weight", (vocab, hidden), None),
+            (p + MTP_VOCAB[0], (vocab, hidden), None),
             (p + "enorm.weight", (hidden,), None),
             (p + "hnorm.weight", (hidden,), None),
             (p + "eh_proj.weight", (hidden, 2 * hidden), None),
@@ -86,7 +89,7 @@ def mtp_shapes(
         out += layer_tensors(table, p, moe=moe, flags=flags, sizes=sizes, num_experts=num_experts)
         out += [
             (p + "shared_head.norm.weight", (hidden,), None),
-            (p + "shared_head.head.weight", (vocab, hidden), None),
+            (p + MTP_VOCAB[1], (vocab, hidden), None),
         ]
     return out
 

@@ -420,7 +420,7 @@ def _canonical_shapes(spec: ModelSpec) -> list[tuple[str, tuple[int, ...], str |
     flags = condition_flags(spec)
     table = spec.family.canonical
     out: list[tuple[str, tuple[int, ...], str | None]] = [
-        ("model.embed_tokens.weight", (spec.vocab_size, hid), None)
+        (spec.family.outer.embedding, (spec.vocab_size, hid), None)
     ]
     for i in range(spec.num_layers):
         out += layer_tensors(
@@ -431,9 +431,9 @@ def _canonical_shapes(spec: ModelSpec) -> list[tuple[str, tuple[int, ...], str |
             sizes=sizes,
             num_experts=spec.num_experts,
         )
-    out.append(("model.norm.weight", (hid,), None))
+    out.append((spec.family.outer.final_norm, (hid,), None))
     if not spec.tie_word_embeddings:
-        out.append(("lm_head.weight", (spec.vocab_size, hid), None))
+        out.append((spec.family.outer.output, (spec.vocab_size, hid), None))
     return out + mtp_shapes(
         table,
         num_layers=spec.num_layers,

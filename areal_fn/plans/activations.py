@@ -149,7 +149,7 @@ def _activations(
 def _fsdp_units(model: ModelSpec) -> tuple[int, ...]:
     """Numels of FSDP2 units: each decoder layer, the embedding, the rest of the root."""
     units = [sum(t.numel for t in model.layer_tensors(i)) for i in range(model.num_layers)]
-    embed = model.tensor("model.embed_tokens.weight").numel
+    embed = model.tensor(model.family.outer.embedding).numel
     rest = sum(t.numel for t in model.tensors if layer_of(t.name) is None) - embed
     return (*units, embed, rest)
 

@@ -34,7 +34,7 @@ from areal_fn.layouts.megatron import (
     final_norm_chunk,
     layer_parameters,
 )
-from areal_fn.layouts.vocab import padded_vocab_size
+from areal_fn.layouts.vocab import padded_vocab_size, vocab_tensors
 from areal_fn.model.hf_memory import hf_memory_view
 from areal_fn.model.spec import ModelSpec, layer_of
 from areal_fn.pipeline.partition import StagePlan
@@ -294,13 +294,17 @@ def fsdp2_census(
     mesh = fsdp2_mesh(dims, options)
     b = _Builder()
     replicated = b.intern(Sharding.replicated(mesh), b.shardings)
+    vocab = vocab_tensors(model)
     for mt in hf_memory_view(model):
-        if model.tie_word_embeddings and mt.name == "lm_head.weight":
+        if model.tie_word_embeddings and mt.name == model.family.outer.output:
             continue  # the same Parameter as the embedding
         sharding = (  # a buffer stays whole on every rank, as in fsdp2_layout
             replicated
             if mt.buffer
-            else b.intern(fsdp2_sharding(mt.name, mt.shape, dims, mesh, options), b.shardings)
+            else b.intern(
+                fsdp2_sharding(mt.name, mt.shape, dims, mesh, options, vocab=mt.name in vocab),
+                b.shardings,
+            )
         )
         b.add(mt.shape, sharding, ())
     b.add_layers(b.intern(mesh, b.meshes), (), range(model.num_layers))

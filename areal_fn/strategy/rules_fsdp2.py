@@ -35,7 +35,7 @@ def _fsdp2_vocab(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
     if not o.tp_embeddings:
         return None
     remedy = "use tp_embeddings=False (Fsdp2Options) for the vocabulary"
-    return _uneven_rows("model.embed_tokens.weight", m.vocab_size, d, o, remedy)
+    return _uneven_rows(m.family.outer.embedding, m.vocab_size, d, o, remedy)
 
 
 def _fsdp2_shared(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:

@@ -1,6 +1,8 @@
 """A family's facts live in its module: no module outside ``model/families/`` names a
 registered ``model_type`` in its code (docstrings may), so adding a family never edits
-a rule, a layout or a builder for a ``model_type`` check.
+a rule, a layout or a builder for a ``model_type`` check; nor the full checkpoint name
+of a tensor outside the decoder layers (``Family.outer``: embedding, final norm,
+output layer).
 
 Exempt, with the reason: ``model/demo.py`` (the main job's own ``config.json``, a
 ``qwen2`` model by choice) and ``testing/`` (hypothesis strategies that draw each
@@ -54,3 +56,17 @@ def test_the_check_finds_a_literal(tmp_path: pathlib.Path) -> None:
     src = tmp_path / "m.py"
     src.write_text('"""A llama model."""\n\n\ndef f(m):\n    return m.model_type == "llama"\n')
     assert _model_type_literals(src, set(FAMILIES), tmp_path) == ["m.py:5: 'llama'"]
+
+
+def test_no_module_outside_the_families_names_an_outer_tensor() -> None:
+    names = {
+        n
+        for f in FAMILIES.values()
+        for n in (f.outer.embedding, f.outer.final_norm, f.outer.output)
+    }
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if not rel.startswith(EXEMPT):
+            found += _model_type_literals(path, names)
+    assert found == [], "outer tensor names outside model/families/:\n" + "\n".join(found)

@@ -17,7 +17,7 @@ import attrs
 
 from areal_fn.errors import SpecError
 from areal_fn.model.families.mapping import HfTensor, LayerKind, MegatronTensor
-from areal_fn.model.families.serving import Serving
+from areal_fn.model.families.serving import OuterTensors, Serving
 from areal_fn.typecheck import beartype
 
 #: How a config class switches sliding-window attention on (see :class:`Family`).
@@ -198,6 +198,8 @@ class Family:
       (every Megatron layout is refused with it), or empty.
     - ``fsdp2_tp_refusal``: why the FSDP2 engine cannot run the family under ``tp > 1``,
       or empty.
+    - ``outer``: the checkpoint names of the embedding, final norm and output layer
+      (:class:`~areal_fn.model.families.serving.OuterTensors`).
     - ``serving``: what the serving and building paths need beyond the tables
       (:class:`~areal_fn.model.families.serving.Serving`: vLLM's fused layout, the
       Megatron builder's yarn rope, engines that cannot serve tied models).
@@ -258,6 +260,7 @@ class Family:
     megatron_refusal: str = ""
     fsdp2_tp_refusal: str = ""
     serving: Serving = attrs.field(factory=Serving)
+    outer: OuterTensors = attrs.field(factory=OuterTensors)
 
     def default(self, key: str) -> object:
         for k, v in self.defaults:

@@ -1,8 +1,9 @@
-"""What a family's serving and building paths need to know beyond its tensor tables:
-a :class:`Serving` record, one field of :class:`~areal_fn.model.families.Family`.
+"""What a family says beyond its decoder-layer tables: the tensors outside the layers
+(:class:`OuterTensors`) and what its serving and building paths need (:class:`Serving`),
+two fields of :class:`~areal_fn.model.families.Family`.
 
-The strategy rules, the vLLM layout and the Megatron builder read these fields; none of
-them names a ``model_type``.
+The specs, layouts, memory estimates, strategy rules, the vLLM layout and the Megatron
+builder read these fields; none of them names a ``model_type`` or these tensors.
 """
 
 from collections.abc import Iterable
@@ -40,3 +41,20 @@ class Serving:
     vllm_layout: bool = False
     megatron_yarn: bool = False
     tied_refusals: tuple[TiedRefusal, ...] = attrs.field(default=(), converter=_refusals)
+
+
+@attrs.frozen(kw_only=True)
+class OuterTensors:
+    """The checkpoint names of the tensors outside the decoder layers: the token
+    ``embedding`` ``[vocab, hidden]``, the ``final_norm`` ``[hidden]`` and the ``output``
+    layer ``[vocab, hidden]`` (absent from a tied model's checkpoint, where the
+    embedding serves). The default is every supported family's (Llama's naming)."""
+
+    embedding: str = "model.embed_tokens.weight"
+    final_norm: str = "model.norm.weight"
+    output: str = "lm_head.weight"
+
+    @property
+    def embedding_module(self) -> str:
+        """The module holding :attr:`embedding` (its name without ``.weight``)."""
+        return self.embedding.removesuffix(".weight")

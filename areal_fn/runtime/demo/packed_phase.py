@@ -150,7 +150,7 @@ def _fsdp2_hooks(engine: Any) -> tuple[Seen, Callable[[], None]]:
     m = engine.model
     return _hooks(
         [
-            (m.get_submodule("model.embed_tokens"), "input", 1),
+            (m.get_submodule(engine.spec.family.outer.embedding_module), "input", 1),
             (m.get_submodule("model.layers.0.self_attn"), "hidden_states", 1),
         ]
     )
