@@ -4,6 +4,7 @@
 
 from typing import Any
 
+from areal_fn.model import linear_attention as lin
 from areal_fn.model.families.mapping import CONDITIONS, Dim
 
 
@@ -26,6 +27,7 @@ def dim_sizes(spec: Any) -> dict[Dim, int]:
         Dim.KV_A_OUT: spec.kv_lora_rank + spec.qk_rope_head_dim,
         Dim.KV_B_OUT: spec.num_attention_heads * (spec.qk_nope_head_dim + spec.v_head_dim),
         Dim.V_OUT: spec.num_attention_heads * spec.v_head_dim,
+        **lin.linear_sizes(spec),
         Dim.INDEX_HEAD_DIM: spec.index_head_dim,
         Dim.INDEX_HEADS: spec.index_n_heads,
         Dim.INDEX_Q_OUT: spec.index_n_heads * spec.index_head_dim,

@@ -60,18 +60,16 @@ def _indexer_types(
 
 
 def dsa_fields(
-    cfg: Mapping[str, object],
-    fam: Any,
-    fields: Mapping[str, object],
-    integer: Callable[[str, int], int],
+    cfg: Mapping[str, object], fam: Any, integer: Callable[[str, int], int]
 ) -> dict[str, object]:
     """The :class:`~areal_fn.model.spec.ModelSpec` fields of the indexer of a DSA config
-    ``cfg`` whose other fields are ``fields`` (``integer`` reads an int key with the
+    ``cfg`` (none for a family without one; ``integer`` reads an int key with the
     family's defaults and a minimum)."""
-    moe_layers = fields["moe_layers"]
-    assert isinstance(moe_layers, tuple)  # read before the indexer
-    mt, layers = fam.model_type, len(moe_layers)
-    _check_mlp_layer_types(cfg, moe_layers)
+    if not fam.indexer:
+        return {}
+    mt, layers = fam.model_type, integer("num_hidden_layers", 1)
+    dense = min(integer("first_k_dense_replace", 0), layers)
+    _check_mlp_layer_types(cfg, (False,) * dense + (True,) * (layers - dense))
     kinds = cfg.get("layer_types")
     if kinds is not None and (
         isinstance(kinds, str) or not isinstance(kinds, Sequence) or set(kinds) != {INDEXED}

@@ -14,9 +14,14 @@ import math
 from collections.abc import Mapping, Sequence
 
 from areal_fn.errors import SpecError, UnsupportedConfigError
-from areal_fn.model.dsa import dsa_fields
 from areal_fn.model.families import FAMILIES, MODEL_TYPE_ALIASES, Family, family
 from areal_fn.model.layer_types import sliding_fields, split_layer_rope
+from areal_fn.model.linear_attention import (
+    check_layer_kinds,
+    linear_fields,
+    text_config,
+    without_rope_keys,
+)
 from areal_fn.model.mla import mla_fields
 from areal_fn.model.mtp import MTP_KEY
 from areal_fn.model.tensor_spec import dtype_name
@@ -225,10 +230,12 @@ def _check_sliding_window(c: _Config, layers: int) -> None:
                 f"layer_types has {len(kinds)} entries but num_hidden_layers={layers}; give one "
                 f"attention kind per layer"
             )
+        if fam.linear_attention:
+            check_layer_kinds(fam, kinds)
         absent = fam.sliding_window == "absent"
         allowed = ("full_attention",) if absent else ("full_attention", "sliding_attention")
         for i, kind in enumerate(kinds):
-            if kind not in allowed:
+            if kind not in allowed and not fam.linear_attention:
                 modelled = (
                     ""
                     if absent
@@ -314,9 +321,9 @@ def _spec_fields(raw: Mapping[str, object], *, mtp: bool = False) -> dict[str, o
             f"config has model_type={model_type!r}; an HF config.json names its model_type, "
             f"one of {sorted(FAMILIES)}"
         )
-    model_type = _resolve_alias(raw, model_type)
+    raw, model_type = _resolve_alias(raw, model_type)
     fam = family(model_type)
-    flat, local_theta = split_layer_rope(raw, fam)
+    flat, local_theta = split_layer_rope(without_rope_keys(raw, fam), fam)
     c = _Config(flat, fam)
     hidden = c.integer("hidden_size")
     heads = c.integer("num_attention_heads")
@@ -361,6 +368,7 @@ def _spec_fields(raw: Mapping[str, object], *, mtp: bool = False) -> dict[str, o
         fields.update(mla_fields(c.cfg, c.get, c.integer, model_type))
     if fam.sliding_window == "layer_types":
         fields.update(sliding_fields(c.cfg, fam, layers, c.integer))
+    fields.update(linear_fields(c.cfg, fam, layers, c.integer) if fam.linear_attention else {})
     if fam.has_default("rope_local_base_freq"):
         fields["rope_local_theta"] = _local_theta(c, local_theta)
     if fam.attn_scalar:
@@ -378,8 +386,6 @@ def _spec_fields(raw: Mapping[str, object], *, mtp: bool = False) -> dict[str, o
             else c.flag("norm_topk_prob"),
             moe_layers=_first_k_dense(c, layers) if fam.first_k_dense else _moe_layers(c, layers),
         )
-        if fam.indexer:
-            fields.update(dsa_fields(c.cfg, fam, fields, c.integer))
     else:
         fields["moe_layers"] = (False,) * layers
     if mtp and fam.mtp:
@@ -387,12 +393,14 @@ def _spec_fields(raw: Mapping[str, object], *, mtp: bool = False) -> dict[str, o
     return fields
 
 
-def _resolve_alias(raw: Mapping[str, object], model_type: str) -> str:
-    """The family of an aliased ``model_type`` (:data:`MODEL_TYPE_ALIASES`), which the
-    config's ``architectures`` must name."""
+def _resolve_alias(raw: Mapping[str, object], model_type: str) -> tuple[Mapping[str, object], str]:
+    """The config and family of an aliased ``model_type`` (:data:`MODEL_TYPE_ALIASES`),
+    which the config's ``architectures`` must name, or of a multimodal one whose text
+    model is read (:func:`~areal_fn.model.linear_attention.text_config`)."""
+    raw, model_type = text_config(raw, model_type)
     target = dict(MODEL_TYPE_ALIASES).get(model_type)
     if target is None:
-        return model_type
+        return raw, model_type
     arch = FAMILIES[target].architecture
     if raw.get("architectures") != [arch]:
         raise SpecError(
@@ -400,7 +408,7 @@ def _resolve_alias(raw: Mapping[str, object], model_type: str) -> str:
             f"is [{arch!r}], but it is {raw.get('architectures')!r}; set architectures to "
             f"[{arch!r}] or model_type to a supported one"
         )
-    return target
+    return raw, target
 
 
 def _dtype(value: object) -> str:

@@ -16,7 +16,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from areal_fn.errors import SpecError
-from areal_fn.model.dsa import dsa_config
+from areal_fn.model.dsa import dsa_config, dsa_fields
+from areal_fn.model.families import family
 
 #: ModelSpec fields only multi-latent attention sets (0 / True elsewhere).
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "v_head_dim")
@@ -89,6 +90,7 @@ def mla_fields(
         "v_head_dim": integer("v_head_dim", 1),
         "head_dim": integer("qk_nope_head_dim", 1) + rope,
         "rope_interleave": interleave,
+        **dsa_fields(raw, family(model_type), integer),
     }
 
 

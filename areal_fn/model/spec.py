@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 import attrs
 
 from areal_fn.errors import SpecError
+from areal_fn.model import linear_attention as lin
 from areal_fn.model.dims import condition_flags as condition_flags
 from areal_fn.model.dims import dim_sizes as dim_sizes
 from areal_fn.model.dsa import layer_flags
@@ -135,9 +136,11 @@ class ModelSpec:
     others (:mod:`areal_fn.model.mtp`; 0 unless read with ``mtp=True``). Gemma 3:
     ``rope_local_theta`` the sliding layers' rope base (``None`` elsewhere: one base),
     ``query_pre_attn_scalar`` the attention scale's ``d`` in ``d ** -0.5`` (0 elsewhere:
-    ``head_dim``). DeepSeek sparse attention (:mod:`areal_fn.model.dsa`): the indexer's
-    ``index_n_heads``, ``index_head_dim``, ``index_topk``; ``indexer_layers[i]`` is True
-    when layer ``i`` runs its own indexer (0 and empty elsewhere).
+    ``head_dim``). Qwen3-Next, Qwen3.5: ``linear_attention`` and ``shared_expert_size``
+    (:mod:`areal_fn.model.linear_attention`; ``None`` and 0 elsewhere). DeepSeek sparse
+    attention (:mod:`areal_fn.model.dsa`): the indexer's ``index_n_heads``,
+    ``index_head_dim``, ``index_topk``; ``indexer_layers[i]`` is True when layer ``i``
+    runs its own indexer (0 and empty elsewhere).
     """
 
     model_type: str = attrs.field(validator=_check_model_type)
@@ -188,6 +191,8 @@ class ModelSpec:
     index_head_dim: int = attrs.field(default=0, validator=_nonneg)
     index_topk: int = attrs.field(default=0, validator=_nonneg)
     indexer_layers: tuple[bool, ...] = attrs.field(default=(), converter=_indexer_bools)
+    linear_attention: lin.LinearAttention | None = attrs.field(default=None, validator=lin.check)
+    shared_expert_size: int = attrs.field(default=0, validator=_nonneg)
 
     def __attrs_post_init__(self) -> None:
         check_model(self)
@@ -379,7 +384,7 @@ class ModelSpec:
             cfg["sliding_window"] = None
         if fam.clamped_swiglu:
             cfg["swiglu_alpha"], cfg["swiglu_limit"] = self.swiglu_alpha, self.swiglu_limit
-        cfg = layer_type_config(self, cfg)
+        cfg = lin.linear_config(self, layer_type_config(self, cfg))
         if fam.mtp:
             cfg[MTP_KEY] = self.mtp_layers
         return dict(sorted(cfg.items()))
@@ -430,6 +435,7 @@ def _canonical_shapes(spec: ModelSpec) -> list[tuple[str, tuple[int, ...], str |
             flags=layer_flags(spec, flags, i),
             sizes=sizes,
             num_experts=spec.num_experts,
+            linear=lin.is_linear_layer(spec, i),
         )
     out.append((spec.family.outer.final_norm, (hid,), None))
     if not spec.tie_word_embeddings:

@@ -8,6 +8,7 @@ import attrs
 from areal_fn.errors import SpecError
 from areal_fn.model.dsa import check_dsa
 from areal_fn.model.families.mapping import LayerKind
+from areal_fn.model.linear_attention import check_linear
 from areal_fn.model.mla import check_mla
 from areal_fn.model.routing import check_groups, check_rotary
 
@@ -115,6 +116,7 @@ def check_model(spec: Any) -> None:
     _check_mtp(spec)
     _check_window_and_swiglu(spec)
     _check_layer_rope(spec)
+    check_linear(spec)
     heads, kv = spec.num_attention_heads, spec.num_key_value_heads
     if heads % kv:
         raise SpecError(

@@ -196,6 +196,8 @@ def _draw_moe(
         _draw_gpt_oss(draw, cfg, max_experts)
     elif fam.sliding_window == "layer_types":
         _draw_layer_types(draw, cfg, fam)
+    elif fam.linear_attention:
+        _draw_linear(draw, cfg, fam, layers, max_experts)
     elif fam.moe:
         experts = draw(st.integers(1, max_experts))
         cfg["num_local_experts" if draw(st.booleans()) else "num_experts"] = experts
@@ -262,3 +264,41 @@ def model_specs(
     the multi-token-prediction layers the config declares; ``megatron``: of a family
     Megatron-Core can express)."""
     return model_from_hf_config(draw(hf_configs(family, megatron=megatron, **kwargs)), mtp=mtp)
+
+
+def _draw_linear(
+    draw: st.DrawFn, cfg: dict[str, object], fam: Family, layers: int, max_experts: int
+) -> None:
+    """Qwen3-Next, Qwen3.5: head_dim a multiple of 8 (a quarter of it rotates, in pairs),
+    small gated-delta-net heads, the layer kinds from ``layer_types`` or the interval, and
+    the MoE keys with the gated shared expert (Qwen3.5-MoE: no dense MLP keys)."""
+    cfg["head_dim"] = 8 * draw(st.integers(1, 2))
+    key_heads = draw(st.integers(1, 2))
+    cfg["linear_num_key_heads"] = key_heads
+    cfg["linear_num_value_heads"] = key_heads * draw(st.integers(1, 2))
+    cfg["linear_key_head_dim"] = draw(st.integers(1, 6))
+    cfg["linear_value_head_dim"] = draw(st.integers(1, 6))
+    cfg["linear_conv_kernel_dim"] = draw(st.integers(1, 4))
+    if draw(st.booleans()):
+        cfg["layer_types"] = draw(
+            st.lists(
+                st.sampled_from(["linear_attention", "full_attention"]),
+                min_size=layers,
+                max_size=layers,
+            )
+        )
+    else:
+        _maybe(draw, cfg, "full_attention_interval", st.integers(1, 3))
+    if not fam.moe:
+        return
+    experts = draw(st.integers(1, max_experts))
+    cfg["num_experts"] = experts
+    cfg["num_experts_per_tok"] = draw(st.integers(1, experts))
+    cfg["moe_intermediate_size"] = draw(st.integers(1, 16))
+    cfg["shared_expert_intermediate_size"] = draw(st.integers(1, 16))
+    if fam.has_default("norm_topk_prob"):  # Qwen3-Next; Qwen3.5-MoE has every layer MoE
+        _maybe(draw, cfg, "decoder_sparse_step", st.integers(1, 3))
+        _maybe(draw, cfg, "mlp_only_layers", st.lists(st.integers(0, layers - 1), unique=True))
+        _maybe(draw, cfg, "norm_topk_prob", st.booleans())
+    else:
+        cfg.pop("intermediate_size")

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from areal_fn.layouts.vocab import padded_vocab_size, vocab_padding
 from areal_fn.model.hf_memory import hf_memory_view
+from areal_fn.model.linear_attention import LinearAttention  # noqa: F401 (eval of a repr)
 from areal_fn.model.spec import ModelSpec, load_hf_config, model_from_hf_config
 from areal_fn.model.tensor_spec import TensorSpec
 from areal_fn.sharding.box import Box
@@ -49,6 +50,11 @@ PUBLISHED = {
     # the Hugging Face pages' safetensors counts: 7.3B (the name says 7B) and 1B
     "Olmo-3-1025-7B": (7.3, None),
     "gemma-3-1b-it": (1.0, None),
+    # Qwen's cards: 80B; 27B and 35B counting the vision encoder, which the text model
+    # (our spec of a published Qwen3.5 config) lacks: ours 79.67B, 26.90B, 34.66B
+    "Qwen3-Next-80B-A3B-Instruct": (80.0, None),
+    "Qwen3.5-27B": (27.0, None),
+    "Qwen3.5-35B-A3B": (35.0, None),
     # MiniMax's model card: "230 billion total parameters" (ours 228.7B)
     "MiniMax-M2": (230.0, None),
 }
@@ -62,6 +68,7 @@ TOLERANCE = {
     "GLM-4.5": 0.01,
     "GLM-4.5-Air": 0.01,
     "Kimi-K2-Instruct": 0.03,
+    "Qwen3.5-35B-A3B": 0.01,
     "MiniMax-M2": 0.01,  # the card's "230B" has two significant figures
 }
 
@@ -78,11 +85,14 @@ PUBLISHED_ACTIVE = {
     "Kimi-K2-Instruct": 32.0,
     "gpt-oss-120b": 5.13,
     "gpt-oss-20b": 3.61,
+    # NVIDIA's model card of Qwen3-Next-80B-A3B: 3.9B active; Qwen's Qwen3.5-35B-A3B: "3B"
+    "Qwen3-Next-80B-A3B-Instruct": 3.9,
+    "Qwen3.5-35B-A3B": 3.0,
     "MiniMax-M2": 10.0,
 }
 
 #: Active-count bands wider than 2%: Kimi-K2's card gives "32B activated" (ours 32.86B).
-ACTIVE_TOLERANCE = {"Kimi-K2-Instruct": 0.03}
+ACTIVE_TOLERANCE = {"Kimi-K2-Instruct": 0.03, "Qwen3.5-35B-A3B": 0.15}  # "3B": ours 3.45B
 
 #: Model cards whose active count leaves out the embedding and output layer.
 ACTIVE_WITHOUT_EMBEDDINGS = ("GLM-4.5", "GLM-4.5-Air", "MiniMax-M2")

@@ -200,6 +200,12 @@ class Family:
       or empty.
     - ``outer``: the checkpoint names of the embedding, final norm and output layer
       (:class:`~areal_fn.model.families.serving.OuterTensors`).
+    - ``linear_attention``: some layers are gated-delta-net linear attention, as
+      ``layer_types`` / ``full_attention_interval`` say (:mod:`areal_fn.model.linear_attention`).
+    - ``sequence_refusal``: why the engines cannot split a sequence over ranks (Ulysses,
+      context parallelism) or pack sequences into one row for the family, or empty.
+    - ``ignored_rope_keys``: ``rope_parameters`` keys that change nothing for text input
+      (Qwen3.5's multimodal ``mrope_section``: with one position per token it is plain rope).
     - ``serving``: what the serving and building paths need beyond the tables
       (:class:`~areal_fn.model.families.serving.Serving`: vLLM's fused layout, the
       Megatron builder's yarn rope, engines that cannot serve tied models).
@@ -259,6 +265,9 @@ class Family:
     attn_scalar: bool = False
     megatron_refusal: str = ""
     fsdp2_tp_refusal: str = ""
+    linear_attention: bool = False
+    sequence_refusal: str = ""
+    ignored_rope_keys: tuple[str, ...] = attrs.field(default=(), converter=_strs)
     serving: Serving = attrs.field(factory=Serving)
     outer: OuterTensors = attrs.field(factory=OuterTensors)
 
@@ -287,7 +296,9 @@ def _registry() -> dict[str, Family]:
         olmo3,
         qwen2,
         qwen3,
+        qwen3_5,
         qwen3_moe,
+        qwen3_next,
     )
 
     fams = (
@@ -304,7 +315,10 @@ def _registry() -> dict[str, Family]:
         olmo3.FAMILY,
         qwen2.FAMILY,
         qwen3.FAMILY,
+        qwen3_5.FAMILY,
+        qwen3_5.MOE_FAMILY,
         qwen3_moe.FAMILY,
+        qwen3_next.FAMILY,
     )
     return {f.model_type: f for f in sorted(fams, key=lambda f: f.model_type)}
 
@@ -313,6 +327,13 @@ def _registry() -> dict[str, Family]:
 #: family whose architecture they declare (Kimi-K2's ``kimi_k2`` configs name
 #: ``DeepseekV3ForCausalLM``).
 MODEL_TYPE_ALIASES: tuple[tuple[str, str], ...] = (("kimi_k2", "deepseek_v3"),)
+
+#: ``model_type`` values of published multimodal configs whose text model is a family:
+#: the config's ``text_config`` is read (Qwen3.5's ``qwen3_5`` holds a ``qwen3_5_text``).
+TEXT_CONFIG_TYPES: tuple[tuple[str, str], ...] = (
+    ("qwen3_5", "qwen3_5_text"),
+    ("qwen3_5_moe", "qwen3_5_moe_text"),
+)
 
 #: Every supported family, keyed by ``model_type`` (sorted).
 FAMILIES: dict[str, Family] = _registry()

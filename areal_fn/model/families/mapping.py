@@ -26,7 +26,8 @@ A record says
   Transformer-Engine spec where that differs;
 - ``when``: a boolean :class:`~areal_fn.model.spec.ModelSpec` field that must be true
   for the parameter to exist (``qkv_bias``, ``qk_norm``, ...), or ``None``;
-- ``layers``: which layers have it (:class:`LayerKind`).
+- ``layers``: which layers have it (:class:`LayerKind`); ``mixer``: which token mixer
+  a layer must have for it (:class:`Mixer`: full or gated-delta-net linear attention).
 """
 
 import enum
@@ -36,6 +37,7 @@ from typing import TypeVar
 import attrs
 
 from areal_fn.errors import SpecError
+from areal_fn.model.families.mixer import Mixer
 from areal_fn.sharding.placement import Placement, Replicate, Shard, StridedShard
 
 
@@ -98,6 +100,7 @@ CONDITIONS = (
     "qk_norm",
     "router_bias",
     "num_shared_experts",
+    "shared_expert_size",
     "q_lora_rank",
     "q_direct",
     "index_n_heads",
@@ -122,6 +125,19 @@ class Dim(enum.Enum):
     EXPERTS = "num_experts"
     #: ``num_shared_experts * moe_intermediate_size``: the shared experts' fused width.
     SHARED_INTER = "num_shared_experts * moe_intermediate_size"
+    #: ``2 * num_attention_heads * head_dim``: per head ``[q_h; gate_h]`` (gated attention output).
+    GATED_Q_OUT = "2 * num_attention_heads * head_dim"
+    #: The gated shared expert's width (``shared_expert_intermediate_size``).
+    SHARED_EXPERT = "shared_expert_size"
+    ONE = "1"
+    #: Gated delta net (:class:`~areal_fn.model.linear_attention.LinearAttention`).
+    LIN_QKVZ = "2 * key_dim + 2 * value_dim"
+    LIN_QKV = "2 * key_dim + value_dim"
+    LIN_V = "value_dim"
+    LIN_V_HEADS = "value_heads"
+    LIN_BA = "2 * value_heads"
+    LIN_V_HEAD_DIM = "value_head_dim"
+    LIN_CONV = "conv_kernel"
     #: Multi-latent attention: the query and key/value LoRA ranks.
     Q_LORA = "q_lora_rank"
     KV_LORA = "kv_lora_rank"
@@ -191,6 +207,7 @@ class HfTensor:
     dtype: str | None = None
     buffer: bool = False
     stacked: bool = False
+    mixer: Mixer = Mixer.ANY
 
     def __attrs_post_init__(self) -> None:
         _check_hf_record(self)
@@ -246,6 +263,7 @@ class MegatronTensor:
     expert: bool = False
     when: str | None = None
     layers: LayerKind = LayerKind.ALL
+    mixer: Mixer = Mixer.ANY
 
     def __attrs_post_init__(self) -> None:
         _check_record(self)
@@ -452,16 +470,17 @@ def layer_tensors(
     flags: Mapping[str, object],
     sizes: Mapping[Dim, int],
     num_experts: int,
+    linear: bool = False,
 ) -> list[tuple[str, tuple[int, ...], str | None]]:
     """One decoder layer's canonical ``(name, shape, dtype or None)`` from ``table``, in order.
 
     ``prefix`` is ``model.layers.{i}.``; ``moe`` says whether the layer has routed
     experts; ``flags`` gives each of :data:`CONDITIONS`; ``sizes`` each :class:`Dim`. A
     run of per-expert records is laid out expert-major (expert 0's tensors, then expert
-    1's, ...), as checkpoints store them.
+    1's, ...), as checkpoints store them. ``linear``: the layer's mixer is linear attention.
     """
     out: list[tuple[str, tuple[int, ...], str | None]] = []
-    for run in expert_runs(select(table, moe=moe, flags=flags)):
+    for run in expert_runs(select(table, moe=moe, flags=flags, linear=linear)):
         for e in range(num_experts) if run[0].expert else (None,):
             for r in run:
                 name = r.name.format(e=e) if e is not None else r.name
@@ -469,13 +488,19 @@ def layer_tensors(
     return out
 
 
-def select(table: "tuple[R, ...]", *, moe: bool, flags: Mapping[str, object]) -> "list[R]":
-    """The records of ``table`` a layer has: its kind (``moe``) and its ``when`` flags."""
+def select(
+    table: "tuple[R, ...]", *, moe: bool, flags: Mapping[str, object], linear: bool = False
+) -> "list[R]":
+    """The records of ``table`` a layer has: its kinds (``moe``, ``linear``: its mixer is
+    linear attention) and its ``when`` flags."""
     kind = LayerKind.MOE if moe else LayerKind.DENSE
+    mixer = Mixer.LINEAR if linear else Mixer.ATTENTION
     return [
         r
         for r in table
-        if r.layers in (LayerKind.ALL, kind) and (r.when is None or bool(flags[r.when]))
+        if r.layers in (LayerKind.ALL, kind)
+        and r.mixer in (Mixer.ANY, mixer)
+        and (r.when is None or bool(flags[r.when]))
     ]
 
 
