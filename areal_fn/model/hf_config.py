@@ -308,6 +308,16 @@ def _local_theta(c: _Config, nested: object) -> float:
     return c.number("rope_local_base_freq", value)
 
 
+def _layer_kinds(c: _Config, layers: int) -> dict[str, object]:
+    """The per-layer kinds the family models: sliding windows, linear attention."""
+    out: dict[str, object] = {}
+    if c.fam.sliding_window == "layer_types":
+        out.update(sliding_fields(c.cfg, c.fam, layers, c.integer))
+    if c.fam.linear_attention:
+        out.update(linear_fields(c.cfg, c.fam, layers, c.integer))
+    return out
+
+
 def _clamped_swiglu(c: _Config) -> dict[str, object]:
     return {k: c.number(k, c.get(k)) for k in ("swiglu_alpha", "swiglu_limit")}
 
@@ -323,7 +333,7 @@ def _spec_fields(raw: Mapping[str, object], *, mtp: bool = False) -> dict[str, o
         )
     raw, model_type = _resolve_alias(raw, model_type)
     fam = family(model_type)
-    flat, local_theta = split_layer_rope(without_rope_keys(raw, fam), fam)
+    flat, local_theta = split_layer_rope(raw, fam)
     c = _Config(flat, fam)
     hidden = c.integer("hidden_size")
     heads = c.integer("num_attention_heads")
@@ -366,9 +376,7 @@ def _spec_fields(raw: Mapping[str, object], *, mtp: bool = False) -> dict[str, o
         fields["rotary_fraction"] = _rotary_fraction(c)
     if fam.mla:
         fields.update(mla_fields(c.cfg, c.get, c.integer, model_type))
-    if fam.sliding_window == "layer_types":
-        fields.update(sliding_fields(c.cfg, fam, layers, c.integer))
-    fields.update(linear_fields(c.cfg, fam, layers, c.integer) if fam.linear_attention else {})
+    fields.update(_layer_kinds(c, layers))
     if fam.has_default("rope_local_base_freq"):
         fields["rope_local_theta"] = _local_theta(c, local_theta)
     if fam.attn_scalar:
@@ -396,11 +404,12 @@ def _spec_fields(raw: Mapping[str, object], *, mtp: bool = False) -> dict[str, o
 def _resolve_alias(raw: Mapping[str, object], model_type: str) -> tuple[Mapping[str, object], str]:
     """The config and family of an aliased ``model_type`` (:data:`MODEL_TYPE_ALIASES`),
     which the config's ``architectures`` must name, or of a multimodal one whose text
-    model is read (:func:`~areal_fn.model.linear_attention.text_config`)."""
+    model is read (:func:`~areal_fn.model.linear_attention.text_config`); without the
+    family's ``ignored_rope_keys``."""
     raw, model_type = text_config(raw, model_type)
     target = dict(MODEL_TYPE_ALIASES).get(model_type)
     if target is None:
-        return raw, model_type
+        return without_rope_keys(raw, family(model_type)), model_type
     arch = FAMILIES[target].architecture
     if raw.get("architectures") != [arch]:
         raise SpecError(

@@ -23,7 +23,7 @@ from typing import Any
 
 import attrs
 
-from areal_fn.errors import SpecError, UnsupportedConfigError
+from areal_fn.errors import LayoutError, SpecError, UnsupportedConfigError
 from areal_fn.model.families import TEXT_CONFIG_TYPES, Family
 from areal_fn.model.families.mapping import Dim
 
@@ -252,3 +252,11 @@ def check_linear(spec: Any) -> None:
             f"ModelSpec.shared_expert_size={spec.shared_expert_size}: {fam.model_type}'s MoE "
             "layers have a gated shared expert of shared_expert_intermediate_size >= 1"
         )
+
+
+def check_packing(spec: Any) -> None:
+    """Refuse packed rows (several sequences in one row) for a family whose layers carry
+    a state along the sequence (:attr:`~areal_fn.model.families.Family.sequence_refusal`)."""
+    why = spec.family.sequence_refusal
+    if why:
+        raise LayoutError(f"packed sequences are refused: {why}")

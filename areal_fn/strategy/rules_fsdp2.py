@@ -88,9 +88,19 @@ def _fsdp2_family_tp(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | No
     return Problem(field="tp", reads=("tp",), text=f"tp={d.tp}: {why}")
 
 
+def _fsdp2_family_sequence(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
+    """A family whose layers carry a state along the sequence (its ``sequence_refusal``):
+    no Ulysses split."""
+    why = m.family.sequence_refusal
+    if d.cp == 1 or not why:
+        return None
+    return Problem(field="cp", reads=("cp",), text=f"cp={d.cp}: {why}")
+
+
 #: In the order ``check_dims`` applies them, after the rules FSDP2 shares.
 FSDP2_RULES: tuple[_Rule, ...] = (
     _fsdp2_family_tp,
+    _fsdp2_family_sequence,
     _ulysses_heads,
     _ulysses_kv,
     _fsdp2_vocab,

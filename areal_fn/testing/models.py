@@ -270,7 +270,7 @@ def _draw_linear(
     draw: st.DrawFn, cfg: dict[str, object], fam: Family, layers: int, max_experts: int
 ) -> None:
     """Qwen3-Next, Qwen3.5: head_dim a multiple of 8 (a quarter of it rotates, in pairs),
-    small gated-delta-net heads, the layer kinds from ``layer_types`` or the interval, and
+    small gated-delta-net heads, the layer kinds from the interval (default 4), and
     the MoE keys with the gated shared expert (Qwen3.5-MoE: no dense MLP keys)."""
     cfg["head_dim"] = 8 * draw(st.integers(1, 2))
     key_heads = draw(st.integers(1, 2))
@@ -279,16 +279,8 @@ def _draw_linear(
     cfg["linear_key_head_dim"] = draw(st.integers(1, 6))
     cfg["linear_value_head_dim"] = draw(st.integers(1, 6))
     cfg["linear_conv_kernel_dim"] = draw(st.integers(1, 4))
-    if draw(st.booleans()):
-        cfg["layer_types"] = draw(
-            st.lists(
-                st.sampled_from(["linear_attention", "full_attention"]),
-                min_size=layers,
-                max_size=layers,
-            )
-        )
-    else:
-        _maybe(draw, cfg, "full_attention_interval", st.integers(1, 3))
+    # no layer_types: callers may change num_hidden_layers after the draw (as gpt-oss)
+    _maybe(draw, cfg, "full_attention_interval", st.integers(1, 3))
     if not fam.moe:
         return
     experts = draw(st.integers(1, max_experts))

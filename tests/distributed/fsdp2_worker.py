@@ -67,7 +67,7 @@ from areal_fn.sharding.mesh import Mesh  # noqa: E402
 from areal_fn.sharding.shard import shard  # noqa: E402
 from areal_fn.sharding.sharding import Sharding  # noqa: E402
 from areal_fn.strategy.parse import parse_allocation  # noqa: E402
-from tests.distributed import layer_type_configs  # noqa: E402
+from tests.distributed import gated_delta_configs, layer_type_configs  # noqa: E402
 from tests.torch_placements import from_torch  # noqa: E402
 
 WORLD = 4
@@ -224,6 +224,10 @@ CONFIGS["gpt_oss"] = {
 CONFIGS["olmo3"] = layer_type_configs.olmo3(3)
 CONFIGS["gemma3_text"] = layer_type_configs.gemma3_text(3)
 CONFIGS["minimax_m2"] = layer_type_configs.minimax_m2()
+#: the gated-delta-net families (gated_delta_configs): FSDP2 without TP
+CONFIGS["qwen3_next"] = gated_delta_configs.qwen3_next()
+CONFIGS["qwen3_5_text"] = gated_delta_configs.qwen3_5_text()
+CONFIGS["qwen3_5_moe_text"] = gated_delta_configs.qwen3_5_moe_text()
 DENSE = ("qwen2", "qwen3", "llama_tied", "llama_untied")
 
 #: label -> (allocation string, hsdp replicas, TP over the embeddings).
@@ -256,6 +260,9 @@ LAYOUT_CASES: tuple[tuple[str, str], ...] = (
     ("gemma3_text", "d4"),
     ("gemma3_text", "d2t2"),
     ("minimax_m2", "d4"),  # no TP: q/k norms over the whole projections, as olmo3
+    ("qwen3_next", "d4"),  # no TP: linear attention's fused projections (fsdp2_layout refuses)
+    ("qwen3_5_text", "hsdp2x2"),
+    ("qwen3_5_moe_text", "d4"),
 )
 #: label -> (runtime options, gradient tolerance, weight tolerance) of the training section.
 RUN_OPTIONS: dict[str, tuple[Fsdp2RunOptions, float, float]] = {
@@ -280,6 +287,8 @@ TRAIN_CASES: tuple[tuple[str, str, str], ...] = (
     ("olmo3", "d4", "fp32"),
     ("gemma3_text", "d2t2", "fp32_wide"),
     ("minimax_m2", "d4", "fp32"),
+    ("qwen3_next", "d4", "fp32"),
+    ("qwen3_5_moe_text", "d4", "fp32"),
     ("llama_tied", "d2t2_rep_emb", "fp32"),
     ("qwen3", "d2t2", "ac"),
     ("qwen3", "d2t2", "offload"),

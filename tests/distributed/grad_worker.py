@@ -53,7 +53,7 @@ from areal_fn.runtime.engines.fsdp2_apply import Fsdp2RunOptions  # noqa: E402
 from areal_fn.runtime.engines.megatron import MegatronEngine  # noqa: E402
 from areal_fn.runtime.engines.packed import TokenSequence  # noqa: E402
 from areal_fn.strategy.parse import parse_allocation  # noqa: E402
-from tests.distributed import fp16_cases, layer_type_configs  # noqa: E402
+from tests.distributed import fp16_cases, gated_delta_configs, layer_type_configs  # noqa: E402
 
 WORLD = 4
 BATCH, SEQ = 8, 16
@@ -226,6 +226,10 @@ CONFIGS["gpt_oss"] = {
 CONFIGS["olmo3"] = layer_type_configs.olmo3(5)
 CONFIGS["gemma3_text"] = layer_type_configs.gemma3_text(5)
 CONFIGS["minimax_m2"] = layer_type_configs.minimax_m2()
+#: the gated-delta-net families: linear-attention layers with gated full attention
+CONFIGS["qwen3_next"] = gated_delta_configs.qwen3_next()
+CONFIGS["qwen3_5_text"] = gated_delta_configs.qwen3_5_text()
+CONFIGS["qwen3_5_moe_text"] = gated_delta_configs.qwen3_5_moe_text()
 
 #: label -> (allocation string, HSDP replicas, pipeline chunk lengths or None for the
 #: even split, FSDP2 run options). All fill the 4 ranks.
@@ -309,6 +313,9 @@ CASES: tuple[tuple[str, str], ...] = (
     ("gemma3_text", "fsdp:t2c2"),
     ("minimax_m2", "fsdp:d4"),
     ("minimax_m2", "fsdp:d2c2"),  # Ulysses: q/k norms over the whole projection per token
+    ("qwen3_next", "fsdp:d4"),  # gated delta net: data parallel only (no TP, no Ulysses)
+    ("qwen3_5_text", "fsdp:d4"),
+    ("qwen3_5_moe_text", "hsdp:d4r2"),
 )
 
 
@@ -452,7 +459,9 @@ def token_hooks(engine: Any) -> list[int]:
         x = args[0] if args else kwargs["hidden_states"]
         seen.append(int(x.shape[1]))
 
-    for name in ("model.embed_tokens", "model.layers.0.self_attn"):
+    first = engine.model.get_submodule("model.layers.0")
+    mixer = "self_attn" if hasattr(first, "self_attn") else "linear_attn"  # gated delta net
+    for name in ("model.embed_tokens", f"model.layers.0.{mixer}"):
         engine.model.get_submodule(name).register_forward_pre_hook(hook, with_kwargs=True)
     return seen
 

@@ -47,6 +47,7 @@ from areal_fn.errors import LayoutError
 from areal_fn.layouts.fsdp2 import Fsdp2Options, fsdp2_data_mesh, fsdp2_layout
 from areal_fn.layouts.layout import Layout
 from areal_fn.layouts.lora import adapter_layout, with_lora
+from areal_fn.model.linear_attention import check_packing
 from areal_fn.model.lora import LoraConfig, LoraError
 from areal_fn.model.spec import ModelSpec
 from areal_fn.plans.convert import Reader, to_megatron_into
@@ -245,6 +246,7 @@ class Fsdp2Engine(OptimizerSteps):
         Rows hold at most ``max_tokens_per_micro_batch`` tokens (a multiple of ``cp``)
         and are padded to a multiple of ``cp``; a longer sequence is refused.
         """
+        check_packing(self.spec)
         rows = pack_rows(sequences, max_tokens=max_tokens_per_micro_batch, multiple_of=self.sp)
         return self._train_rows(list(rows))
 
@@ -347,6 +349,7 @@ class Fsdp2Engine(OptimizerSteps):
         self, sequences: list[TokenSequence], *, max_tokens_per_micro_batch: int
     ) -> list[Tensor]:
         """Per sequence ``[n - 1]``: ``log p(ids[t] | ids[:t])``, ``t >= 1``, computed packed."""
+        check_packing(self.spec)
         rows = pack_rows(sequences, max_tokens=max_tokens_per_micro_batch, multiple_of=self.sp)
         out: dict[int, Tensor] = {}
         for row, logp in zip(rows, self._eval(list(rows)), strict=True):

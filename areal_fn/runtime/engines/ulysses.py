@@ -151,7 +151,8 @@ def ulysses_attention(
 @beartype
 def install(model: nn.Module, group: dist.ProcessGroup | None) -> None:
     """Select :func:`ulysses_attention` for ``model`` and give every decoder layer's
-    ``self_attn`` the sequence-parallel ``group`` (``None``: no sequence parallelism)."""
+    ``self_attn`` the sequence-parallel ``group`` (``None``: no sequence parallelism);
+    a linear-attention layer (``linear_attn``, no ``self_attn``) has no softmax attention."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION, ulysses_attention)
@@ -159,5 +160,6 @@ def install(model: nn.Module, group: dist.ProcessGroup | None) -> None:
     if not isinstance(layers, nn.ModuleList):
         raise LayoutError(f"model.layers is a {type(layers).__name__}, not the decoder layers")
     for layer in layers:
-        vars(layer.get_submodule("self_attn"))[_GROUP] = group
+        if isinstance(attn := getattr(layer, "self_attn", None), nn.Module):
+            vars(attn)[_GROUP] = group
     model.config._attn_implementation = ATTENTION  # type: ignore[union-attr]

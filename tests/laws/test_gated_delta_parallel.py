@@ -1,0 +1,104 @@
+"""The gated-delta-net families under parallelism: what runs and what is refused.
+
+FSDP2 layouts split them over data-parallel ranks (HSDP included); tensor parallelism,
+Ulysses / context parallelism, packed rows and every Megatron layout are refused with
+the reason, on every path (layouts, ``check_strategy``, the advisor's rules). The
+refusal of packed rows rests on a fact of transformers' modules pinned here: a
+linear-attention layer does not restart its state where ``position_ids`` restart, so a
+packed row's second sequence sees the first (full attention alone would not).
+"""
+
+import pytest
+import torch
+
+from areal_fn.errors import LayoutError
+from areal_fn.layouts.fsdp2 import fsdp2_layout
+from areal_fn.layouts.inference import inference_layout
+from areal_fn.layouts.megatron import megatron_layout
+from areal_fn.model.linear_attention import check_packing
+from areal_fn.model.spec import model_from_hf_config
+from areal_fn.runtime.engines import ulysses
+from tests.distributed import gated_delta_configs
+
+FAMILIES = {
+    "qwen3_next": gated_delta_configs.qwen3_next(),
+    "qwen3_5_text": gated_delta_configs.qwen3_5_text(),
+    "qwen3_5_moe_text": gated_delta_configs.qwen3_5_moe_text(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_fsdp2_data_parallel_layouts_and_refusals(name: str) -> None:
+    spec = model_from_hf_config(FAMILIES[name])
+    for ok in ("fsdp:d4", "fsdp:d2"):
+        assert fsdp2_layout(spec, ok).world_size == int(ok[-1])
+    with pytest.raises(
+        LayoutError, match=rf"tp=2: {name}'s linear-attention layers split their fused projections"
+    ):
+        fsdp2_layout(spec, "fsdp:d2t2")
+    with pytest.raises(
+        LayoutError,
+        match=rf"cp=2: {name}'s linear-attention layers carry a recurrent state along the sequence",
+    ):
+        fsdp2_layout(spec, "fsdp:d2c2")
+    with pytest.raises(
+        LayoutError,
+        match=rf"Megatron-Core 0.16's GPTModel cannot express {name}: .*use the fsdp backend",
+    ):
+        megatron_layout(spec, "megatron:d4")
+    with pytest.raises(
+        LayoutError, match=rf"packed sequences are refused: {name}'s linear-attention layers"
+    ):
+        check_packing(spec)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_inference_tp_splits_full_attention_and_keeps_linear_attention_whole(name: str) -> None:
+    """Inference layouts under TP: gated q_proj by heads (``[q_h; gate_h]`` rows stay
+    together), every linear-attention tensor whole on every rank."""
+    spec = model_from_hf_config(FAMILIES[name])
+    layout = inference_layout(spec, "sglang:d1t2")
+    for rank in (0, 1):
+        local = {lt.name: lt for lt in layout.local_tensors(rank)}
+        q = local["model.layers.1.self_attn.q_proj.weight"]
+        full = spec.tensor("model.layers.1.self_attn.q_proj.weight").shape
+        assert q.shape == (full[0] // 2, full[1])
+        (piece,) = q.pieces
+        assert piece.canonical_box.ranges[0] == (rank * full[0] // 2, (rank + 1) * full[0] // 2)
+        for t in spec.layer_tensors(0):
+            if ".linear_attn." in t.name:
+                assert local[t.name].shape == t.shape
+
+
+def test_other_families_pack() -> None:
+    cfg = {k: v for k, v in FAMILIES["qwen3_5_text"].items() if k != "layer_types"}
+    check_packing(model_from_hf_config({**cfg, "model_type": "qwen3"}))
+
+
+def test_transformers_linear_attention_does_not_reset_at_packed_boundaries() -> None:
+    """Two sequences packed in one row (position_ids restarting at 0) against each run
+    alone: the second one's logits move in transformers' Qwen3.5 (its linear-attention
+    state and conv carry over the boundary); with every layer full attention (and the
+    engines' attention function, whose mask follows ``position_ids``) they agree."""
+    transformers = pytest.importorskip("transformers")
+    outs = {}
+    for kinds in (None, ["full_attention"] * 4):
+        cfg = dict(FAMILIES["qwen3_5_text"])
+        if kinds:
+            cfg["layer_types"] = kinds
+        spec = model_from_hf_config(cfg)
+        rest = {k: v for k, v in spec.hf_config().items() if k != "model_type"}
+        config = transformers.AutoConfig.for_model(spec.model_type, **rest)
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+        ulysses.install(model, None)  # the engines' attention: a causal mask per sequence
+        a, b = torch.arange(1, 7), torch.arange(20, 29)
+        with torch.no_grad():
+            alone = model(input_ids=b[None]).logits[0]
+            packed = model(
+                input_ids=torch.cat([a, b])[None],
+                position_ids=torch.cat([torch.arange(6), torch.arange(9)])[None],
+            ).logits[0, 6:]
+        outs["full" if kinds else "hybrid"] = float((alone - packed).abs().max())
+    assert outs["full"] < 1e-5, outs
+    assert outs["hybrid"] > 1e-3, outs
