@@ -22,7 +22,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-PROMPTS = [[5, 17, 42, 7], [300, 2, 2, 99, 14]]
+#: the second prompt fills a cache block (``BLOCK`` tokens) and more: requests with an
+#: adapter version would hit the blocks an earlier version left, were the keys the same
+BLOCK = 32
+PROMPTS = [[5, 17, 42, 7], [(7 * i + 3) % 500 for i in range(BLOCK + 8)]]
 TOKENS = 6
 
 
@@ -75,6 +78,8 @@ def adapter_phase(work: Path) -> dict[str, Any]:
         enable_lora=True,
         max_lora_rank=8,
         max_loras=1,
+        block_size=BLOCK,
+        enable_prefix_caching=True,
     )
     sync = VllmLoraSync(llm, work / "served", spec, config, name="policy")
     out: dict[str, Any] = {"versions": {}}

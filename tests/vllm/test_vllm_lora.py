@@ -5,7 +5,10 @@ Two engines, each in a process of its own (``lora_worker.py``, vLLM's Python):
 - a vLLM with ``enable_lora``: ``VllmLoraSync`` serves adapter version 1, then 2;
   after each, vLLM's greedy log-probs with the adapter equal those of a PEFT model (the
   same base, the same adapter, built with PEFT's own ``get_peft_model`` and
-  ``set_peft_model_state_dict``) within ``LOGPROB_TOL``; the bytes written equal the
+  ``set_peft_model_state_dict``) within ``LOGPROB_TOL``, a prompt longer than a
+  prefix-cache block included (one directory rewritten in place for both versions gave
+  version 2 log-probs off by 1.1 there: vLLM served blocks cached under version 1's
+  key); the bytes written equal the
   adapters' size as PEFT counts its parameters; a version over vLLM's ``max_lora_rank``
   is refused before vLLM sees it, version 2 stays served, and the next version loads;
 - a vLLM without LoRA: a trainer holding ``merge_lora(base, adapters)`` updates it
