@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from areal_fn.errors import PlanError
+from areal_fn.errors import ConversionError, PlanError
 from areal_fn.model.lora import LoraConfig, LoraError
 from areal_fn.model.spec import model_from_hf_config
 from areal_fn.runtime.vllm.lora import VllmLoraSync, safetensors_payload_bytes
@@ -71,6 +71,14 @@ def test_refusals_before_anything_moves(tmp_path: Path) -> None:
     sync = VllmLoraSync(LLM(SimpleNamespace(max_lora_rank=16)), tmp_path, SPEC, config)
     with pytest.raises(PlanError, match=r"no adapter version is loaded yet: call update"):
         _ = sync.lora_request
+    with pytest.raises(PlanError, match=r"version=-1 must be a non-negative int"):
+        sync.update(-1, {})
+    with pytest.raises(ConversionError, match=r"missing"):
+        sync.update(1, {})
+    sync.version = 3  # as after serving version 3
+    with pytest.raises(PlanError, match=r"version=3 is not newer than the served version 3; "):
+        sync.update(3, {})
+    assert sorted(p.name for p in tmp_path.rglob("*")) == []
     # float32 elements r * (in + out) per target; per layer q, k, v, o, gate, up, down
     per_layer = [(8, 32, 32), (8, 32, 16), (8, 32, 16), (8, 32, 32), (8, 32, 48), (8, 32, 48)]
     per_layer.append((16, 48, 32))

@@ -151,8 +151,6 @@ class VllmLoraSync:
 
     def update(self, version: int, adapters: Mapping[str, Tensor]) -> VllmLoraReport:
         """Write ``adapters`` as ``version`` and have vLLM serve them (see the module)."""
-        from vllm.lora.request import LoRARequest
-
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise PlanError(f"version={version!r} must be a non-negative int")
         if self.version is not None and version <= self.version:
@@ -172,12 +170,18 @@ class VllmLoraSync:
         )
         written = safetensors_payload_bytes(path / ADAPTER_WEIGHTS)
         t1 = time.perf_counter()
+        from vllm.lora.request import LoRARequest
+
         request = LoRARequest(self.name, self.lora_id, str(path), load_inplace=True)
         try:
             self.llm.llm_engine.add_lora(request)
         except Exception as e:
             shutil.rmtree(path, ignore_errors=True)
-            raise VllmError(f"vLLM refused adapter version {version} at {path}: {e}") from e
+            raise VllmError(
+                f"vLLM refused adapter version {version} at {path}: {e}; the previous version "
+                "stays served, but at TP > 1 vLLM 0.32 answers later calls with the other "
+                "workers' queued replies to this one: restart vLLM before the next update"
+            ) from e
         t2 = time.perf_counter()
         previous, self.path, self.version = self.path, path, version
         if previous is not None and previous != path:
