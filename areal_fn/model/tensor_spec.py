@@ -20,6 +20,7 @@ DTYPES: dict[str, torch.dtype] = {
     "int8": torch.int8,
     "uint8": torch.uint8,
     "bool": torch.bool,
+    "float8_e4m3fn": torch.float8_e4m3fn,
 }
 
 #: bytes per element of each dtype name.
