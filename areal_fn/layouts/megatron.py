@@ -179,14 +179,6 @@ def megatron_layout(
     """
     dims = as_dims(dims, caller="megatron_layout", backends=(Backend.MEGATRON,))
     check_dims(model, "megatron", dims)
-    if model.is_mla and not model.rope_interleave:
-        raise LayoutError(
-            f"{model.model_type} with rope_interleave=False: Megatron-Core's multi-latent "
-            "attention rotates de-interleaved rope dims, which equals transformers' "
-            "rope_interleave=True only; the rope rows of q_b_proj and kv_a_proj_with_mqa would "
-            "need a permutation this layout does not apply; use a config with "
-            "rope_interleave=true (every published DeepSeek-V3 / Kimi-K2 config)"
-        )
     plan = stages if stages is not None else default_stages(model, dims)
     if plan.num_layers != model.num_layers or plan.num_stages != dims.pp or plan.vpp != dims.vpp:
         raise LayoutError(
@@ -285,6 +277,30 @@ def stacked_expert_fusion(
     return logical, pieces
 
 
+def mla_rope_fusion(
+    model: ModelSpec, name: str, shape: tuple[int, ...], *, per_head: bool
+) -> tuple[FusionPiece, ...]:
+    """Multi-latent attention's q (``per_head``: ``[nope; rope]`` per head) or kv_a
+    (``[latent; rope]``) projection ``name``: whole when transformers rotates interleaved
+    rope dims (``rope_interleave``), as Megatron-Core does after de-interleaving them;
+    otherwise each block's rope rows are laid interleaved, so that Megatron's
+    de-interleave gives transformers' rotate-half order: logical row ``2i`` holds rope row
+    ``i``, row ``2i + 1`` rope row ``n/2 + i`` (one piece per rope row)."""
+    if model.rope_interleave:
+        return _full(name, shape)
+    rows, cols = shape[0], shape[1:]
+    block = model.head_dim if per_head else rows
+    rope, half = model.qk_rope_head_dim, model.qk_rope_head_dim // 2
+    out = []
+    for start in range(0, rows, block):
+        nope = start + block - rope
+        out.append(_rows(name, (start, nope), start, cols))
+        for j in range(rope):
+            src = nope + (j // 2 if j % 2 == 0 else half + j // 2)
+            out.append(_rows(name, (src, src + 1), nope + j, cols))
+    return tuple(out)
+
+
 def _fusion(
     model: ModelSpec,
     shapes: dict[str, tuple[int, ...]],
@@ -309,6 +325,8 @@ def _fusion(
         return qkv_fusion(model, sources, first[1:])
     if fusion in (Fusion.EXPERT, Fusion.EXPERT_GLU):
         return stacked_expert_fusion(sources[0], first, expert, glu=fusion is Fusion.EXPERT_GLU)
+    if fusion in (Fusion.MLA_Q, Fusion.MLA_KV_A):
+        return first, mla_rope_fusion(model, sources[0], first, per_head=fusion is Fusion.MLA_Q)
     return gate_up_fusion(sources[0], sources[1], first[0], first[1:])
 
 

@@ -160,6 +160,36 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "topk_group": 1,
         "first_k_dense_replace": 2,
     },
+    # rope_interleave false: transformers rotates the rope halves as they are; the layout
+    # lays the q and kv_a rope rows interleaved for Megatron's de-interleave (and yarn)
+    "deepseek_v3_rope_halves": {
+        **_BASE,
+        "model_type": "deepseek_v3",
+        "num_key_value_heads": 4,
+        "head_dim": None,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 16,
+        "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 12,
+        "rope_interleave": False,
+        "moe_intermediate_size": 16,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "first_k_dense_replace": 1,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 16,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+    },
     # sinks, a 4-token window on layers 0 and 2 (SEQ is 8), q/k/v/o biases, a biased
     # router, stacked biased experts (pieces with a stride and a transpose), the clamped
     # SwiGLU with a limit the activations reach, the published yarn rope (truncate false)
@@ -247,6 +277,8 @@ CASES += [
     ("gpt_oss", "e2"),
     ("gpt_oss", "p2"),
     ("gpt_oss", "p2e2"),
+    ("deepseek_v3_rope_halves", "t1"),
+    ("deepseek_v3_rope_halves", "t2-moe"),
 ]
 
 SEQ = 8

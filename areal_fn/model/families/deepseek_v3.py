@@ -14,8 +14,10 @@ kv_lora_rank]`` and ``o_proj`` ``[H, heads * v_head_dim]``. Megatron-Core's
 after), under the Transformer-Engine spec the down projections are replicated and the
 q/kv layer norms are fused into the up projections. Megatron's MLA applies rotary
 embeddings to de-interleaved dims, which is what transformers computes with
-``rope_interleave=true`` (the default and every published config); the Megatron layout
-refuses ``rope_interleave=false``.
+``rope_interleave=true`` (the default and every published config); with
+``rope_interleave=false`` the rope rows of the q and kv_a projections are laid
+interleaved in Megatron's parameters (``Fusion.MLA_Q``, ``Fusion.MLA_KV_A``), so that
+its de-interleave gives transformers' rotate-half order.
 
 Multi-token-prediction layers (``num_nextn_predict_layers``) are not part of the model
 transformers builds or ``save_pretrained`` writes; they are canonical tensors when the
@@ -33,6 +35,7 @@ from areal_fn.model.families.glm4_moe import (
 )
 from areal_fn.model.families.mapping import (
     Dim,
+    Fusion,
     HfTensor,
     MegatronTensor,
 )
@@ -66,6 +69,7 @@ def _mla(
     te: str | None = None,
     te_tp: Shard | Replicate | None = None,
     when: str | None = None,
+    fusion: Fusion = Fusion.WHOLE,
 ) -> MegatronTensor:
     return MegatronTensor(
         local=f"self_attention.{local}",
@@ -74,6 +78,7 @@ def _mla(
         tp=tp,
         te_tp=te_tp,
         when=when,
+        fusion=fusion,
     )
 
 
@@ -81,7 +86,7 @@ def _mla(
 #: they differ).
 MLA_ATTENTION: tuple[MegatronTensor, ...] = (
     MegatronTensor(local="input_layernorm.weight", hf="input_layernorm.weight", tp=Replicate()),
-    _mla("linear_q_proj.weight", "q_proj", _ROWS, when="q_direct"),
+    _mla("linear_q_proj.weight", "q_proj", _ROWS, when="q_direct", fusion=Fusion.MLA_Q),
     _mla("linear_q_down_proj.weight", "q_a_proj", _ROWS, te_tp=Replicate(), when="q_lora_rank"),
     _mla(
         "q_layernorm.weight",
@@ -90,8 +95,14 @@ MLA_ATTENTION: tuple[MegatronTensor, ...] = (
         te="linear_q_up_proj.layer_norm_weight",
         when="q_lora_rank",
     ),
-    _mla("linear_q_up_proj.weight", "q_b_proj", _ROWS, when="q_lora_rank"),
-    _mla("linear_kv_down_proj.weight", "kv_a_proj_with_mqa", _ROWS, te_tp=Replicate()),
+    _mla("linear_q_up_proj.weight", "q_b_proj", _ROWS, when="q_lora_rank", fusion=Fusion.MLA_Q),
+    _mla(
+        "linear_kv_down_proj.weight",
+        "kv_a_proj_with_mqa",
+        _ROWS,
+        te_tp=Replicate(),
+        fusion=Fusion.MLA_KV_A,
+    ),
     _mla(
         "kv_layernorm.weight",
         "kv_a_layernorm",

@@ -58,6 +58,10 @@ class Fusion(enum.Enum):
     #: and up (gpt-oss ``gate_up_proj``): ``[x[e][..., ::2].T; x[e][..., 1::2].T]``, i.e.
     #: ``[gate; up]`` rows, pieces with a stride of 2 and a transpose.
     EXPERT_GLU = "expert_glu"
+    #: MLA's q (per head ``[nope; rope]``) and kv_a (``[latent; rope]``) projections: whole,
+    #: or with ``rope_interleave=false`` their rope rows interleaved (``mla_rope_fusion``).
+    MLA_Q = "mla_q"
+    MLA_KV_A = "mla_kv_a"
 
     def __repr__(self) -> str:
         return f"Fusion.{self.name}"
@@ -70,6 +74,8 @@ FUSION_SOURCES = {
     Fusion.GATE_UP: 2,
     Fusion.EXPERT: 1,
     Fusion.EXPERT_GLU: 1,
+    Fusion.MLA_Q: 1,
+    Fusion.MLA_KV_A: 1,
 }
 
 #: Fusions that take expert ``e`` out of one stacked tensor of every expert.
@@ -90,9 +96,8 @@ class LayerKind(enum.Enum):
 
 
 #: ModelSpec fields a record's ``when`` may name (a record exists when the field is
-#: true, or non-zero for ``num_shared_experts``, ``q_lora_rank`` and ``index_n_heads``;
-#: ``q_direct`` is true for multi-latent attention without a query LoRA;
-#: ``index_n_heads`` is read per layer: 0 on a layer that reuses another's indexer).
+#: true, or non-zero for ``num_shared_experts``, ``q_lora_rank`` and ``index_n_heads``, which
+#: is 0 on a layer that reuses another's indexer; ``q_direct``: MLA without a query LoRA).
 CONDITIONS = (
     "qkv_bias",
     "o_bias",
@@ -147,7 +152,6 @@ class Dim(enum.Enum):
     KV_B_OUT = "num_attention_heads * (qk_nope_head_dim + v_head_dim)"
     #: ``num_attention_heads * v_head_dim``: the attention output's width.
     V_OUT = "num_attention_heads * v_head_dim"
-    #: DeepSeek sparse attention's indexer: its head size, heads, and query width.
     INDEX_HEAD_DIM = "index_head_dim"
     INDEX_HEADS = "index_n_heads"
     INDEX_Q_OUT = "index_n_heads * index_head_dim"
