@@ -38,7 +38,7 @@ from areal_fn.sharding.placement import Placement, Replicate, Shard, StridedShar
 from areal_fn.sharding.sharding import Sharding
 from areal_fn.typecheck import beartype
 
-__all__ = ["adapter_layout", "adapter_shardings", "with_lora"]
+__all__ = ["adapter_layout", "adapter_row_members", "adapter_shardings", "with_lora"]
 
 
 def _rows_dim0(p: Placement) -> bool:
@@ -226,3 +226,34 @@ def adapter_layout(layout: Layout, model: ModelSpec, config: LoraConfig) -> Layo
         tensors=tensors,
         stages=layout.stages,
     )
+
+
+@beartype
+def adapter_row_members(layout: Layout, lora_b: str, rank: int) -> tuple[int, ...]:
+    """For each local row of fused ``lora_B`` tensor ``lora_b`` on ``rank``: the member
+    (``0..k-1``, the order of its ``lora_A``'s blocks) whose rows of ``lora_A x`` it
+    reads. ``(0, 0, ...)`` for an adapter of one weight. Under pipeline parallelism the
+    tensor is the one of ``rank``'s stage (stages reuse local layer names)."""
+    a_name = lora_b.removesuffix(".lora_B.weight") + ".lora_A.weight"
+    here = [t for t in layout.tensors if t.name in (a_name, lora_b) and t.is_present(rank)]
+    if len(here) != 2:
+        raise LayoutError(f"rank {rank} holds no {lora_b!r} in this {layout.kind} layout")
+    a = next(t for t in here if t.name == a_name)
+    r = next(t for t in here if t.name == lora_b).shape[1]
+    member = {
+        f.canonical.removesuffix(".lora_A.weight"): f.logical_box.ranges[0][0] // r
+        for f in a.fusion
+    }
+    local = next((lt for lt in layout.local_tensors(rank) if lt.name == lora_b), None)
+    if local is None:
+        raise LayoutError(f"rank {rank} holds no {lora_b!r} in this {layout.kind} layout")
+    rows = [-1] * local.shape[0]
+    for piece in local.pieces:
+        if piece.canonical is None:
+            continue
+        lo, hi = piece.local_box.ranges[0]
+        for i in range(lo, hi):
+            rows[i] = member[piece.canonical.removesuffix(".lora_B.weight")]
+    if -1 in rows:
+        raise LayoutError(f"{lora_b} on rank {rank}: row {rows.index(-1)} reads no adapter")
+    return tuple(rows)

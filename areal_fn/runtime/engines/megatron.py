@@ -69,13 +69,16 @@ from torch import Tensor
 
 from areal_fn.errors import LayoutError
 from areal_fn.layouts.layout import Layout
+from areal_fn.layouts.lora import adapter_layout, with_lora
 from areal_fn.layouts.megatron import MegatronMeshes, megatron_layout, stages_for
+from areal_fn.model.lora import LoraConfig, LoraError
 from areal_fn.model.spec import ModelSpec
 from areal_fn.pipeline.partition import StagePlan, megatron_layout_string
 from areal_fn.plans.convert import Reader, to_hf, to_megatron_into
 from areal_fn.plans.memory import PrecisionPolicy
 from areal_fn.plans.optim import LossScale
 from areal_fn.runtime.engines.common import AdamWConfig, DynamicLossScaler, norm_weights
+from areal_fn.runtime.engines.megatron_lora import initial_adapters, inject_megatron_lora
 from areal_fn.runtime.engines.megatron_options import MegatronRunOptions, megatron_option_fields
 from areal_fn.runtime.engines.megatron_steps import MegatronSteps
 from areal_fn.runtime.engines.precision import megatron_loss_scale
@@ -96,6 +99,28 @@ def _finalize_divided_before(model: Any, num_tokens: Any = None, **kwargs: Any) 
     from megatron.core.distributed import finalize_model_grads
 
     finalize_model_grads(model, None, **kwargs)
+
+
+def _check_lora(lora: LoraConfig | None, loss_scale: LossScale | None) -> None:
+    if lora is not None and loss_scale is not None:
+        raise LoraError(
+            "LoRA in MegatronEngine runs in fp32; fp16_mixed with adapters is not built: "
+            "pass precision=None or PrecisionPolicy.fp32()"
+        )
+    if lora is not None and lora.dropout > 0:
+        raise LoraError(
+            f"LoraConfig.dropout={lora.dropout}: MegatronEngine's adapters have no dropout; "
+            "use dropout=0"
+        )
+
+
+def _lora_layouts(
+    base: Layout, model: ModelSpec, lora: LoraConfig | None
+) -> tuple[Layout, Layout | None]:
+    """The engine's layout (``with_lora`` of ``base`` under LoRA) and its adapters alone."""
+    if lora is None:
+        return base, None
+    return with_lora(base, model, lora), adapter_layout(base, model, lora)
 
 
 def _check_inputs(model_spec: ModelSpec, device_type: str) -> None:
@@ -136,6 +161,10 @@ class MegatronEngine(MegatronSteps):
     ``run_options``: activation recompute, gradient-reduce overlap and DDP bucket size
     (:class:`~areal_fn.runtime.engines.megatron_options.MegatronRunOptions`); they leave
     the step's results unchanged.
+    ``lora``: train LoRA adapters with the base frozen
+    (:mod:`~areal_fn.runtime.engines.megatron_lora`): the layout is ``with_lora`` of the
+    Megatron layout (fused ``linear_qkv`` / ``linear_fc1`` adapters), the base gets no
+    gradient buffer, no optimizer state and no reduction; fp32 only, no dropout.
     One engine per process at a time (Megatron's ``parallel_state`` is global); close it
     (or use it as a context manager) to tear the parallel state down.
     """
@@ -155,10 +184,13 @@ class MegatronEngine(MegatronSteps):
         vocab_divisible_by: int = 128,
         device_type: str = "cpu",
         seed: int = 0,
+        lora: LoraConfig | None = None,
     ) -> None:
         _check_inputs(model_spec, device_type)
         pdims = dims.dims if isinstance(dims, Component) else dims
         loss_scale = megatron_loss_scale(precision)  # pure: refused before any group exists
+        _check_lora(lora, loss_scale)
+        self.lora = lora
         self._option_fields = megatron_option_fields(
             run_options,
             mla=bool(model_spec.kv_lora_rank),
@@ -169,12 +201,13 @@ class MegatronEngine(MegatronSteps):
         self.spec = model_spec
         self.dims = pdims
         self.vocab_divisible_by = vocab_divisible_by
-        self.layout: Layout = megatron_layout(
+        self.base_layout: Layout = megatron_layout(
             model_spec,
             pdims,
             stages=stages if stages is not None else stages_for(model_spec, pdims),
             vocab_divisible_by=vocab_divisible_by,
         )  # pure: fails before any process group is touched
+        self.layout, self.adapter_layout = _lora_layouts(self.base_layout, model_spec, lora)
         plan = self.layout.stages
         assert plan is not None  # a Megatron layout carries its stage plan
         mb.rope_kwargs(attrs.asdict(model_spec))  # rope scaling GPTModel cannot apply fails here
@@ -207,6 +240,8 @@ class MegatronEngine(MegatronSteps):
                 mb.megatron_session(sizes, seed=seed, cpu=device_type == "cpu")
             )
             self._build(plan, sizes, loss_scale)
+            if lora is not None:  # PEFT's start: lora_A random, lora_B zero
+                self.load_adapters(initial_adapters(model_spec, lora, seed=seed))
         except BaseException:
             self._stack.close()
             raise
@@ -232,6 +267,8 @@ class MegatronEngine(MegatronSteps):
         prefix = "model0." if self.dims.vpp > 1 else ""
         vocab = self.layout.tensor(prefix + "embedding.word_embeddings.weight").shape[0]
         chunks = [c.to(self.device) for c in mb.build_model_chunks(arch, config, vocab_size=vocab)]
+        if self.lora is not None:  # before DDP: it makes buffers for what requires a gradient
+            inject_megatron_lora(chunks, self.layout, self.rank, self.lora)
         if fp16 is not None:  # what Megatron's Float16Module does: every tensor in fp16,
             chunks = [c.half() for c in chunks]  # the norms' weights included
         ddp_config = DistributedDataParallelConfig(
@@ -257,9 +294,11 @@ class MegatronEngine(MegatronSteps):
         )
         self.config = config
         self._te_cp = mb.uses_transformer_engine_cp(config)
-        self._params = self._named_params()
+        every = self._named_params()
+        # what the optimizer steps: every parameter, or under LoRA the adapters alone
+        self._params = {n: p for n, p in every.items() if p.requires_grad}
         # the layout's tensors: the parameters, and the routers' expert-bias buffers
-        self._tensors: dict[str, Tensor] = {**self._params, **self._named_buffers()}
+        self._tensors: dict[str, Tensor] = {**every, **self._named_buffers()}
         self._check_params()
         self._weights = norm_weights(self.layout, self.rank)
         self._pad_cols = self._padding_columns(plan)
@@ -396,7 +435,15 @@ class MegatronEngine(MegatronSteps):
         parameter's dtype (``to_megatron_into``); ``hf_views(path)`` reads an HF
         checkpoint so, without any intermediate tensor.
         """
-        to_megatron_into(canonical, self.layout, self.rank, out=self._state, cast=True)
+        layout = self.layout
+        if self.lora is not None and (
+            not isinstance(canonical, Mapping)
+            or not any(c.name in canonical for c in self._adapters.canonical)
+        ):
+            layout = self.base_layout  # the base alone; the adapters keep their values
+        names = {lt.name for lt in layout.local_tensors(self.rank)}
+        out = {n: t for n, t in self._state.items() if n in names}
+        to_megatron_into(canonical, layout, self.rank, out=out, cast=True)
 
     def export_canonical(self) -> dict[str, Tensor]:
         """Every canonical tensor on every rank: local states all-gathered, then ``to_hf``.
@@ -408,6 +455,34 @@ class MegatronEngine(MegatronSteps):
         states: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(states, mine)
         return to_hf(dict(enumerate(states)), self.layout)
+
+    # -- LoRA adapters -----------------------------------------------------------------
+    @property
+    def _adapters(self) -> Layout:
+        if self.adapter_layout is None:
+            raise LoraError(
+                "this engine trains no LoRA adapters; build it with lora=LoraConfig(...)"
+            )
+        return self.adapter_layout
+
+    @beartype
+    def load_adapters(self, adapters: Mapping[str, Tensor]) -> None:
+        """Write this rank's pieces of the adapter tensors (PEFT's names, all of them)."""
+        out = {lt.name: self._state[lt.name] for lt in self._adapters.local_tensors(self.rank)}
+        to_megatron_into(adapters, self._adapters, self.rank, out=out, cast=True)
+
+    def export_adapters(self) -> dict[str, Tensor]:
+        """Every adapter tensor (PEFT's names) on every rank (collective; bitwise)."""
+        mine = {n: t.detach().cpu().clone() for n, t in self.adapter_local_state().items()}
+        states: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(states, mine)
+        return to_hf(dict(enumerate(states)), self._adapters)
+
+    def adapter_local_state(self) -> dict[str, Tensor]:
+        """This rank's live adapter shards by ``adapter_layout`` name (checkpoint state)."""
+        return {
+            lt.name: self._state[lt.name].detach() for lt in self._adapters.local_tensors(self.rank)
+        }
 
     # -- lifetime ----------------------------------------------------------------------
     def close(self) -> None:

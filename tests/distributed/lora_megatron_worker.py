@@ -1,0 +1,148 @@
+"""torchrun worker: LoRA training in the Megatron engine against ``peft`` on one process.
+
+Launched once by ``tests/distributed/test_lora_megatron.py`` with 4 ranks (gloo, CPU).
+For every strategy every rank builds the reference of ``lora_worker.py`` (the
+transformers model wrapped by ``peft.get_peft_model``, adapters on every projection,
+``STEPS`` AdamW steps on the whole batch), then ``MegatronEngine(..., lora=config)`` from
+the same base weights and adapters (``linear_qkv`` / ``linear_fc1`` hold the fused
+adapters), runs the same steps on its data-parallel share and measures the differences.
+
+Rank 0 writes ``<out>/results.json``. Checks never raise inside a case.
+"""
+
+import argparse
+import datetime
+import json
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from torch import Tensor
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from areal_fn.plans.convert import to_hf  # noqa: E402
+from areal_fn.runtime.engines.common import split_rows  # noqa: E402
+from areal_fn.runtime.engines.megatron import MegatronEngine  # noqa: E402
+from areal_fn.strategy.parse import parse_allocation  # noqa: E402
+from tests.distributed import lora_worker as lw  # noqa: E402
+
+WORLD = 4
+CASES: tuple[tuple[str, str], ...] = (
+    ("qwen2", "megatron:d2t2"),
+    ("qwen2", "megatron:d2p2"),
+    ("qwen2", "megatron:t2p2"),
+    ("qwen3", "megatron:d2t2"),
+)
+
+
+def gathered_grads(engine: MegatronEngine) -> dict[str, Tensor]:
+    """The engine's clipped adapter gradients as canonical (PEFT-named) tensors."""
+    layout = engine.adapter_layout
+    assert layout is not None
+    grads = engine.local_grads()
+    mine = {lt.name: grads[lt.name] for lt in layout.local_tensors(engine.rank)}
+    every: list[Any] = [None] * WORLD
+    dist.all_gather_object(every, {k: None if v is None else v.cpu() for k, v in mine.items()})
+    return to_hf(dict(enumerate(every)), layout)
+
+
+def run_case(ref: dict[str, Any], strategy: str) -> dict[str, Any]:
+    spec = ref["spec"]
+    with MegatronEngine(
+        spec,
+        parse_allocation(strategy).training,
+        optimizer=lw.ADAMW,
+        grad_clip=lw.CLIP,
+        lora=lw.LORA,
+    ) as engine:
+        assert engine.adapter_layout is not None
+        out: dict[str, Any] = {}
+        fused = [t.name for t in engine.adapter_layout.tensors if ".linear_qkv.lora_" in t.name]
+        out["fused_adapters"] = len(fused)
+        start = engine.export_adapters()
+        out["initial_b_zero"] = all(
+            not bool(t.any()) for k, t in start.items() if k.endswith("lora_B.weight")
+        )
+        engine.load_canonical(ref["w0"])
+        engine.load_adapters(ref["adapters"])
+        exported = engine.export_canonical()
+        base = [c.name for c in engine.base_layout.canonical]
+        out["load_export_bitwise"] = lw.bitwise(
+            engine.export_adapters(), ref["adapters"]
+        ) and lw.bitwise({k: exported[k] for k in base}, ref["w0"])
+        rows = split_rows(ref["ids"], engine.dp_size, engine.dp_rank)
+        diffs = []
+        for want in ref["steps"]:
+            stats = engine.train_step(rows)
+            diffs.append(
+                dict(
+                    loss_abs_diff=abs(stats["loss"] - want["loss"]),
+                    grad_norm_rel_diff=abs(stats["grad_norm"] - want["grad_norm"])
+                    / want["grad_norm"],
+                    grad_max_abs_diff=lw.max_abs(gathered_grads(engine), want["grads"]),
+                    grad_max_abs=max(float(g.abs().max()) for g in want["grads"].values()),
+                )
+            )
+        out["steps"] = diffs
+        out["adapter_max_abs_diff"] = lw.max_abs(engine.export_adapters(), ref["after"])
+        after = engine.export_canonical()
+        out["base_unchanged"] = lw.bitwise({k: after[k] for k in base}, ref["w0"])
+        logp = engine.forward_logprobs(rows)
+        want_logp = split_rows(ref["logp"], engine.dp_size, engine.dp_rank)
+        out["logprob_max_abs_diff"] = float((logp - want_logp).abs().max())
+        grads = engine.local_grads()
+        adapters = {lt.name for lt in engine.adapter_layout.local_tensors(engine.rank)}
+        out["base_with_grad"] = sorted(
+            n for n, g in grads.items() if g is not None and n not in adapters
+        )
+        out["optimizer_is_adapters"] = sorted(engine.optimizer_local_state()) == sorted(adapters)
+        return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=180))
+    rank = dist.get_rank()
+    results: dict[str, Any] = {}
+    refs: dict[str, dict[str, Any]] = {}
+    start = time.monotonic()
+    try:
+        for config, strategy in CASES:
+            t0 = time.monotonic()
+            try:
+                if config not in refs:
+                    refs[config] = lw.reference(config)
+                rec = run_case(refs[config], strategy)
+                rec["error"] = None
+            except Exception:
+                rec = {"error": traceback.format_exc()}
+            errors: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, rec["error"])
+            rec["rank_errors"] = errors
+            rec["seconds"] = round(time.monotonic() - t0, 2)
+            results[f"{config}/{strategy}"] = rec
+            if rank == 0:
+                print(f"{config}/{strategy}: {rec['error']}", flush=True)
+    finally:
+        if rank == 0:
+            out = Path(args.out)
+            out.mkdir(parents=True, exist_ok=True)
+            body = {"cases": results, "seconds": round(time.monotonic() - start, 2)}
+            (out / "results.json").write_text(json.dumps(body, indent=1, sort_keys=True))
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
