@@ -28,6 +28,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from areal_fn.plans.convert import to_hf  # noqa: E402
+from areal_fn.runtime.checkpoint import RankState, load_checkpoint, save_checkpoint  # noqa: E402
+from areal_fn.runtime.checkpoint.lora import lora_hf_files  # noqa: E402
 from areal_fn.runtime.engines.common import split_rows  # noqa: E402
 from areal_fn.runtime.engines.megatron import MegatronEngine  # noqa: E402
 from areal_fn.strategy.parse import parse_allocation  # noqa: E402
@@ -106,6 +108,60 @@ def run_case(ref: dict[str, Any], strategy: str) -> dict[str, Any]:
         return out
 
 
+def run_checkpoint(ref: dict[str, Any], root: Path) -> dict[str, Any]:
+    """One step of ``megatron:d2t2``, its adapters and AdamW state saved; a fresh FSDP2
+    ``fsdp:d4`` engine loads them and takes the second step."""
+    spec = ref["spec"]
+    with MegatronEngine(
+        spec,
+        parse_allocation("megatron:d2t2").training,
+        optimizer=lw.ADAMW,
+        grad_clip=lw.CLIP,
+        lora=lw.LORA,
+    ) as a:
+        assert a.adapter_layout is not None
+        a.load_canonical(ref["w0"])
+        a.load_adapters(ref["adapters"])
+        a.train_step(split_rows(ref["ids"], a.dp_size, a.dp_rank))
+        path = save_checkpoint(
+            root,
+            layout=a.adapter_layout,
+            states={
+                a.rank: RankState(params=a.adapter_local_state(), optim=a.optimizer_local_state())
+            },
+            model=spec,
+            allocation="megatron:d2t2",
+            step=1,
+            optimizer="adamw",
+            lr_scheduler=a.scheduler_state(),
+            hf=lora_hf_files(spec, lw.LORA),
+        )
+        saved = a.export_adapters()
+    b = lw.engine_of(spec, "fsdp:d4", 1)
+    b.load_canonical(ref["w0"])
+    assert b.adapter_layout is not None
+    res = load_checkpoint(
+        path,
+        layout=b.adapter_layout,
+        states={
+            b.rank: RankState(
+                params=b.adapter_local_state(), optim=b.optimizer_local_state(create=True)
+            )
+        },
+        optimizer="adamw",
+    )
+    assert res.lr_scheduler is not None
+    b.load_scheduler_state(res.lr_scheduler)
+    loaded = b.export_adapters()
+    stats = b.train_step(split_rows(ref["ids"], b.dp_size, b.dp_rank))
+    return dict(
+        adapters_bitwise=lw.bitwise(loaded, saved),
+        steps_done=b.steps_done,
+        second_loss_abs_diff=abs(stats["loss"] - ref["steps"][1]["loss"]),
+        adapter_max_abs_diff=lw.max_abs(b.export_adapters(), ref["after"]),
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -134,6 +190,16 @@ def main() -> int:
             results[f"{config}/{strategy}"] = rec
             if rank == 0:
                 print(f"{config}/{strategy}: {rec['error']}", flush=True)
+        t0 = time.monotonic()
+        try:
+            rec = run_checkpoint(refs["qwen2"], Path(args.out) / "checkpoint")
+            rec["error"] = None
+        except Exception:
+            rec = {"error": traceback.format_exc()}
+        rec["seconds"] = round(time.monotonic() - t0, 2)
+        results["checkpoint"] = rec
+        if rank == 0:
+            print(f"checkpoint: {rec['error']}", flush=True)
     finally:
         if rank == 0:
             out = Path(args.out)

@@ -103,3 +103,16 @@ def test_what_megatron_lora_refuses_before_any_process_group(
             precision=PrecisionPolicy.fp16_mixed() if fp16 else None,
             lora=LoraConfig(rank=2, dropout=0.0 if fp16 else 0.1),
         )
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.xdist_group("lora_megatron")
+def test_megatron_adapter_checkpoint_resumes_in_the_fsdp2_engine(results: dict[str, Any]) -> None:
+    """Adapters and AdamW state saved by ``megatron:d2t2`` (fused adapters) after one step
+    load bitwise into an ``fsdp:d4`` FSDP2 engine, whose second step is PEFT's."""
+    rec = results["cases"]["checkpoint"]
+    assert rec["error"] is None, rec["error"]
+    assert rec["adapters_bitwise"] and rec["steps_done"] == 2
+    assert rec["second_loss_abs_diff"] <= LOSS_ATOL
+    assert rec["adapter_max_abs_diff"] <= ADAPTER_ATOL
