@@ -41,6 +41,7 @@ import numpy as np
 
 from areal_fn.errors import PlanError
 from areal_fn.model.families.mapping import select
+from areal_fn.model.linear_attention import is_linear_layer
 from areal_fn.model.mtp import moe_at
 from areal_fn.model.spec import ModelSpec, condition_flags, dim_sizes
 from areal_fn.pipeline.partition import StagePlan, partition_pipeline
@@ -148,12 +149,12 @@ def _check_ep(spec: ModelSpec, expert_parallel: int) -> None:
         )
 
 
-def _kind_params(spec: ModelSpec, moe: bool, expert_parallel: int) -> int:
+def _kind_params(spec: ModelSpec, moe: bool, expert_parallel: int, linear: bool = False) -> int:
     """Parameters of one layer of a kind, from the family's canonical table (routed
-    experts divided over ``expert_parallel``)."""
+    experts divided over ``expert_parallel``; ``linear``: a linear-attention layer)."""
     sizes, flags = dim_sizes(spec), condition_flags(spec)
     total = 0
-    for r in select(spec.family.canonical, moe=moe, flags=flags):
+    for r in select(spec.family.canonical, moe=moe, flags=flags, linear=linear):
         numel = math.prod(sizes[d] for d in r.shape)
         total += numel * (spec.num_experts // expert_parallel if r.expert else 1)
     return total
@@ -163,8 +164,9 @@ def _layer_params(
     spec: ModelSpec, moe_layer_freq: int | Sequence[int] | None, expert_parallel: int
 ) -> list[int]:
     _check_ep(spec, expert_parallel)
-    per_kind = {m: _kind_params(spec, m, expert_parallel) for m in (False, True)}
-    return [per_kind[m] for m in _moe_flags(spec, moe_layer_freq)]
+    kinds = [(m, is_linear_layer(spec, i)) for i, m in enumerate(_moe_flags(spec, moe_layer_freq))]
+    per_kind = {k: _kind_params(spec, k[0], expert_parallel, k[1]) for k in set(kinds)}
+    return [per_kind[k] for k in kinds]
 
 
 def _mtp_params(spec: ModelSpec, expert_parallel: int) -> int:
@@ -209,16 +211,28 @@ def _check_tokens(micro_batch_size: int, seq_len: int) -> int:
     return micro_batch_size * seq_len
 
 
-def _activation_bytes_per_token(spec: ModelSpec, moe: bool, dtype_bytes: float) -> float:
+def _activation_bytes_per_token(
+    spec: ModelSpec, moe: bool, dtype_bytes: float, linear: bool = False
+) -> float:
     """Activations one token keeps in one layer for the backward pass (no recomputation,
-    flash attention: no sequence-squared term; softmax statistics in fp32)."""
+    flash attention: no sequence-squared term; softmax statistics in fp32). A gated
+    attention output keeps its gate; a gated-delta-net layer (``linear``) keeps its
+    projections, the conv output, the delta rule's output and its gated norm's, and the
+    decay and write strength per value head in fp32."""
     h = spec.hidden_size
     q = spec.num_attention_heads * spec.head_dim
-    # norm input, qkv input, q/k/v, attention output (o_proj input), second norm input
-    elems = h + h + q + spec.k_width + spec.v_width + spec.v_width + h
+    la = spec.linear_attention
+    if linear and la is not None:
+        qkv = 2 * la.key_dim + la.value_dim
+        elems = 3 * h + (qkv + la.value_dim + 2 * la.value_heads) + qkv + 2 * la.value_dim
+        fp32 = 2 * la.value_heads
+    else:
+        # norm input, qkv input, q/k/v, attention output (o_proj input), second norm input
+        elems = h + h + q + spec.k_width + spec.v_width + spec.v_width + h
+        elems += q if la is not None else 0  # the output gate (Qwen3-Next, Qwen3.5)
+        fp32 = spec.num_attention_heads  # log-sum-exp per head
     if spec.is_mla:  # the query and key/value latents (inputs of their norms and up projections)
         elems += 2 * spec.q_lora_rank + 2 * spec.kv_lora_rank
-    fp32 = spec.num_attention_heads  # log-sum-exp per head
     if moe:
         k, inter = spec.num_experts_per_tok, spec.moe_intermediate_size
         elems += h + k * (h + 3 * inter + h)  # router input; per routed copy in/gate/up/act/out
@@ -263,8 +277,9 @@ def memory_costs(
     params = _layer_params(spec, moe_layer_freq, expert_parallel)
     flags = _moe_flags(spec, moe_layer_freq)
     layers = tuple(
-        p * bytes_per_param + tokens * _activation_bytes_per_token(spec, m, activation_bytes)
-        for p, m in zip(params, flags, strict=True)
+        p * bytes_per_param
+        + tokens * _activation_bytes_per_token(spec, m, activation_bytes, is_linear_layer(spec, i))
+        for i, (p, m) in enumerate(zip(params, flags, strict=True))
     )
     h, v = spec.hidden_size, spec.vocab_size
     logits = v * (activation_bytes + 4.0)
@@ -309,13 +324,17 @@ def flop_costs(
     1) / 2`` pairs per sequence when ``causal`` (else ``seq_len**2``). Norms, rotary and
     element-wise ops are left out. Embedding: 0 (a gather); head: the output projection,
     and per MTP layer its decoder layer (routed experts), ``eh_proj`` and the output
-    projection again.
+    projection again. A gated attention's ``q_proj`` is twice as wide (its gate). A
+    gated-delta-net layer has no pairs: its projections, the conv (``conv_kernel`` taps
+    per channel) and the delta rule's three ``key_head_dim x value_head_dim`` products
+    per value head and token (the recurrent form).
     """
     tokens = _check_tokens(micro_batch_size, seq_len)
     h = spec.hidden_size
     q = spec.num_attention_heads * spec.head_dim
     kv = spec.num_key_value_heads * spec.head_dim
-    proj = 2 * (h * q + 2 * h * kv + q * h) * tokens
+    gate = q if spec.linear_attention is not None else 0  # gated attention's q_proj
+    proj = 2 * (h * (q + gate) + 2 * h * kv + q * h) * tokens
     if spec.is_mla:  # the latent projections: every attention weight of the layer once
         proj = 2 * _attention_weights(spec) * tokens
     pairs = seq_len * (seq_len + 1) // 2 if causal else seq_len * seq_len
@@ -328,8 +347,10 @@ def flop_costs(
         * (h * spec.num_experts + spec.num_experts_per_tok * 3 * h * spec.moe_intermediate_size)
         * tokens
     )
+    mixer = (_linear_flops(spec, tokens), proj + attn)
     layers = tuple(
-        3.0 * (proj + attn + (moe if m else dense)) for m in _moe_flags(spec, moe_layer_freq)
+        3.0 * (mixer[not is_linear_layer(spec, i)] + (moe if m else dense))
+        for i, m in enumerate(_moe_flags(spec, moe_layer_freq))
     )
     out = 2 * h * spec.vocab_size * tokens
     mtp = sum(
@@ -337,6 +358,17 @@ def flop_costs(
         for i in spec.mtp_layer_ids
     )
     return LayerCosts(layers=layers, embedding=0.0, head=3.0 * (out + mtp), unit="flops")
+
+
+def _linear_flops(spec: ModelSpec, tokens: int) -> int:
+    """Forward FLOPs of one gated-delta-net layer over ``tokens`` (0 without one)."""
+    la = spec.linear_attention
+    if la is None:
+        return 0
+    h, qkv = spec.hidden_size, 2 * la.key_dim + la.value_dim
+    proj = 2 * h * (qkv + la.value_dim + 2 * la.value_heads) + 2 * la.value_dim * h
+    rule = 2 * 3 * la.value_heads * la.key_head_dim * la.value_head_dim
+    return (proj + 2 * la.conv_kernel * qkv + rule) * tokens
 
 
 @beartype

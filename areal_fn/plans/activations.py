@@ -47,6 +47,7 @@ from collections.abc import Sequence
 import attrs
 
 from areal_fn.errors import SpecError
+from areal_fn.model.linear_attention import is_linear_layer
 from areal_fn.model.mtp import moe_at
 from areal_fn.model.spec import ModelSpec, layer_of
 from areal_fn.plans.census import Census
@@ -90,12 +91,21 @@ class ActivationModel:
 # -- estimated activations and buffers ------------------------------------------------
 
 
-def layer_token_bytes(model: ModelSpec, moe: bool, compute_bytes: int) -> int:
-    """Activation bytes one token keeps in one decoder layer (no recompute, no sharding)."""
+def layer_token_bytes(model: ModelSpec, moe: bool, compute_bytes: int, linear: bool = False) -> int:
+    """Activation bytes one token keeps in one decoder layer (no recompute, no sharding).
+    A gated attention output keeps its gate; a gated-delta-net layer (``linear``) keeps
+    its projections, the conv and delta-rule outputs, its gated norm's output, and the
+    decay and write strength per value head in fp32 (no softmax statistics)."""
     h, hd = model.hidden_size, model.head_dim
     q, kv = model.num_attention_heads * hd, model.num_key_value_heads * hd
-    elems = 4 * h + 2 * q + 2 * kv
-    fp32 = model.num_attention_heads
+    la = model.linear_attention
+    if linear and la is not None:
+        qkv = 2 * la.key_dim + la.value_dim
+        elems = 3 * h + 2 * qkv + 3 * la.value_dim + 2 * la.value_heads + h
+        fp32 = 2 * la.value_heads
+    else:
+        elems = 4 * h + 2 * q + 2 * kv + (q if la is not None else 0)
+        fp32 = model.num_attention_heads
     if moe:
         elems += model.num_experts_per_tok * (2 * h + 3 * model.moe_intermediate_size)
         fp32 += model.num_experts
@@ -130,7 +140,10 @@ def _activations(
     def per_mb(token_bytes: int) -> int:
         return -(-t * token_bytes // split)
 
-    full = [per_mb(layer_token_bytes(model, moe_at(model, i), cb)) for i in layers]
+    full = [
+        per_mb(layer_token_bytes(model, moe_at(model, i), cb, is_linear_layer(model, i)))
+        for i in layers
+    ]
     if act.recompute:
         kept = len(layers) * per_mb(model.hidden_size * cb)
         transient = max(full, default=0)

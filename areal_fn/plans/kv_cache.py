@@ -16,13 +16,21 @@ split, :func:`~areal_fn.layouts.inference.layer_stage`), for ``batch`` sequences
 batch). A sliding-window layer (:attr:`~areal_fn.model.spec.ModelSpec.sliding_layers`:
 gpt-oss, OLMo 3, Gemma 3) keeps the last ``sliding_window`` tokens of a sequence only,
 as vLLM's and SGLang's sliding-window caches do: ``min(context_len, sliding_window)``
-tokens. The engines' page rounding and the CUDA graphs' buffers are left out.
+tokens. A gated-delta-net linear-attention layer
+(:attr:`~areal_fn.model.spec.ModelSpec.linear_attention`: Qwen3-Next, Qwen3.5) caches
+no keys or values: it keeps one state per sequence whatever the context length, every
+value head's ``key_head_dim x value_head_dim`` matrix and the conv's last
+``conv_kernel - 1`` inputs (:attr:`~areal_fn.model.linear_attention.LinearAttention.state_numel`),
+split over ``tp`` by key-head groups as vLLM splits the layer (``tp`` must divide
+``linear_num_key_heads``), counted in ``dtype``. The engines' page rounding and the CUDA
+graphs' buffers are left out.
 """
 
 import attrs
 
 from areal_fn.errors import SpecError
 from areal_fn.layouts.inference import layer_stage
+from areal_fn.model.linear_attention import is_linear_layer
 from areal_fn.model.spec import ModelSpec
 from areal_fn.model.tensor_spec import DTYPE_BYTES, dtype_name
 from areal_fn.strategy.allocation import Backend
@@ -47,6 +55,10 @@ class KVCache:
     #: of those, the sliding-window layers per stage (empty: none), and their window
     stage_sliding: tuple[int, ...] = ()
     sliding_window: int = 0
+    #: of those, the linear-attention layers per stage (empty: none), and the elements
+    #: of one such layer's state per sequence on a rank
+    stage_linear: tuple[int, ...] = ()
+    linear_state_elements: int = 0
 
     @property
     def window_tokens(self) -> int:
@@ -60,9 +72,11 @@ class KVCache:
     def stage_bytes(self, stage: int) -> int:
         """Bytes a rank of pipeline stage ``stage`` keeps for the whole batch."""
         sliding = self.stage_sliding[stage] if self.stage_sliding else 0
-        tokens = (self.stage_layers[stage] - sliding) * self.context_len
+        linear = self.stage_linear[stage] if self.stage_linear else 0
+        tokens = (self.stage_layers[stage] - sliding - linear) * self.context_len
         tokens += sliding * self.window_tokens
-        return self.batch * tokens * self.bytes_per_token_layer
+        state = linear * self.linear_state_elements * DTYPE_BYTES[self.dtype]
+        return self.batch * (tokens * self.bytes_per_token_layer + state)
 
     @property
     def max_bytes(self) -> int:
@@ -113,11 +127,12 @@ def kv_cache(
             f"kv_cache: pp={d.pp} exceeds the model's {model.num_layers} layers; use pp <= "
             f"{model.num_layers}"
         )
-    layers, sliding = [0] * d.pp, [0] * d.pp
+    layers, sliding, linear = [0] * d.pp, [0] * d.pp, [0] * d.pp
     for i in range(model.num_layers):
         stage = layer_stage(i, model.num_layers, d.pp)
         layers[stage] += 1
         sliding[stage] += bool(model.sliding_layers and model.sliding_layers[i])
+        linear[stage] += is_linear_layer(model, i)
     return KVCache(
         context_len=context_len,
         batch=batch,
@@ -126,4 +141,19 @@ def kv_cache(
         stage_layers=tuple(layers),
         stage_sliding=tuple(sliding) if any(sliding) else (),
         sliding_window=model.sliding_window if any(sliding) else 0,
+        stage_linear=tuple(linear) if any(linear) else (),
+        linear_state_elements=_linear_state(model, d.tp) if any(linear) else 0,
     )
+
+
+def _linear_state(model: ModelSpec, tp: int) -> int:
+    """One linear-attention layer's state per sequence on one of ``tp`` ranks."""
+    la = model.linear_attention
+    assert la is not None  # called for models with linear layers
+    if la.key_heads % tp:
+        raise SpecError(
+            f"kv_cache: tp={tp} does not divide linear_num_key_heads={la.key_heads}; the "
+            f"engines split a linear-attention layer by key-head groups; use tp dividing "
+            f"{la.key_heads}"
+        )
+    return la.state_numel // tp

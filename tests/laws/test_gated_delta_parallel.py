@@ -8,10 +8,12 @@ linear-attention layer does not restart its state where ``position_ids`` restart
 packed row's second sequence sees the first (full attention alone would not).
 """
 
+import json
+
 import pytest
 import torch
 
-from areal_fn.errors import LayoutError
+from areal_fn.errors import LayoutError, SpecError
 from areal_fn.layouts.fsdp2 import fsdp2_layout
 from areal_fn.layouts.inference import inference_layout
 from areal_fn.layouts.megatron import megatron_layout
@@ -102,3 +104,40 @@ def test_transformers_linear_attention_does_not_reset_at_packed_boundaries() -> 
         outs["full" if kinds else "hybrid"] = float((alone - packed).abs().max())
     assert outs["full"] < 1e-5, outs
     assert outs["hybrid"] > 1e-3, outs
+
+
+def test_linear_layers_cost_no_sequence_squared_term_and_cache_no_tokens() -> None:
+    """Per token, a linear-attention layer's FLOPs do not grow with the sequence (a full
+    attention layer's do), and its cache does not grow with the context."""
+    from areal_fn.pipeline.costs import flop_costs
+    from areal_fn.plans.kv_cache import kv_cache
+
+    spec = model_from_hf_config(FAMILIES["qwen3_5_text"])  # layer 1 full, the others linear
+    per_token = [flop_costs(spec, seq_len=s).layers for s in (64, 4096)]
+    assert per_token[0][0] / 64 == per_token[1][0] / 4096
+    assert per_token[0][1] / 64 < per_token[1][1] / 4096
+    short, long = (kv_cache(spec, "sglang:d1", context_len=n) for n in (64, 4096))
+    assert long.max_bytes - short.max_bytes == (4096 - 64) * long.bytes_per_token_layer
+    assert short.stage_linear == (3,) and short.linear_state_elements > 0
+    with pytest.raises(SpecError, match=r"kv_cache: tp=4 does not divide linear_num_key_heads=2"):
+        kv_cache(spec, "sglang:d1t4", context_len=64)
+
+
+def test_plan_on_the_published_configs(capsys: pytest.CaptureFixture[str]) -> None:
+    """``areal-fn plan`` on Qwen3-Next-80B-A3B: the inference component's cache holds 12
+    full-attention layers of tokens and 36 linear-attention states (each 32 value heads
+    of 128 x 128 plus 3 conv inputs of 2 * 16 * 128 + 32 * 128 channels, split 4 ways);
+    Megatron and Ulysses refused with the reason."""
+    from areal_fn.cli import main
+
+    assert main(["plan", "Qwen3-Next-80B-A3B-Instruct", "fsdp:d8+sglang:d1t4", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["model"]["num_params"] == 79_674_391_296
+    kv = doc["components"][1]["kv_cache"]
+    assert kv["stage_linear_layers"] == [36] and kv["stage_layers"] == [48]
+    assert kv["linear_state_elements"] == (32 * 128 * 128 + 3 * (2 * 16 * 128 + 32 * 128)) // 4
+    full = 12 * kv["context_len"] * 2 * (2 // 2) * 256 * 2  # K and V, 1 KV head a rank, bf16
+    assert kv["max_bytes"] == full + 36 * kv["linear_state_elements"] * 2
+    for alloc, why in (("megatron:d8", "cannot express qwen3_next"), ("fsdp:d4c2", "cp=2")):
+        assert main(["plan", "Qwen3-Next-80B-A3B-Instruct", alloc]) == 2
+        assert why in capsys.readouterr().err

@@ -186,3 +186,61 @@ def test_gated_attention_and_delta_rule_run_on_cpu() -> None:
         assert torch.isfinite(loss)
         grads = [p.grad for n, p in model.named_parameters() if "linear_attn" in n]
         assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
+
+
+def test_kv_cache_counts_what_transformers_caches() -> None:
+    """After a forward of n tokens, transformers' cache holds per full-attention layer
+    n tokens of keys and values, and per linear-attention layer a state independent of n:
+    the recurrent matrices and the conv window, which transformers keeps ``conv_kernel``
+    inputs wide and the engines (vLLM) ``conv_kernel - 1``. ``kv_cache`` at tp=1 counts
+    the same elements (the conv one column narrower per channel)."""
+    from areal_fn.plans.kv_cache import kv_cache
+
+    cfg = CASES["qwen3_next"]
+    spec = model_from_hf_config(cfg)
+    model = _build(cfg).eval()
+    for n in (5, 11):
+        with torch.no_grad():
+            out = model(input_ids=torch.arange(n)[None] % 40, use_cache=True)
+        per_token = conv = recurrent = 0
+        for layer in out.past_key_values.layers:
+            if hasattr(layer, "keys"):
+                per_token += (layer.keys.numel() + layer.values.numel()) // n
+            else:
+                conv += sum(c.numel() for c in layer.conv_states.values())
+                recurrent += sum(r.numel() for r in layer.recurrent_states.values())
+        la = spec.linear_attention
+        assert la is not None
+        linear = sum(la.layers)
+        kv = kv_cache(spec, "sglang:d1", context_len=n, dtype="float32")
+        assert kv.elements_per_token_layer * (spec.num_layers - linear) == per_token
+        narrower = linear * (2 * la.key_dim + la.value_dim)  # one conv input per channel
+        assert kv.linear_state_elements * linear == conv - narrower + recurrent
+        assert kv.max_bytes == 4 * (n * per_token + conv - narrower + recurrent)
+
+
+def test_linear_attention_flops_match_torch_flop_counter() -> None:
+    """``flop_costs``'s linear-attention layer against ``torch.utils.flop_counter`` on
+    transformers' module: its projections (``aten.mm``) exactly; its conv, which torch
+    counts over the ``conv_kernel - 1`` padded outputs transformers drops, per useful
+    output; plus the recurrent delta rule's ``3 * key_head_dim * value_head_dim`` products
+    per value head and token (transformers' chunked torch form spends more, in ``bmm``)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from areal_fn.pipeline.costs import flop_costs
+
+    cfg = CASES["qwen3_5_text"]
+    spec = model_from_hf_config(cfg)
+    la = spec.linear_attention
+    assert la is not None
+    module = _build(cfg).model.layers[0].linear_attn
+    for n in (7, 12):
+        x = torch.randn(1, n, spec.hidden_size, requires_grad=True)
+        with FlopCounterMode(display=False) as counter:
+            module(x)
+        ops = {str(op): f for op, f in counter.get_flop_counts()["Global"].items()}
+        conv = ops["aten.convolution"] * n // (n + la.conv_kernel - 1)
+        rule = 2 * 3 * la.value_heads * la.key_head_dim * la.value_head_dim * n
+        costs = flop_costs(spec, seq_len=n)
+        mlp = 2 * 3 * spec.hidden_size * spec.intermediate_size * n  # the dense SwiGLU
+        assert costs.layers[0] == 3.0 * (ops["aten.mm"] + conv + rule + mlp)

@@ -153,6 +153,8 @@ def _kv_json(kv: KVCache) -> dict[str, Any]:
         "stage_layers": list(kv.stage_layers),
         "stage_sliding_layers": list(kv.stage_sliding or [0] * len(kv.stage_layers)),
         "sliding_window": kv.sliding_window,
+        "stage_linear_layers": list(kv.stage_linear or [0] * len(kv.stage_layers)),
+        "linear_state_elements": kv.linear_state_elements,
         "max_bytes": kv.max_bytes,
     }
 
@@ -351,6 +353,12 @@ def _print_inference(console: Any, model: ModelSpec, facts: _Facts, args: Any) -
             f" (sliding-window layers {list(kv.stage_sliding)}, keeping "
             f"{kv.window_tokens:,} tokens each)"
             if kv.stage_sliding
+            else ""
+        )
+        + (
+            f" (linear-attention layers {list(kv.stage_linear)}, a state of "
+            f"{kv.linear_state_elements:,} elements per sequence each, no tokens)"
+            if kv.stage_linear
             else ""
         )
         + "; page rounding and CUDA graph buffers not counted"
