@@ -89,8 +89,9 @@ def _held(layout: Layout, names: dict[str, TensorSpec]) -> dict[str, list[_Held 
                 before = held[r]
                 if before is not None:
                     raise LayoutError(
-                        f"rank {r} holds two pieces of {p.canonical!r} (in {before[0]!r} and "
-                        f"{lt.name!r}); block FP8 quantises one piece of a weight per rank"
+                        f"rank {r} holds two pieces of {p.canonical!r} (in "
+                        f"{sorted({before[0], lt.name})}); block FP8 quantises one piece of a "
+                        "weight per rank: use a layout (degrees) that gives each rank one"
                     )
                 assert p.canonical_box is not None
                 held[r] = (lt.name, p.canonical_box, p.local_box)

@@ -30,7 +30,8 @@ from areal_fn.model.quantized import scale_name
 from areal_fn.plans.fp8_sync import Fp8Quantization
 from areal_fn.plans.transfer import BucketPlan
 from areal_fn.runtime.hf.fp8_shards import quantize_shard
-from areal_fn.runtime.sync.executor import SyncGroup, SyncReport, send_and_receive
+from areal_fn.runtime.sync.executor import SyncGroup, SyncReport, _begin, send_and_receive
+from areal_fn.runtime.sync.group import _fail
 
 __all__ = ["quantize_sources", "send_and_receive_fp8"]
 
@@ -73,6 +74,28 @@ def quantize_sources(
     return out
 
 
+def _wrong_destinations(
+    plan: BucketPlan,
+    rank: int,
+    quantization: Sequence[Fp8Quantization],
+    dst_tensors: Mapping[str, torch.Tensor],
+) -> list[str]:
+    """This rank's live tensors that receive quantised values or scales in another dtype."""
+    want = {q.name: torch.float8_e4m3fn for q in quantization}
+    want.update({scale_name(q.name): torch.float32 for q in quantization})
+    return sorted(
+        {
+            t.dst_tensor
+            for b in plan.buckets
+            for t in b.transfers
+            if t.dst == rank
+            and t.canonical in want
+            and t.dst_tensor in dst_tensors
+            and dst_tensors[t.dst_tensor].dtype != want[t.canonical]
+        }
+    )
+
+
 def send_and_receive_fp8(
     plan: BucketPlan,
     *,
@@ -90,12 +113,25 @@ def send_and_receive_fp8(
     ``src_tensors``: this rank's tensors of the unquantised source layout;
     ``dst_tensors``: its live FP8 weights, scales and unquantised tensors. ``options``:
     :func:`send_and_receive`'s (``wire_dtype`` is refused: FP8 values travel as they are).
+
+    ``PlanError`` (and the group spent, its members raising ``SyncError`` with the reason)
+    when this rank's live tensors of quantised weights are not ``float8_e4m3fn`` or their
+    scales not float32.
     """
     if "wire_dtype" in options:
         raise PlanError(
             f"wire_dtype={options['wire_dtype']!r}: an FP8 sync sends float8_e4m3fn values and "
             "float32 scales as they are; drop wire_dtype"
         )
+    wrong = _wrong_destinations(plan, group.rank, quantization, dst_tensors)
+    if wrong:
+        reason = (
+            f"rank {group.rank}: live tensors {wrong[:3]} receive FP8 weights or scales but "
+            "hold another dtype; an FP8 deployment holds its quantised weights as "
+            "float8_e4m3fn and their weight_scale_inv as float32 (the dtypes of fp8_layout)"
+        )
+        _fail(group, _begin(group, plan.version), reason)
+        raise PlanError(reason)
     sources: Mapping[str, torch.Tensor] = src_tensors
     if src_rank is not None:
         sources = quantize_sources(quantization, src_rank, src_tensors, group=quant_group)
