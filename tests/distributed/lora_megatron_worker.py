@@ -41,6 +41,8 @@ CASES: tuple[tuple[str, str], ...] = (
     ("qwen2", "megatron:d2p2"),
     ("qwen2", "megatron:t2p2"),
     ("qwen3", "megatron:d2t2"),
+    ("qwen2_4l", "megatron:d2p2v2"),
+    ("qwen2", "megatron:d2c2"),
 )
 
 

@@ -68,6 +68,16 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "vocab_size": 50,
         "torch_dtype": "float32",
     },
+    "qwen2_4l": {
+        "model_type": "qwen2",
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "vocab_size": 50,
+        "torch_dtype": "float32",
+    },
     "qwen3": {
         "model_type": "qwen3",
         "hidden_size": 16,

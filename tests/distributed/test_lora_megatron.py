@@ -2,8 +2,8 @@
 
 One ``torchrun --nproc-per-node 4`` launch (``lora_megatron_worker.py``) runs two AdamW
 steps (clipped to norm 0.5) of :class:`~areal_fn.runtime.engines.megatron.MegatronEngine`
-built with ``lora=`` under ``megatron:d2t2``, ``d2p2`` and ``t2p2`` (qwen2) and ``d2t2``
-(qwen3), its ``linear_qkv`` / ``linear_fc1`` holding the fused adapters, from the same
+built with ``lora=`` under ``megatron:d2t2``, ``d2p2``, ``t2p2`` and ``d2c2`` (qwen2),
+``d2t2`` (qwen3) and ``d2p2v2`` (a 4-layer qwen2, interleaved), its ``linear_qkv`` / ``linear_fc1`` holding the fused adapters, from the same
 base weights and adapters as ``peft.get_peft_model`` of the transformers model stepping
 the whole batch (``lora_worker.reference``): loss, gradient norm and clipped adapter
 gradients of each step, the adapters after both steps and the log-probs after them
@@ -28,11 +28,11 @@ WORKER = Path(__file__).with_name("lora_megatron_worker.py")
 REPO = Path(__file__).resolve().parents[2]
 
 # fp32 tolerances; observed on CPU/gloo, torch 2.13, megatron-core 0.16, peft 0.21.2:
-LOSS_ATOL = 1e-5  # <= 1.9e-7
+LOSS_ATOL = 1e-5  # <= 5.1e-7
 NORM_RTOL = 2e-5  # <= 4.1e-6
-GRAD_RTOL = 2e-5  # max abs diff / max |reference grad|: <= 5.9e-6 (d2p2)
-ADAPTER_ATOL = 1e-5  # after two steps at lr 1e-2: <= 1.9e-6
-LOGPROB_ATOL = 1e-5  # <= 1.5e-6
+GRAD_RTOL = 2e-5  # max abs diff / max |reference grad|: <= 8.1e-6 (d2p2v2)
+ADAPTER_ATOL = 1e-5  # after two steps at lr 1e-2: <= 2.2e-6
+LOGPROB_ATOL = 1e-5  # <= 1.7e-6
 
 
 @pytest.fixture(scope="module")
