@@ -7,7 +7,9 @@ or Qwen3.5's ``in_proj_qkv``/``_z``/``_b``/``_a``, ``norm``, ``out_proj``) and n
 ``self_attn``; a ``full_attention`` layer's ``q_proj`` is ``2 * heads * head_dim`` wide;
 the MoE block is router, experts, ``shared_expert``, ``shared_expert_gate``;
 ``save_pretrained`` writes experts one tensor per expert; a published Qwen3.5 config's
-``text_config`` builds the text model.
+``text_config`` builds the text model. End to end: a tiny model's files read into FSDP2
+and inference layouts, exported back and loaded by ``from_pretrained``; the cache and
+FLOPs the cost models count, against transformers' cache and torch's flop counter.
 """
 
 from pathlib import Path
@@ -175,19 +177,6 @@ def test_refusals(cfg: dict[str, object], err: type[Exception], match: str) -> N
         model_from_hf_config(cfg)
 
 
-def test_gated_attention_and_delta_rule_run_on_cpu() -> None:
-    """A forward and backward of each tiny model runs on CPU (transformers' torch delta
-    rule), so the engines can train these families here."""
-    for name in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"):
-        model = _build(CASES[name])
-        ids = torch.arange(12).reshape(2, 6) % 40
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        assert torch.isfinite(loss)
-        grads = [p.grad for n, p in model.named_parameters() if "linear_attn" in n]
-        assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
-
-
 def test_kv_cache_counts_what_transformers_caches() -> None:
     """After a forward of n tokens, transformers' cache holds per full-attention layer
     n tokens of keys and values, and per linear-attention layer a state independent of n:
@@ -244,3 +233,45 @@ def test_linear_attention_flops_match_torch_flop_counter() -> None:
         costs = flop_costs(spec, seq_len=n)
         mlp = 2 * 3 * spec.hidden_size * spec.intermediate_size * n  # the dense SwiGLU
         assert costs.layers[0] == 3.0 * (ops["aten.mm"] + conv + rule + mlp)
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5_text-tied-half-rotary"])
+def test_files_to_layouts_and_back_to_a_loadable_checkpoint(tmp_path: Path, name: str) -> None:
+    """A tiny model saved by ``save_pretrained``, read from its files into an FSDP2
+    (d2) and an inference (sglang t2) layout, gathered back, exported with
+    ``write_hf_checkpoint`` and loaded by ``from_pretrained``: the same tensors bitwise
+    and the same logits; ``hf_config()`` alone builds the same computation."""
+    import transformers
+
+    from areal_fn import fsdp2_layout, inference_layout
+    from areal_fn.model.hf_memory import hf_state_to_canonical
+    from areal_fn.plans.convert import to_hf, to_megatron
+    from areal_fn.runtime.hf.io import HfCheckpoint, write_hf_checkpoint
+
+    model = _build(CASES[name])
+    with torch.no_grad():  # (1 + w) norms and the delta rule's parameters: give values
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(tmp_path / "hf", max_shard_size="20KB")
+    spec = model_from_hf_config(tmp_path / "hf")
+    assert spec == model_from_hf_config(CASES[name])
+    ref = model.state_dict()
+    canon = hf_state_to_canonical(ref, spec)
+    with HfCheckpoint(tmp_path / "hf") as ckpt:
+        ckpt.check(spec)
+        for layout in (fsdp2_layout(spec, "fsdp:d2"), inference_layout(spec, "sglang:t2")):
+            states = {r: to_megatron(ckpt.read, layout, r) for r in range(layout.world_size)}
+            back = to_hf(states, layout, check_replicas=True)
+            assert back.keys() == canon.keys()
+            assert all(torch.equal(back[k], canon[k]) for k in canon)
+    out = write_hf_checkpoint(tmp_path / "out", back, model=spec, max_shard_bytes=30_000)
+    assert model_from_hf_config(out) == spec
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    got = loaded.state_dict()
+    assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)
+    ids = torch.tensor([[1, 5, 7, 3, 9, 2, 8, 4]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, loaded(ids).logits)
+        again = _build(spec.hf_config())
+        again.load_state_dict(ref, strict=True)
+        assert torch.equal(model(ids).logits, again(ids).logits)
