@@ -43,6 +43,7 @@ CASES: tuple[tuple[str, str], ...] = (
     ("qwen3", "megatron:d2t2"),
     ("qwen2_4l", "megatron:d2p2v2"),
     ("qwen2", "megatron:d2c2"),
+    ("mixtral", "megatron:d4e2"),
 )
 
 
@@ -64,7 +65,7 @@ def run_case(ref: dict[str, Any], strategy: str) -> dict[str, Any]:
         parse_allocation(strategy).training,
         optimizer=lw.ADAMW,
         grad_clip=lw.CLIP,
-        lora=lw.LORA,
+        lora=lw.lora_of(spec),
     ) as engine:
         assert engine.adapter_layout is not None
         out: dict[str, Any] = {}

@@ -78,6 +78,19 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "vocab_size": 50,
         "torch_dtype": "float32",
     },
+    "mixtral": {
+        "model_type": "mixtral",
+        "hidden_size": 16,
+        "intermediate_size": 16,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 52,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "sliding_window": None,
+        "torch_dtype": "float32",
+    },
     "qwen3": {
         "model_type": "qwen3",
         "hidden_size": 16,
@@ -92,12 +105,22 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 #: Every module, with a different rank for the MLP's down projection.
 LORA = LoraConfig(rank=4, alpha=8.0, module_ranks=(("down_proj", 2),))
+#: A MoE family's: the attention projections (PEFT would adapt the fused experts).
+LORA_MOE = LoraConfig(rank=4, alpha=8.0, target_modules=("q_proj", "k_proj", "v_proj", "o_proj"))
+
+
+def lora_of(spec: ModelSpec) -> LoraConfig:
+    """The configuration the cases train ``spec`` with."""
+    return LORA_MOE if spec.family.moe else LORA
+
+
 #: (config, strategy, HSDP replicas)
 CASES: tuple[tuple[str, str, int], ...] = (
     ("qwen2", "fsdp:d4", 1),
     ("qwen2", "fsdp:d2t2", 1),
     ("qwen2", "fsdp:d2c2", 1),
     ("qwen2", "fsdp:d4", 2),
+    ("mixtral", "fsdp:d2t2", 1),
     ("qwen3", "fsdp:d2t2", 1),
     ("qwen3", "fsdp:t2c2", 1),
 )
@@ -124,7 +147,9 @@ def peft_name(name: str) -> str:
 
 def adapters_of(spec: ModelSpec, seed: int = 7) -> dict[str, Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {s.name: torch.randn(s.shape, generator=g) * 0.2 for s in lora_tensors(spec, LORA)}
+    return {
+        s.name: torch.randn(s.shape, generator=g) * 0.2 for s in lora_tensors(spec, lora_of(spec))
+    }
 
 
 def batch(spec: ModelSpec) -> Tensor:
@@ -135,12 +160,13 @@ def batch(spec: ModelSpec) -> Tensor:
 def peft_model(spec: ModelSpec, adapters: dict[str, Tensor]) -> torch.nn.Module:
     import peft
 
+    lora = lora_of(spec)
     config = peft.LoraConfig(
-        r=LORA.rank,
-        lora_alpha=LORA.alpha,
-        lora_dropout=LORA.dropout,
-        target_modules=list(LORA.target_modules),
-        rank_pattern=dict(LORA.module_ranks),
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        rank_pattern=dict(lora.module_ranks),
     )
     model = peft.get_peft_model(build_hf_model(spec), config)
     params = dict(model.named_parameters())
@@ -220,7 +246,7 @@ def engine_of(spec: ModelSpec, strategy: str, replicas: int) -> Fsdp2Engine:
         options=Fsdp2Options(hsdp_replicas=replicas),
         optimizer=ADAMW,
         grad_clip=CLIP,
-        lora=LORA,
+        lora=lora_of(spec),
     )
 
 

@@ -3,7 +3,8 @@
 One ``torchrun --nproc-per-node 4`` launch (``lora_megatron_worker.py``) runs two AdamW
 steps (clipped to norm 0.5) of :class:`~areal_fn.runtime.engines.megatron.MegatronEngine`
 built with ``lora=`` under ``megatron:d2t2``, ``d2p2``, ``t2p2`` and ``d2c2`` (qwen2),
-``d2t2`` (qwen3) and ``d2p2v2`` (a 4-layer qwen2, interleaved), its ``linear_qkv`` / ``linear_fc1`` holding the fused adapters, from the same
+``d2t2`` (qwen3), ``d2p2v2`` (a 4-layer qwen2, interleaved) and ``d4e2`` (mixtral,
+experts over 2 ranks, adapters on the attention projections), its ``linear_qkv`` / ``linear_fc1`` holding the fused adapters, from the same
 base weights and adapters as ``peft.get_peft_model`` of the transformers model stepping
 the whole batch (``lora_worker.reference``): loss, gradient norm and clipped adapter
 gradients of each step, the adapters after both steps and the log-probs after them
