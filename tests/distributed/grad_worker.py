@@ -53,7 +53,12 @@ from areal_fn.runtime.engines.fsdp2_apply import Fsdp2RunOptions  # noqa: E402
 from areal_fn.runtime.engines.megatron import MegatronEngine  # noqa: E402
 from areal_fn.runtime.engines.packed import TokenSequence  # noqa: E402
 from areal_fn.strategy.parse import parse_allocation  # noqa: E402
-from tests.distributed import fp16_cases, gated_delta_configs, layer_type_configs  # noqa: E402
+from tests.distributed import (  # noqa: E402
+    dsa_configs,
+    fp16_cases,
+    gated_delta_configs,
+    layer_type_configs,
+)
 
 WORLD = 4
 BATCH, SEQ = 8, 16
@@ -230,6 +235,9 @@ CONFIGS["minimax_m2"] = layer_type_configs.minimax_m2()
 CONFIGS["qwen3_next"] = gated_delta_configs.qwen3_next()
 CONFIGS["qwen3_5_text"] = gated_delta_configs.qwen3_5_text()
 CONFIGS["qwen3_5_moe_text"] = gated_delta_configs.qwen3_5_moe_text()
+#: DeepSeek sparse attention (dsa_configs): the indexer's top-k shorter than the sequence
+CONFIGS["deepseek_v32"] = dsa_configs.deepseek_v32()
+CONFIGS["glm_moe_dsa"] = dsa_configs.glm_moe_dsa()
 
 #: label -> (allocation string, HSDP replicas, pipeline chunk lengths or None for the
 #: even split, FSDP2 run options). All fill the 4 ranks.
@@ -316,6 +324,9 @@ CASES: tuple[tuple[str, str], ...] = (
     ("qwen3_next", "fsdp:d4"),  # gated delta net: data parallel only (no TP, no Ulysses)
     ("qwen3_5_text", "fsdp:d4"),
     ("qwen3_5_moe_text", "hsdp:d4r2"),
+    ("deepseek_v32", "fsdp:d4"),  # the indexer runs without gradient (transformers)
+    ("deepseek_v32", "fsdp:d2t2"),  # indexer replicated beside column-wise MLA
+    ("glm_moe_dsa", "fsdp:d2t2"),
 )
 
 

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from areal_fn import megatron_layout, model_from_hf_config
+from areal_fn import fsdp2_layout, megatron_layout, model_from_hf_config
 from areal_fn.errors import LayoutError, SpecError, UnsupportedConfigError
 
 _BASE: dict[str, object] = {
@@ -115,3 +115,13 @@ def test_megatron_layout_refused_with_the_reason(model_type: str) -> None:
     spec = model_from_hf_config(_cfg(model_type))
     with pytest.raises(LayoutError, match=re.escape(spec.family.megatron_refusal)):
         megatron_layout(spec, "megatron:t2")
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa"])
+def test_sequence_split_refused_with_the_reason(model_type: str) -> None:
+    """Ulysses would give the indexer one rank's shard of the keys."""
+    spec = model_from_hf_config(_cfg(model_type))
+    with pytest.raises(
+        LayoutError, match=f"cp=2: {model_type}'s indexer \\(transformers\\) scores every key"
+    ):
+        fsdp2_layout(spec, "fsdp:d2c2")

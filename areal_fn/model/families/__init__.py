@@ -209,12 +209,6 @@ class Family:
     - ``serving``: what the serving and building paths need beyond the tables
       (:class:`~areal_fn.model.families.serving.Serving`: vLLM's fused layout, the
       Megatron builder's yarn rope, engines that cannot serve tied models).
-    - ``linear_attention``: some layers are gated-delta-net linear attention, as
-      ``layer_types`` / ``full_attention_interval`` say (:mod:`areal_fn.model.linear_attention`).
-    - ``sequence_refusal``: why the engines cannot split a sequence over ranks (Ulysses,
-      context parallelism) or pack sequences into one row for the family, or empty.
-    - ``ignored_rope_keys``: ``rope_parameters`` keys that change nothing for text input
-      (Qwen3.5's multimodal ``mrope_section``: with one position per token it is plain rope).
     """
 
     model_type: str

@@ -51,6 +51,13 @@ DSA_MEGATRON_REFUSAL = (
     "run on this path; use the fsdp backend"
 )
 
+#: Why the engines cannot split or pack these families' sequences.
+DSA_SEQUENCE_REFUSAL = (
+    "{mt}'s indexer (transformers) scores every key of the row inside its attention module, "
+    "outside the attention function the engines replace for Ulysses and packing, so it "
+    "would pick its top-k from one rank's shard of the sequence or across packed sequences"
+)
+
 #: The config keys and defaults DeepSeek-V3.2 and GLM-5 share (transformers' classes).
 DSA_REQUIRED = (
     *CORE_KEYS,
@@ -111,4 +118,5 @@ FAMILY = Family(
     moe_keys=DEEPSEEK_MOE_KEYS,
     fused_experts=STACKED_SWIGLU_EXPERTS,
     megatron_refusal=DSA_MEGATRON_REFUSAL.format(mt="deepseek_v32"),
+    sequence_refusal=DSA_SEQUENCE_REFUSAL.format(mt="deepseek_v32"),
 )

@@ -12,6 +12,7 @@ from areal_fn.model.families.deepseek_v32 import (
     DSA_ATTENTION_HF,
     DSA_MEGATRON_REFUSAL,
     DSA_REQUIRED,
+    DSA_SEQUENCE_REFUSAL,
 )
 from areal_fn.model.families.deepseek_v32 import FAMILY as DEEPSEEK_V32
 from areal_fn.model.families.glm4_moe import (
@@ -50,4 +51,5 @@ FAMILY = Family(
     moe_keys=DEEPSEEK_MOE_KEYS,
     fused_experts=STACKED_SWIGLU_EXPERTS,
     megatron_refusal=DSA_MEGATRON_REFUSAL.format(mt="glm_moe_dsa"),
+    sequence_refusal=DSA_SEQUENCE_REFUSAL.format(mt="glm_moe_dsa"),
 )

@@ -176,7 +176,8 @@ class Fsdp2Engine(OptimizerSteps):
         model = build_hf_model(model_spec, seed=seed).to(self.device)
         if lora is not None:
             inject_lora(model, model_spec, lora, seed=seed)
-        ulysses.install(model, self.sp_group)
+        if not model_spec.family.indexer:  # DSA: transformers' eager mask carries the top-k
+            ulysses.install(model, self.sp_group)
         self.model = fsdp2.apply_fsdp2(model, self.layout, self.device_mesh, options=run_options)
         # what the optimizer steps: every parameter, or under LoRA the adapters alone
         self._params: dict[str, nn.Parameter] = (
