@@ -6,7 +6,8 @@
 - Placements follow the base layer: column-parallel bases split ``lora_B``'s rows like
   theirs and replicate ``lora_A``; row-parallel bases split ``lora_A``'s columns like
   theirs and replicate ``lora_B``; FSDP2 shards both on dim 0. On every rank the rows of
-  ``lora_B`` a rank holds are the rows of the base weight it holds.
+  ``lora_B`` a rank holds are the rows of the base weight it holds, and each row of a
+  fused ``lora_B`` reads the member (q/k/v, gate/up) its base row belongs to.
 - Shapes: ``r * (in + out)`` per target; refusals name the module and the rule.
 - Transfer plans between LoRA layouts reproduce the destination (bytes at the lower
   bound); checkpoint plans write every adapter element once.
@@ -19,7 +20,7 @@ from areal_fn.errors import LayoutError
 from areal_fn.layouts.fsdp2 import fsdp2_layout
 from areal_fn.layouts.layout import Layout
 from areal_fn.layouts.layout_for import layout_for
-from areal_fn.layouts.lora import adapter_layout, with_lora
+from areal_fn.layouts.lora import adapter_layout, adapter_row_members, with_lora
 from areal_fn.layouts.vllm import vllm_layout
 from areal_fn.model.lora import (
     LoraConfig,
@@ -223,6 +224,31 @@ def test_megatron_fused_adapters() -> None:
     assert [f.canonical.split(".")[-3] for f in fc1_a.fusion] == ["gate_proj", "up_proj"]
     proj_a = layout.tensor(pre + "self_attention.linear_proj.lora_A.weight")
     assert proj_a.sharding.placements[-1] == Shard(dim=1)
+
+
+@pytest.mark.parametrize("component", ["megatron:t2", "megatron:d2p2t2", "megatron:t4"])
+def test_each_fused_lora_b_row_reads_the_member_of_its_base_row(component: str) -> None:
+    """``adapter_row_members``: local row ``i`` of a fused ``lora_B`` reads member ``m``
+    exactly where local row ``i`` of the base weight holds member ``m``'s canonical rows
+    (q/k/v of ``linear_qkv``, gate/up of ``linear_fc1``), on every rank and stage."""
+    model = model_from_hf_config(_cfg("qwen2", num_key_value_heads=4))
+    base = layout_for(model, component)
+    layout = with_lora(base, model, _config(model))
+    order = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "gate_proj": 0, "up_proj": 1}
+    checked = 0
+    for rank in range(layout.world_size):
+        for lt in base.local_tensors(rank):
+            if not lt.name.endswith(("linear_qkv.weight", "linear_fc1.weight")):
+                continue
+            want = [-1] * lt.shape[0]
+            for p in lt.pieces:
+                assert p.canonical is not None
+                for i in range(*p.local_box.ranges[0]):
+                    want[i] = order[p.canonical.split(".")[-2]]
+            b = lt.name.removesuffix(".weight") + ".lora_B.weight"
+            assert adapter_row_members(layout, b, rank) == tuple(want), (b, rank)
+            checked += 1
+    assert checked == 2 * 2 * layout.world_size // (2 if "p2" in component else 1)
 
 
 @pytest.mark.parametrize("name", sorted(FAMILY_CONFIGS))
