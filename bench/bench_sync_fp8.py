@@ -28,7 +28,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -36,12 +36,16 @@ if str(ROOT) not in sys.path:
 
 from areal_fn.layouts.fsdp2 import fsdp2_layout  # noqa: E402
 from areal_fn.layouts.inference import inference_layout  # noqa: E402
+from areal_fn.layouts.layout import Layout  # noqa: E402
 from areal_fn.model.quantized import Fp8Format, scale_name  # noqa: E402
 from areal_fn.model.spec import ModelSpec, model_from_hf_config  # noqa: E402
 from areal_fn.plans.fp8_sync import fp8_layout, fp8_quantization  # noqa: E402
 from areal_fn.plans.transfer import bucket, plan_transfers  # noqa: E402
 from areal_fn.plans.transfer.bound import transfer_lower_bound  # noqa: E402
 from areal_fn.strategy.allocation import ParallelDims  # noqa: E402
+
+if TYPE_CHECKING:
+    import torch
 
 MODEL = ROOT / "specs" / "models" / "Qwen2.5-0.5B.json"
 WORLD = 4
@@ -69,8 +73,47 @@ def _linear_bytes(buckets: Any, buckets8: Any, quant: Any) -> tuple[int, int, in
     return total(buckets, names), total(buckets8, names), total(buckets8, scales)
 
 
-def _worker(out: Path) -> None:
+def _tensors(
+    rank: int, train: Layout, infer: Layout, dst8: Layout
+) -> "tuple[dict[str, torch.Tensor], ...]":
+    """(bf16 sources, bf16 live tensors, FP8 live tensors) of ``rank``: random trainer
+    shards on the trainer ranks, zeroed inference tensors on the inference ranks."""
     import torch
+
+    src: dict[str, torch.Tensor] = {}
+    live: dict[str, torch.Tensor] = {}
+    live8: dict[str, torch.Tensor] = {}
+    if rank in TRAINER:
+        gen = torch.Generator().manual_seed(rank)
+        for lt in train.local_tensors(TRAINER.index(rank)):
+            src[lt.name] = torch.empty(lt.shape, dtype=torch.bfloat16).uniform_(
+                -1, 1, generator=gen
+            )
+    else:
+        for lt in infer.local_tensors(INFER.index(rank)):
+            live[lt.name] = torch.zeros(lt.shape, dtype=torch.bfloat16)
+        for lt in dst8.local_tensors(INFER.index(rank)):
+            live8[lt.name] = torch.zeros(lt.shape, dtype=getattr(torch, lt.dtype))
+    return src, live, live8
+
+
+def _rounds(schemes: dict[str, Callable[[], int]]) -> dict[str, list[tuple[int, float]]]:
+    """(bytes received, seconds) of every scheme in every round, taking turns, barrier to
+    barrier."""
+    import torch.distributed as dist
+
+    results: dict[str, list[tuple[int, float]]] = {k: [] for k in schemes}
+    for _ in range(REPEATS):
+        for name, fn in schemes.items():
+            dist.barrier()
+            start = time.perf_counter()
+            moved = fn()
+            dist.barrier()
+            results[name].append((moved, time.perf_counter() - start))
+    return results
+
+
+def _worker(out: Path) -> None:
     import torch.distributed as dist
 
     from areal_fn.runtime.sync.executor import SyncGroup, send_and_receive
@@ -87,20 +130,7 @@ def _worker(out: Path) -> None:
     plan8 = bucket(plan_transfers(src8, dst8, src_ranks=TRAINER, dst_ranks=INFER), BUCKET_MB << 20)
     trainers = dist.new_group(list(TRAINER))
     groups = [SyncGroup.from_world(range(WORLD), timeout_s=300) for _ in range(2)]
-    src: dict[str, torch.Tensor] = {}
-    live: dict[str, torch.Tensor] = {}
-    live8: dict[str, torch.Tensor] = {}
-    if rank in TRAINER:
-        gen = torch.Generator().manual_seed(rank)
-        for lt in train.local_tensors(TRAINER.index(rank)):
-            src[lt.name] = torch.empty(lt.shape, dtype=torch.bfloat16).uniform_(
-                -1, 1, generator=gen
-            )
-    else:
-        for lt in infer.local_tensors(INFER.index(rank)):
-            live[lt.name] = torch.zeros(lt.shape, dtype=torch.bfloat16)
-        for lt in dst8.local_tensors(INFER.index(rank)):
-            live8[lt.name] = torch.zeros(lt.shape, dtype=getattr(torch, lt.dtype))
+    src, live, live8 = _tensors(rank, train, infer, dst8)
     me = TRAINER.index(rank) if rank in TRAINER else None
 
     def bf16() -> int:
@@ -141,16 +171,8 @@ def _worker(out: Path) -> None:
         "fp8 move": fp8_move,
         "fp8 quantise": quantise,
     }
-    results: dict[str, list[tuple[int, float]]] = {k: [] for k in schemes}
-    for _ in range(REPEATS):
-        for name, fn in schemes.items():
-            dist.barrier()
-            start = time.perf_counter()
-            moved = fn()
-            dist.barrier()
-            results[name].append((moved, time.perf_counter() - start))
     record = {
-        "results": results,
+        "results": _rounds(schemes),
         "bound": transfer_lower_bound(train, infer, src_ranks=TRAINER, dst_ranks=INFER),
         "bound8": transfer_lower_bound(src8, dst8, src_ranks=TRAINER, dst_ranks=INFER),
         "linear": _linear_bytes(plan.buckets, plan8.buckets, quant),
