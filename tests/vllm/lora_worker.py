@@ -8,8 +8,10 @@ vLLM's log-probs of them, which the test scores with transformers + PEFT.
 
 - ``adapter``: a vLLM with ``enable_lora`` (TP2); ``VllmLoraSync`` serves version 1,
   then version 2; a version vLLM would refuse (rank 16 > ``max_lora_rank`` 8) is
-  refused and leaves version 2 served; version 4 (version 1's adapters) then loads; the
-  base model (no adapter) is generated too.
+  refused and leaves version 2 served; version 4 (version 1's adapters) then loads;
+  version 5 is a LoRA trainer's (``Fsdp2Engine(lora=...)``, one step, ``export_adapters``),
+  scored against the trainer's own log-probs; the base model (no adapter) is generated
+  too.
 - ``merged``: a vLLM without LoRA (TP2, the ``areal_fn`` backend); a one-rank trainer
   (``fsdp:d1``, this process) holds ``merge_lora(base, adapters_v2)`` and updates it
   with ``VllmWeightSync``.
@@ -101,10 +103,51 @@ def adapter_phase(work: Path) -> dict[str, Any]:
     out["after_refused"] = generate(llm, sync.lora_request)
     # the next version loads (vLLM's replies to later calls are not out of step)
     path = sync.update(4, versions[1]).path
-    out["version_4_is_1"] = {"path": path, "gen": generate(llm, sync.lora_request)}
+    listing = sorted(p.name for p in (work / "served" / "policy").iterdir())
+    gen = generate(llm, sync.lora_request)
+    out["version_4_is_1"] = {"path": path, "listing": listing, "gen": gen}
+    out["trainer"] = trainer_update(llm, sync, spec, config, work)
     out["base"] = generate(llm)
     del llm
     return out
+
+
+def trainer_update(llm: Any, sync: Any, spec: Any, config: Any, work: Path) -> dict[str, Any]:
+    """A LoRA trainer (``Fsdp2Engine(lora=...)``, ``fsdp:d1``, this process) on the served
+    base trains one step, exports its adapters (``export_adapters``) and serves them as
+    version 5: the largest gap between vLLM's log-probs and the trainer's own."""
+    import socket
+
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file, save_file
+
+    from areal_fn.runtime.engines.fsdp2 import Fsdp2Engine
+    from areal_fn.strategy.allocation import ParallelDims
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+    dist.init_process_group("gloo")
+    engine = Fsdp2Engine(spec, ParallelDims(dp=1), seed=5, lora=config)
+    engine.load_canonical(load_file(str(work / "hf" / "model.safetensors")))
+    batch = torch.randint(0, spec.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    engine.train_step(batch)  # lora_B leaves zero: the adapters change the outputs
+    adapters = engine.export_adapters()
+    report = sync.update(5, adapters)
+    save_file(adapters, str(work / "trainer_adapters.safetensors"))
+    gap = 0.0
+    for prompt, g in zip(PROMPTS, generate(llm, sync.lora_request), strict=True):
+        want = engine.forward_logprobs(torch.tensor([prompt + g["tokens"]]))[0, len(prompt) - 1 :]
+        gap = max(gap, *(abs(a - float(b)) for a, b in zip(g["logprobs"], want, strict=True)))
+    dist.destroy_process_group()
+    return {
+        "gap": gap,
+        "path": report.path,
+        "bytes_written": report.bytes_written,
+        "lower_bound": report.lower_bound,
+    }
 
 
 def merged_phase(work: Path) -> dict[str, Any]:

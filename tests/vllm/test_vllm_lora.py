@@ -11,6 +11,8 @@ Two engines, each in a process of its own (``lora_worker.py``, vLLM's Python):
   key); the bytes written equal the
   adapters' size as PEFT counts its parameters; a version over vLLM's ``max_lora_rank``
   is refused before vLLM sees it, version 2 stays served, and the next version loads;
+- the same vLLM serves a LoRA trainer's adapters (``Fsdp2Engine(lora=...)`` after one
+  step, ``export_adapters``) with the trainer's own log-probs;
 - a vLLM without LoRA: a trainer holding ``merge_lora(base, adapters)`` updates it
   (``VllmWeightSync``); vLLM's log-probs equal the PEFT model's with version 2.
 """
@@ -128,6 +130,13 @@ def test_each_adapter_version_serves_peft_logprobs(work: Path, runs: dict[str, A
     assert _max_gap(_base(work), runs["adapter"]["base"]) <= LOGPROB_TOL
 
 
+def test_a_lora_trainers_adapters_serve_its_logprobs(runs: dict[str, Any]) -> None:
+    """Version 5: a LoRA-training engine's exported adapters (one step from PEFT's start)."""
+    got = runs["adapter"]["trainer"]
+    assert got["gap"] <= LOGPROB_TOL
+    assert got["bytes_written"] == got["lower_bound"]
+
+
 def test_bytes_written_are_the_adapters(work: Path, runs: dict[str, Any]) -> None:
     model = _peft(work, 1)
     peft_bytes = sum(
@@ -139,17 +148,19 @@ def test_bytes_written_are_the_adapters(work: Path, runs: dict[str, Any]) -> Non
 
 
 def test_the_served_directory_is_a_peft_adapter(work: Path, runs: dict[str, Any]) -> None:
-    """Each version's directory replaces the previous one; the last loads in PEFT as
-    its adapters (version 4: version 1's)."""
+    """Each version's directory replaces the previous one; the last (version 5, the
+    trainer's) loads in PEFT as the adapters the trainer exported."""
     import peft
+    from safetensors.torch import load_file
 
-    versions = runs["adapter"]["versions"]
-    assert [versions[v]["listing"] for v in ("1", "2")] == [["v1"], ["v2"]]
-    final = Path(runs["adapter"]["version_4_is_1"]["path"])
-    assert sorted(p.name for p in final.parent.iterdir()) == ["v4"]
+    got = runs["adapter"]
+    listings = [got["versions"][v]["listing"] for v in ("1", "2")]
+    assert [*listings, got["version_4_is_1"]["listing"]] == [["v1"], ["v2"], ["v4"]]
+    final = Path(got["trainer"]["path"])
+    assert sorted(p.name for p in final.parent.iterdir()) == ["v5"]
     loaded = peft.PeftModel.from_pretrained(_base(work), final)
     state = peft.get_peft_model_state_dict(loaded)
-    want = _adapters(work, 1)
+    want = load_file(str(work / "trainer_adapters.safetensors"))
     assert sorted(state) == sorted(want)
     assert all(torch.equal(state[k], want[k]) for k in want)
 
