@@ -32,6 +32,7 @@ from areal_fn.runtime.checkpoint import RankState, load_checkpoint, save_checkpo
 from areal_fn.runtime.checkpoint.lora import lora_hf_files  # noqa: E402
 from areal_fn.runtime.engines.common import split_rows  # noqa: E402
 from areal_fn.runtime.engines.megatron import MegatronEngine  # noqa: E402
+from areal_fn.runtime.hf.io import HfCheckpoint, write_hf_checkpoint  # noqa: E402
 from areal_fn.strategy.parse import parse_allocation  # noqa: E402
 from tests.distributed import lora_worker as lw  # noqa: E402
 
@@ -112,8 +113,9 @@ def run_case(ref: dict[str, Any], strategy: str) -> dict[str, Any]:
 
 
 def run_checkpoint(ref: dict[str, Any], root: Path) -> dict[str, Any]:
-    """One step of ``megatron:d2t2``, its adapters and AdamW state saved; a fresh FSDP2
-    ``fsdp:d4`` engine loads them and takes the second step."""
+    """One step of ``megatron:d2t2`` (its base read from an HF checkpoint by a reader), its
+    adapters and AdamW state saved; a fresh FSDP2 ``fsdp:d4`` engine loads them and takes
+    the second step."""
     spec = ref["spec"]
     with MegatronEngine(
         spec,
@@ -123,7 +125,12 @@ def run_checkpoint(ref: dict[str, Any], root: Path) -> dict[str, Any]:
         lora=lw.LORA,
     ) as a:
         assert a.adapter_layout is not None
-        a.load_canonical(ref["w0"])
+        base_dir = root.parent / "base"
+        if a.rank == 0:
+            write_hf_checkpoint(base_dir, ref["w0"], model=spec, overwrite=True)
+        dist.barrier()
+        with HfCheckpoint(base_dir) as ckpt:  # a reader: the base alone
+            a.load_canonical(ckpt.read)
         a.load_adapters(ref["adapters"])
         a.train_step(split_rows(ref["ids"], a.dp_size, a.dp_rank))
         path = save_checkpoint(

@@ -49,6 +49,7 @@ from areal_fn.runtime.checkpoint import RankState, load_checkpoint, save_checkpo
 from areal_fn.runtime.checkpoint.lora import lora_hf_files  # noqa: E402
 from areal_fn.runtime.engines.common import AdamWConfig, split_rows  # noqa: E402
 from areal_fn.runtime.engines.fsdp2 import Fsdp2Engine, build_hf_model  # noqa: E402
+from areal_fn.runtime.hf.io import HfCheckpoint, write_hf_checkpoint  # noqa: E402
 from areal_fn.strategy.parse import parse_allocation  # noqa: E402
 
 WORLD = 4
@@ -328,7 +329,8 @@ def gathered_optimizer(engine: Fsdp2Engine) -> dict[str, Tensor]:
 
 def run_checkpoint(ref: dict[str, Any], root: Path) -> dict[str, Any]:
     """One step under ``fsdp:d2t2``, adapters and AdamW state saved; a fresh ``fsdp:d4``
-    engine loads them and takes the second step."""
+    engine loads its base from an HF checkpoint (a reader) and the adapters from the
+    checkpoint, and takes the second step."""
     spec = ref["spec"]
     _, src, dst = CHECKPOINT
     a = engine_of(spec, src, 1)
@@ -349,8 +351,13 @@ def run_checkpoint(ref: dict[str, Any], root: Path) -> dict[str, Any]:
     )
     saved, saved_opt = a.export_adapters(), gathered_optimizer(a)
     logp = a.forward_logprobs(ref["ids"])  # every share passes the whole batch
+    base_dir = root.parent / "base"
+    if a.rank == 0:
+        write_hf_checkpoint(base_dir, ref["w0"], model=spec, overwrite=True)
+    dist.barrier()
     b = engine_of(spec, dst, 1)
-    b.load_canonical(ref["w0"])  # the base; the adapters come from the checkpoint
+    with HfCheckpoint(base_dir) as ckpt:  # a reader: the base alone; the adapters come
+        b.load_canonical(ckpt.read)  # from the checkpoint
     assert b.adapter_layout is not None
     fresh = b.export_adapters()
     res = load_checkpoint(

@@ -409,7 +409,8 @@ class Fsdp2Engine(OptimizerSteps):
         if isinstance(canonical, Mapping):
             fsdp2.load_canonical(self.model, layout, self.rank, canonical)
             return
-        out = {name: _local(t) for name, t in self._tensors.items()}
+        names = {lt.name for lt in layout.local_tensors(self.rank)}
+        out = {name: _local(t) for name, t in self._tensors.items() if name in names}
         to_megatron_into(canonical, layout, self.rank, out=out, cast=True)
 
     def export_canonical(self) -> dict[str, Tensor]:
