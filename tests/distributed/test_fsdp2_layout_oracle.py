@@ -161,7 +161,7 @@ def test_training_step_matches_single_process(records: list[dict[str, Any]]) -> 
             if c.endswith("/fp32")
         ]
         expected = sum(1 for c in worker.TRAIN_CASES if c[2] == "fp32")
-        assert len(fp32) == expected == 12 and max(fp32) <= 1e-6
+        assert len(fp32) == expected == 15 and max(fp32) <= 1e-6
 
 
 def test_logits_match_unsharded_model(records: list[dict[str, Any]]) -> None:
