@@ -149,10 +149,14 @@ def _check_ep(spec: ModelSpec, expert_parallel: int) -> None:
         )
 
 
-def _kind_params(spec: ModelSpec, moe: bool, expert_parallel: int, linear: bool = False) -> int:
+def _kind_params(
+    spec: ModelSpec, moe: bool, expert_parallel: int, linear: bool = False, index: bool = True
+) -> int:
     """Parameters of one layer of a kind, from the family's canonical table (routed
-    experts divided over ``expert_parallel``; ``linear``: a linear-attention layer)."""
+    experts divided over ``expert_parallel``; ``linear``: a linear-attention layer;
+    ``index``: the layer holds its sparse-attention indexer, if the model has one)."""
     sizes, flags = dim_sizes(spec), condition_flags(spec)
+    flags["index_n_heads"] = flags["index_n_heads"] if index else 0
     total = 0
     for r in select(spec.family.canonical, moe=moe, flags=flags, linear=linear):
         numel = math.prod(sizes[d] for d in r.shape)
@@ -164,8 +168,11 @@ def _layer_params(
     spec: ModelSpec, moe_layer_freq: int | Sequence[int] | None, expert_parallel: int
 ) -> list[int]:
     _check_ep(spec, expert_parallel)
-    kinds = [(m, is_linear_layer(spec, i)) for i, m in enumerate(_moe_flags(spec, moe_layer_freq))]
-    per_kind = {k: _kind_params(spec, k[0], expert_parallel, k[1]) for k in set(kinds)}
+    kinds = [
+        (m, is_linear_layer(spec, i), not spec.indexer_layers or spec.indexer_layers[i])
+        for i, m in enumerate(_moe_flags(spec, moe_layer_freq))
+    ]
+    per_kind = {k: _kind_params(spec, k[0], expert_parallel, k[1], k[2]) for k in set(kinds)}
     return [per_kind[k] for k in kinds]
 
 
@@ -327,7 +334,9 @@ def flop_costs(
     projection again. A gated attention's ``q_proj`` is twice as wide (its gate). A
     gated-delta-net layer has no pairs: its projections, the conv (``conv_kernel`` taps
     per channel) and the delta rule's three ``key_head_dim x value_head_dim`` products
-    per value head and token (the recurrent form).
+    per value head and token (the recurrent form). Sparse attention (DeepSeek-V3.2, GLM-5):
+    a query attends to ``min(position + 1, index_topk)`` keys (causal), and a layer with
+    an indexer of its own adds ``2 * index_n_heads * (index_head_dim + 1)`` per pair.
     """
     tokens = _check_tokens(micro_batch_size, seq_len)
     h = spec.hidden_size
@@ -347,9 +356,19 @@ def flop_costs(
         * (h * spec.num_experts + spec.num_experts_per_tok * 3 * h * spec.moe_intermediate_size)
         * tokens
     )
+    if spec.index_topk:  # sparse attention: each query attends to its top-k keys
+        top = spec.index_topk
+        near = min(seq_len, top)  # causal: query i keeps min(i + 1, top) keys
+        kept = near * (near + 1) // 2 + (seq_len - near) * top if causal else seq_len * near
+        attn = 2 * (q + spec.num_attention_heads * v_head) * kept * micro_batch_size
     mixer = (_linear_flops(spec, tokens), proj + attn)
     layers = tuple(
-        3.0 * (mixer[not is_linear_layer(spec, i)] + (moe if m else dense))
+        3.0
+        * (
+            mixer[not is_linear_layer(spec, i)]
+            + _indexer_flops(spec, i, pairs * micro_batch_size, tokens)
+            + (moe if m else dense)
+        )
         for i, m in enumerate(_moe_flags(spec, moe_layer_freq))
     )
     out = 2 * h * spec.vocab_size * tokens
@@ -358,6 +377,20 @@ def flop_costs(
         for i in spec.mtp_layer_ids
     )
     return LayerCosts(layers=layers, embedding=0.0, head=3.0 * (out + mtp), unit="flops")
+
+
+def _indexer_flops(spec: ModelSpec, layer: int, pairs: int, tokens: int) -> int:
+    """Forward FLOPs a sparse-attention indexer adds to layer ``layer`` over ``pairs``
+    (query, key) pairs of the micro-batch: ``index_n_heads`` scores of ``index_head_dim`` and
+    their weighted sum per pair; a layer reusing another's top-k has no indexer, so its
+    projections (counted with layer 0's attention weights) are taken back out."""
+    if not spec.indexer_layers:
+        return 0
+    heads, dim = spec.index_n_heads, spec.index_head_dim
+    if spec.indexer_layers[layer]:
+        return 2 * heads * (dim + 1) * pairs
+    weights = heads * dim * spec.q_lora_rank + dim * spec.hidden_size + heads * spec.hidden_size
+    return -2 * weights * tokens
 
 
 def _linear_flops(spec: ModelSpec, tokens: int) -> int:

@@ -22,8 +22,11 @@ no keys or values: it keeps one state per sequence whatever the context length, 
 value head's ``key_head_dim x value_head_dim`` matrix and the conv's last
 ``conv_kernel - 1`` inputs (:attr:`~areal_fn.model.linear_attention.LinearAttention.state_numel`),
 split over ``tp`` by key-head groups as vLLM splits the layer (``tp`` must divide
-``linear_num_key_heads``), counted in ``dtype``. The engines' page rounding and the CUDA
-graphs' buffers are left out.
+``linear_num_key_heads``), counted in ``dtype``. A DeepSeek-sparse-attention layer
+with an indexer of its own (:attr:`~areal_fn.model.spec.ModelSpec.indexer_layers`:
+DeepSeek-V3.2, GLM-5) also caches the indexer's key, ``index_head_dim`` elements per
+token (counted in ``dtype``; DeepSeek's kernels keep it in FP8 with a scale). The
+engines' page rounding and the CUDA graphs' buffers are left out.
 """
 
 import attrs
@@ -59,6 +62,10 @@ class KVCache:
     #: of one such layer's state per sequence on a rank
     stage_linear: tuple[int, ...] = ()
     linear_state_elements: int = 0
+    #: of those, the layers with an indexer of their own per stage (empty: none), and
+    #: the elements of the indexer's key per token
+    stage_indexer: tuple[int, ...] = ()
+    indexer_elements: int = 0
 
     @property
     def window_tokens(self) -> int:
@@ -76,6 +83,8 @@ class KVCache:
         tokens = (self.stage_layers[stage] - sliding - linear) * self.context_len
         tokens += sliding * self.window_tokens
         state = linear * self.linear_state_elements * DTYPE_BYTES[self.dtype]
+        indexed = self.stage_indexer[stage] if self.stage_indexer else 0
+        state += indexed * self.context_len * self.indexer_elements * DTYPE_BYTES[self.dtype]
         return self.batch * (tokens * self.bytes_per_token_layer + state)
 
     @property
@@ -133,6 +142,9 @@ def kv_cache(
         layers[stage] += 1
         sliding[stage] += bool(model.sliding_layers and model.sliding_layers[i])
         linear[stage] += is_linear_layer(model, i)
+    indexer = [0] * d.pp
+    for i, own in enumerate(model.indexer_layers):
+        indexer[layer_stage(i, model.num_layers, d.pp)] += own
     return KVCache(
         context_len=context_len,
         batch=batch,
@@ -143,6 +155,8 @@ def kv_cache(
         sliding_window=model.sliding_window if any(sliding) else 0,
         stage_linear=tuple(linear) if any(linear) else (),
         linear_state_elements=_linear_state(model, d.tp) if any(linear) else 0,
+        stage_indexer=tuple(indexer) if any(indexer) else (),
+        indexer_elements=model.index_head_dim,
     )
 
 
