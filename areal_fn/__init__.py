@@ -46,11 +46,11 @@ from areal_fn.plans.convert import to_megatron as to_megatron
 from areal_fn.plans.fp8 import plan_fp8_shards as plan_fp8_shards
 from areal_fn.plans.grad_norm import canonical_multiplicity as canonical_multiplicity
 from areal_fn.plans.grad_norm import norm_weights as norm_weights
-from areal_fn.plans.lora_memory import estimate_lora_memory as estimate_lora_memory
 from areal_fn.plans.memory import ActivationModel as ActivationModel
 from areal_fn.plans.memory import MemoryReport as MemoryReport
 from areal_fn.plans.memory import PrecisionPolicy as PrecisionPolicy
 from areal_fn.plans.memory import estimate_memory as estimate_memory
+from areal_fn.plans.memory.lora import estimate_lora_memory as estimate_lora_memory
 from areal_fn.plans.optim import AdamWConfig as AdamWConfig
 from areal_fn.plans.optim import LossScale as LossScale
 from areal_fn.plans.optim import LRSchedule as LRSchedule

@@ -16,7 +16,7 @@ from areal_fn.errors import PlanError
 from areal_fn.model.spec import ModelSpec, model_from_hf_config
 from areal_fn.pipeline.partition import split_evenly
 from areal_fn.plans.advisor import suggest_strategy
-from areal_fn.plans.census import fsdp2_census, megatron_census
+from areal_fn.plans.advisor.census import fsdp2_census, megatron_census
 from areal_fn.plans.memory import GIB, ActivationModel, PrecisionPolicy, estimate_memory
 from areal_fn.strategy.allocation import Backend
 from areal_fn.strategy.parse import parse_allocation

@@ -15,7 +15,7 @@ from areal_fn.errors import LayoutError
 from areal_fn.layouts.fsdp2 import fsdp2_layout
 from areal_fn.layouts.inference import inference_layout
 from areal_fn.model.spec import ModelSpec, model_from_hf_config
-from areal_fn.plans.census import fsdp2_census, megatron_census
+from areal_fn.plans.advisor.census import fsdp2_census, megatron_census
 from areal_fn.strategy.allocation import ParallelDims
 from areal_fn.strategy.check import check_strategy
 from areal_fn.strategy.parse import parse_allocation

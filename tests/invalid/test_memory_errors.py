@@ -10,8 +10,8 @@ from areal_fn.layouts.inference import inference_layout
 from areal_fn.layouts.megatron import megatron_layout
 from areal_fn.model.spec import ModelSpec, model_from_hf_config
 from areal_fn.plans.advisor import Hardware, suggest_strategy
-from areal_fn.plans.advisor_score import ep_token_copies
-from areal_fn.plans.census import Census, TensorGroup, fsdp2_census, megatron_census
+from areal_fn.plans.advisor.census import Census, TensorGroup, fsdp2_census, megatron_census
+from areal_fn.plans.advisor.score import ep_token_copies
 from areal_fn.plans.memory import (
     GIB,
     ActivationModel,

@@ -21,7 +21,7 @@ from areal_fn.errors import LayoutError, SpecError
 from areal_fn.layouts.fsdp2 import Fsdp2Options
 from areal_fn.layouts.layout_for import layout_for
 from areal_fn.model.demo import DEMO_CONFIG
-from areal_fn.plans.activations import ActivationModel
+from areal_fn.plans.memory.activations import ActivationModel
 
 MODEL = model_from_hf_config(DEMO_CONFIG)
 FSDP4 = parse_allocation("fsdp:d4").training

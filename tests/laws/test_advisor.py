@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from areal_fn.model.spec import ModelSpec, model_from_hf_config
 from areal_fn.plans.advisor import Hardware, Suggestion, suggest_strategy
-from areal_fn.plans.advisor_score import EP_DISPATCHES, ep_token_copies
+from areal_fn.plans.advisor.score import EP_DISPATCHES, ep_token_copies
 from areal_fn.plans.memory import GIB, ActivationModel, PrecisionPolicy, estimate_memory
 from areal_fn.strategy.allocation import Backend
 from areal_fn.strategy.parse import parse_allocation

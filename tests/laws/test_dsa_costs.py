@@ -8,7 +8,7 @@ from pathlib import Path
 
 from areal_fn import model_from_hf_config
 from areal_fn.pipeline.costs import flop_costs, param_costs
-from areal_fn.plans.kv_cache import kv_cache
+from areal_fn.plans.memory.kv_cache import kv_cache
 
 SPECS = Path(__file__).resolve().parents[2] / "specs" / "models"
 REPO = SPECS.parents[1]

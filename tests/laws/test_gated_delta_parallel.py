@@ -110,7 +110,7 @@ def test_linear_layers_cost_no_sequence_squared_term_and_cache_no_tokens() -> No
     """Per token, a linear-attention layer's FLOPs do not grow with the sequence (a full
     attention layer's do), and its cache does not grow with the context."""
     from areal_fn.pipeline.costs import flop_costs
-    from areal_fn.plans.kv_cache import kv_cache
+    from areal_fn.plans.memory.kv_cache import kv_cache
 
     spec = model_from_hf_config(FAMILIES["qwen3_5_text"])  # layer 1 full, the others linear
     per_token = [flop_costs(spec, seq_len=s).layers for s in (64, 4096)]

@@ -1,4 +1,4 @@
-"""Laws of LoRA training memory (areal_fn.plans.lora_memory).
+"""Laws of LoRA training memory (areal_fn.plans.memory.lora).
 
 Expected bytes are computed here from the published config's fields alone: the base's
 elements from its layer shapes, the adapters' as ``r * (in + out)`` per targeted module,
@@ -17,9 +17,9 @@ from areal_fn.layouts.lora import adapter_layout
 from areal_fn.model.lora import LoraConfig, default_targets
 from areal_fn.model.spec import load_hf_config, model_from_hf_config
 from areal_fn.plans.advisor import suggest_strategy
-from areal_fn.plans.census import census_of
-from areal_fn.plans.lora_memory import estimate_lora_memory, lora_adapter_census
+from areal_fn.plans.advisor.census import census_of
 from areal_fn.plans.memory import ActivationModel, PrecisionPolicy, estimate_memory
+from areal_fn.plans.memory.lora import estimate_lora_memory, lora_adapter_census
 from areal_fn.strategy.allocation import Backend
 
 SPECS = Path(__file__).resolve().parents[2] / "specs" / "models"

@@ -25,7 +25,7 @@ from areal_fn.layouts.megatron import default_stages, megatron_layout
 from areal_fn.model.spec import ModelSpec, model_from_hf_config
 from areal_fn.model.tensor_spec import DTYPE_BYTES
 from areal_fn.pipeline.partition import split_evenly
-from areal_fn.plans.census import CensusIndex, census_of, fsdp2_census, megatron_census
+from areal_fn.plans.advisor.census import CensusIndex, census_of, fsdp2_census, megatron_census
 from areal_fn.plans.memory import (
     ActivationModel,
     MemoryReport,

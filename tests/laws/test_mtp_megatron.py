@@ -21,7 +21,7 @@ from areal_fn.errors import ConversionError, LayoutError
 from areal_fn.layouts.megatron import stages_for
 from areal_fn.model.spec import ModelSpec, model_from_hf_config
 from areal_fn.pipeline.partition import StagePlan
-from areal_fn.plans.census import CensusIndex, census_of, megatron_census
+from areal_fn.plans.advisor.census import CensusIndex, census_of, megatron_census
 from areal_fn.plans.checkpoint.read import plan_load
 from areal_fn.plans.checkpoint.write import plan_save
 from areal_fn.plans.convert import to_hf, to_megatron, to_megatron_into

@@ -27,9 +27,9 @@ from areal_fn.layouts.fsdp2 import Fsdp2Options
 from areal_fn.layouts.layout_for import layout_for
 from areal_fn.model.demo import DEMO_CONFIG
 from areal_fn.model.embedded import embedded_names, match_name
-from areal_fn.plans.activations import ActivationModel
-from areal_fn.plans.census import census_of, fsdp2_census
+from areal_fn.plans.advisor.census import census_of, fsdp2_census
 from areal_fn.plans.memory import estimate_rows
+from areal_fn.plans.memory.activations import ActivationModel
 
 # four heads (tp up to 4); the demo model itself has two
 MODEL = model_from_hf_config(dict(DEMO_CONFIG, num_attention_heads=4))

@@ -21,7 +21,7 @@ from areal_fn.layouts.inference import inference_layout
 from areal_fn.layouts.megatron import megatron_layout
 from areal_fn.model.spec import ModelSpec, model_from_hf_config
 from areal_fn.plans.advisor import suggest_strategy
-from areal_fn.plans.census import fsdp2_census, megatron_census
+from areal_fn.plans.advisor.census import fsdp2_census, megatron_census
 from areal_fn.plans.memory import GIB, ActivationModel
 from areal_fn.strategy.allocation import Backend, Component, ParallelDims
 from areal_fn.strategy.check import check_component, check_strategy

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from areal_fn import ParallelDims, fsdp2_layout, model_from_hf_config, to_megatron
 from areal_fn.layouts.layout_for import layout_for
 from areal_fn.model.demo import DEMO_CONFIG
-from areal_fn.plans.kv_cache import kv_cache
+from areal_fn.plans.memory.kv_cache import kv_cache
 from areal_fn.runtime.hf.io import write_hf_checkpoint
 from areal_fn.strategy.parse import parse_allocation
 

@@ -183,7 +183,7 @@ def test_kv_cache_counts_what_transformers_caches() -> None:
     the recurrent matrices and the conv window, which transformers keeps ``conv_kernel``
     inputs wide and the engines (vLLM) ``conv_kernel - 1``. ``kv_cache`` at tp=1 counts
     the same elements (the conv one column narrower per channel)."""
-    from areal_fn.plans.kv_cache import kv_cache
+    from areal_fn.plans.memory.kv_cache import kv_cache
 
     cfg = CASES["qwen3_next"]
     spec = model_from_hf_config(cfg)

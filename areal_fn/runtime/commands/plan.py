@@ -2,7 +2,7 @@
 
 A training component prints its :class:`~areal_fn.plans.memory.MemoryReport`; an
 inference component its weights per rank and the KV cache of ``--batch`` sequences of
-``--context-len`` tokens (:func:`~areal_fn.plans.kv_cache.kv_cache`). With ``--json``
+``--context-len`` tokens (:func:`~areal_fn.plans.memory.kv_cache.kv_cache`). With ``--json``
 the same facts, every rank listed by its global rank, as one JSON document.
 """
 
@@ -18,10 +18,10 @@ from areal_fn.layouts.layout import Layout
 from areal_fn.layouts.layout_for import layout_for
 from areal_fn.model.spec import ModelSpec
 from areal_fn.model.tensor_spec import DTYPE_BYTES
-from areal_fn.plans.activations import ActivationModel
-from areal_fn.plans.census import CensusIndex, census_of
-from areal_fn.plans.kv_cache import KVCache, kv_cache
+from areal_fn.plans.advisor.census import CensusIndex, census_of
 from areal_fn.plans.memory import MemoryReport, estimate_memory
+from areal_fn.plans.memory.activations import ActivationModel
+from areal_fn.plans.memory.kv_cache import KVCache, kv_cache
 from areal_fn.plans.precision import engine_policy, named_policy, policy_json, policy_line
 from areal_fn.runtime.commands.output import emit_json, human, parse_size
 from areal_fn.runtime.commands.plan_flags import check_plan_ranks
@@ -81,7 +81,7 @@ def _training_memory(
     (``--micro-batch`` sequences of that many tokens, ``--recompute``); with
     ``--lora-rank`` those of LoRA training (a frozen base, trained adapters)."""
     from areal_fn.layouts.lora import adapter_layout
-    from areal_fn.plans.lora_memory import estimate_lora_memory
+    from areal_fn.plans.memory.lora import estimate_lora_memory
 
     policy = engine_policy(named_policy(args.precision), comp.backend)
     kw: dict[str, Any] = {}

@@ -17,7 +17,7 @@ from areal_fn.errors import SpecError
 from areal_fn.model.lora import LoraConfig, default_targets, lora_param_count, lora_targets
 from areal_fn.model.spec import ModelSpec
 from areal_fn.plans.advisor import Hardware, Suggestion, suggest_strategy
-from areal_fn.plans.advisor_score import EP_DISPATCHES
+from areal_fn.plans.advisor.score import EP_DISPATCHES
 from areal_fn.plans.memory import ActivationModel, PrecisionPolicy
 from areal_fn.plans.precision import named_policy, policy_json
 from areal_fn.runtime.commands.output import emit_json, human, parse_size

@@ -25,7 +25,7 @@ from areal_fn.model.spec import ModelSpec
 from areal_fn.model.tensor_spec import DTYPE_BYTES
 from areal_fn.pipeline.costs import param_costs
 from areal_fn.pipeline.partition import StagePlan
-from areal_fn.plans.census import CensusIndex, census_of
+from areal_fn.plans.advisor.census import CensusIndex, census_of
 from areal_fn.sharding.mesh import Axis
 from areal_fn.strategy.allocation import Component
 from areal_fn.typecheck import beartype

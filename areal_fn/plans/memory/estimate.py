@@ -30,7 +30,7 @@ the layout's logical tensors, padding rows included):
 **Estimated part** (needs ``activation``, ``model`` and ``dims``; an estimate, not a
 measurement): ``activations``, the bytes a rank keeps for the backward pass, and
 ``buffers``, FSDP2's unsharded parameters and gradient in flight; the formulas are in
-:mod:`areal_fn.plans.activations`.
+:mod:`areal_fn.plans.memory.activations`.
 
 Everything is integer arithmetic, so reports are deterministic and exact where stated.
 """
@@ -45,11 +45,11 @@ from areal_fn.errors import SpecError
 from areal_fn.layouts.layout import Layout
 from areal_fn.model.spec import ModelSpec
 from areal_fn.model.tensor_spec import DTYPE_BYTES, dtype_name
-from areal_fn.plans.activations import ActivationModel as ActivationModel
-from areal_fn.plans.activations import _activations, _buffers, _check_bool, _positive_int
-from areal_fn.plans.activations import in_flight_chunks as in_flight_chunks
-from areal_fn.plans.activations import layer_token_bytes as layer_token_bytes
-from areal_fn.plans.census import Census, CensusIndex, RankShare, census_of
+from areal_fn.plans.advisor.census import Census, CensusIndex, RankShare, census_of
+from areal_fn.plans.memory.activations import ActivationModel as ActivationModel
+from areal_fn.plans.memory.activations import _activations, _buffers, _check_bool, _positive_int
+from areal_fn.plans.memory.activations import in_flight_chunks as in_flight_chunks
+from areal_fn.plans.memory.activations import layer_token_bytes as layer_token_bytes
 from areal_fn.plans.optim import LossScale
 from areal_fn.sharding.sharding import local_shape
 from areal_fn.strategy.allocation import ParallelDims
@@ -458,7 +458,7 @@ def estimate_memory(
     distributed_optimizer: bool = True,
     optimizer_offload: bool = False,
 ) -> MemoryReport:
-    """Every rank's memory for ``layout`` (or its :class:`~areal_fn.plans.census.Census`).
+    """Every rank's memory for ``layout`` (or its :class:`~areal_fn.plans.advisor.census.Census`).
 
     Parameters, gradients and optimizer state are exact (see the module docstring);
     with ``activation`` (which needs ``model`` and ``dims``) activations and FSDP2

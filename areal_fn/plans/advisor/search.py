@@ -70,7 +70,7 @@ all-gather, all-to-all) or twice that (all-reduce).
   recompute) times the expected copies per token, split between the node's links and
   the network; the two run concurrently, so the term is ``max(intra bytes /
   intra_node_bandwidth, inter bytes / inter_node_bandwidth)`` on the slowest EP rank
-  (:func:`~areal_fn.plans.advisor_score.ep_token_copies`). EP ranks are ``etp`` apart:
+  (:func:`~areal_fn.plans.advisor.score.ep_token_copies`). EP ranks are ``etp`` apart:
   ``q = ep`` share a node when ``ep*etp <= devices_per_node``, else ``q =
   devices_per_node // etp``. Copies under balanced uniform routing (``E/ep`` experts per
   rank, ``k`` distinct experts per token; with group-limited routing, ``topk_group``
@@ -101,7 +101,7 @@ Defaults (:class:`Hardware`): 8 devices per node, 300 GB/s within a node, 40 GB/
 across nodes, 400 TFLOP/s and 2 TB/s sustained per device. Ties (equal scores) go to
 more free memory, then to fewer parallel dimensions, then to the allocation string:
 the result is deterministic. Everything here is a model for ranking strategies, not a
-prediction of wall time. The score is computed in :mod:`areal_fn.plans.advisor_score`.
+prediction of wall time. The score is computed in :mod:`areal_fn.plans.advisor.score`.
 """
 
 import math
@@ -113,12 +113,11 @@ from areal_fn.errors import PlanError, SpecError
 from areal_fn.layouts.megatron import stages_for
 from areal_fn.model.lora import LoraConfig
 from areal_fn.model.spec import ModelSpec
-from areal_fn.plans.advisor_score import CommEstimate as CommEstimate
-from areal_fn.plans.advisor_score import CommTerm as CommTerm
-from areal_fn.plans.advisor_score import Hardware as Hardware
-from areal_fn.plans.advisor_score import _estimate, _Workload
-from areal_fn.plans.census import Census, CensusIndex, fsdp2_census, megatron_census
-from areal_fn.plans.lora_memory import estimate_lora_memory, lora_adapter_census, lora_rows
+from areal_fn.plans.advisor.census import Census, CensusIndex, fsdp2_census, megatron_census
+from areal_fn.plans.advisor.score import CommEstimate as CommEstimate
+from areal_fn.plans.advisor.score import CommTerm as CommTerm
+from areal_fn.plans.advisor.score import Hardware as Hardware
+from areal_fn.plans.advisor.score import _estimate, _Workload
 from areal_fn.plans.memory import (
     GIB,
     ActivationModel,
@@ -128,6 +127,7 @@ from areal_fn.plans.memory import (
     estimate_memory,
     estimate_rows,
 )
+from areal_fn.plans.memory.lora import estimate_lora_memory, lora_adapter_census, lora_rows
 from areal_fn.plans.precision import engine_policy
 from areal_fn.strategy.allocation import Backend, Component, ParallelDims, divisors
 from areal_fn.strategy.rules import dims_problems
@@ -353,7 +353,7 @@ def suggest_strategy(
     communication buffers, allocator fragmentation). ``optimizer_offload``: the
     optimizer's master copy and states live in host memory (not counted on the device;
     the time of the offloaded optimizer step is not scored). ``lora``: LoRA training, its
-    memory as :func:`~areal_fn.plans.lora_memory.estimate_lora_memory` counts it (a frozen
+    memory as :func:`~areal_fn.plans.memory.lora.estimate_lora_memory` counts it (a frozen
     base, trained adapters); the score stays that of full training. Raises
     :class:`~areal_fn.errors.PlanError` naming what was tried when nothing fits.
     """
