@@ -67,7 +67,7 @@ from areal_fn.sharding.mesh import Mesh  # noqa: E402
 from areal_fn.sharding.shard import shard  # noqa: E402
 from areal_fn.sharding.sharding import Sharding  # noqa: E402
 from areal_fn.strategy.parse import parse_allocation  # noqa: E402
-from tests.distributed import gated_delta_configs, layer_type_configs  # noqa: E402
+from tests.distributed import dsa_configs, gated_delta_configs, layer_type_configs  # noqa: E402
 from tests.torch_placements import from_torch  # noqa: E402
 
 WORLD = 4
@@ -228,6 +228,9 @@ CONFIGS["minimax_m2"] = layer_type_configs.minimax_m2()
 CONFIGS["qwen3_next"] = gated_delta_configs.qwen3_next()
 CONFIGS["qwen3_5_text"] = gated_delta_configs.qwen3_5_text()
 CONFIGS["qwen3_5_moe_text"] = gated_delta_configs.qwen3_5_moe_text()
+#: DeepSeek sparse attention (dsa_configs): the indexer replicated over TP
+CONFIGS["deepseek_v32"] = dsa_configs.deepseek_v32()
+CONFIGS["glm_moe_dsa"] = dsa_configs.glm_moe_dsa()
 DENSE = ("qwen2", "qwen3", "llama_tied", "llama_untied")
 
 #: label -> (allocation string, hsdp replicas, TP over the embeddings).
@@ -263,6 +266,8 @@ LAYOUT_CASES: tuple[tuple[str, str], ...] = (
     ("qwen3_next", "d4"),  # no TP: linear attention's fused projections (fsdp2_layout refuses)
     ("qwen3_5_text", "hsdp2x2"),
     ("qwen3_5_moe_text", "d4"),
+    ("deepseek_v32", "d2t2"),
+    ("glm_moe_dsa", "d4"),
 )
 #: label -> (runtime options, gradient tolerance, weight tolerance) of the training section.
 RUN_OPTIONS: dict[str, tuple[Fsdp2RunOptions, float, float]] = {
