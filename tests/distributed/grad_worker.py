@@ -602,6 +602,7 @@ def run_case(config: str, label: str, ref: dict[str, Any]) -> dict[str, Any]:
         logp_diff = torch.tensor(logp_max, dtype=torch.float64)
         dist.all_reduce(logp_diff, op=dist.ReduceOp.MAX)
         grad_scale = max(float(g.abs().max()) for g in ref["grads"].values())
+        still = {n for n, st in opt.items() if float(st["step"]) == 0.0}
         out.update(
             loss=stats["loss"],
             ref_loss=ref["loss"],
@@ -629,7 +630,13 @@ def run_case(config: str, label: str, ref: dict[str, Any]) -> dict[str, Any]:
             weight_worst=worst_name,
             weight_worst_ref_grad=abs(float(ref["grads"][worst_name].reshape(-1)[worst_at])),
             logprob_max_abs_diff=float(logp_diff),
-            optimizer_steps=sorted({float(st["step"]) for st in opt.values()}),
+            # parameters no gradient reaches (the DSA indexer: its top-k is not
+            # differentiable) keep their zero state; the rest took one step
+            optimizer_steps=sorted({float(st["step"]) for n, st in opt.items() if n not in still}),
+            optimizer_untrained=sorted(still),
+            untrained_have_no_ref_grad=all(
+                n in ref["grads"] and not bool(ref["grads"][n].any()) for n in still
+            ),
             optimizer_names_ok=set(opt) == names,
             optimizer_shapes_ok=all(
                 tuple(opt[n][k].shape) == tuple(t.shape)

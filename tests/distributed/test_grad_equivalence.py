@@ -135,6 +135,13 @@ def test_one_step_equals_the_plain_model(results: dict[str, Any], case: str) -> 
     assert rec["logprob_max_abs_diff"] <= LOGPROB_ATOL_OF.get(case.split("/")[0], LOGPROB_ATOL)
     assert rec["optimizer_created_zero"] and rec["optimizer_names_ok"], rec
     assert rec["optimizer_shapes_ok"] and rec["optimizer_steps"] == [1.0], rec
+    # only the DSA families' indexers get no gradient (their top-k is not differentiable
+    # in transformers' module, the reference): they keep a zero state, as they have no
+    # gradient in the reference either
+    indexer = model_from_hf_config(worker.CONFIGS[case.split("/")[0]]).family.indexer
+    assert bool(rec["optimizer_untrained"]) == bool(indexer), rec["optimizer_untrained"]
+    assert all(".indexer." in n for n in rec["optimizer_untrained"]), rec["optimizer_untrained"]
+    assert rec["untrained_have_no_ref_grad"], rec["optimizer_untrained"]
 
 
 _SP_CASES = [  # the FSDP2 engine's Ulysses cases

@@ -108,7 +108,8 @@ CASES = [
         lambda: model_from_hf_config("Qwen2.5-7B-Instruct"),
         SpecError,
         r"^no config file at 'Qwen2.5-7B-Instruct' and no embedded model of that name; did you "
-        r"mean 'Qwen2.5-7B' or 'Qwen2.5-72B'\? pass a config.json, a directory holding one, or a "
+        r"mean 'Qwen2.5-7B' or 'Qwen2.5-72B' or 'Qwen3-Next-80B-A3B-Instruct'\? pass a "
+        r"config.json, a directory holding one, or a "
         r"name that `areal-fn models` lists$",
     ),
     (

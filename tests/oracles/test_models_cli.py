@@ -78,6 +78,7 @@ def test_an_unknown_name_is_one_line_with_the_close_matches() -> None:
     assert len(lines) == 1, proc.stderr
     assert lines[0] == (
         "areal-fn: error: no config file at 'Qwen2.5-7B-Instruct' and no embedded model of that "
-        "name; did you mean 'Qwen2.5-7B' or 'Qwen2.5-72B'? pass a config.json, a directory "
+        "name; did you mean 'Qwen2.5-7B' or 'Qwen2.5-72B' or 'Qwen3-Next-80B-A3B-Instruct'? pass "
+        "a config.json, a directory "
         "holding one, or a name that `areal-fn models` lists"
     )
