@@ -23,9 +23,9 @@ head, not the whole projection. The FSDP2 engine runs it without tensor parallel
 the same reason as OLMo 3.
 """
 
-from areal_fn.model.families import Family, FusedExperts
+from areal_fn.model.families import Family
 from areal_fn.model.families.mapping import LAYER_NORMS_HF, Dim, HfTensor, LayerKind
-from areal_fn.model.families.mixtral import SPARSE_MOE_HF
+from areal_fn.model.families.mixtral import SPARSE_MOE_FUSED, SPARSE_MOE_HF
 from areal_fn.model.families.olmo3 import FULL_QK_NORM_ATTENTION_HF
 
 _BIAS = HfTensor(
@@ -103,21 +103,7 @@ FAMILY = Family(
         ("block_sparse_moe.gate.weight", "mlp.gate.weight"),
         ("block_sparse_moe.e_score_correction_bias", "mlp.e_score_correction_bias"),
     ),
-    fused_experts=(
-        FusedExperts(
-            name="mlp.experts.gate_up_proj",
-            parts=(
-                "block_sparse_moe.experts.{e}.w1.weight",
-                "block_sparse_moe.experts.{e}.w3.weight",
-            ),
-            concat_dim=0,
-        ),
-        FusedExperts(
-            name="mlp.experts.down_proj",
-            parts=("block_sparse_moe.experts.{e}.w2.weight",),
-            concat_dim=0,
-        ),
-    ),
+    fused_experts=SPARSE_MOE_FUSED,
     megatron_refusal=(
         "Megatron-Core 0.16's GPTModel cannot express minimax_m2: its q_layernorm "
         "normalises each head, not the whole q/k projection; use the fsdp backend"

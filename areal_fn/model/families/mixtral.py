@@ -72,6 +72,24 @@ SPARSE_MOE: tuple[MegatronTensor, ...] = (
     ),
 )
 
+#: transformers 5's in-memory fusion of the sparse MoE block's experts (expert ``e`` of
+#: ``gate_up_proj`` = ``[w1_e; w3_e]``, of ``down_proj`` = ``w2_e``).
+SPARSE_MOE_FUSED: tuple[FusedExperts, ...] = (
+    FusedExperts(
+        name="mlp.experts.gate_up_proj",
+        parts=(
+            "block_sparse_moe.experts.{e}.w1.weight",
+            "block_sparse_moe.experts.{e}.w3.weight",
+        ),
+        concat_dim=0,
+    ),
+    FusedExperts(
+        name="mlp.experts.down_proj",
+        parts=("block_sparse_moe.experts.{e}.w2.weight",),
+        concat_dim=0,
+    ),
+)
+
 FAMILY = Family(
     model_type="mixtral",
     architecture="MixtralForCausalLM",
@@ -112,19 +130,5 @@ FAMILY = Family(
         ("norm_topk_prob", "nothing: Mixtral always renormalises the top-k"),
     ),
     memory_names=(("block_sparse_moe.gate.weight", "mlp.gate.weight"),),
-    fused_experts=(
-        FusedExperts(
-            name="mlp.experts.gate_up_proj",
-            parts=(
-                "block_sparse_moe.experts.{e}.w1.weight",
-                "block_sparse_moe.experts.{e}.w3.weight",
-            ),
-            concat_dim=0,
-        ),
-        FusedExperts(
-            name="mlp.experts.down_proj",
-            parts=("block_sparse_moe.experts.{e}.w2.weight",),
-            concat_dim=0,
-        ),
-    ),
+    fused_experts=SPARSE_MOE_FUSED,
 )
