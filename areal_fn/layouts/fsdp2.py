@@ -11,12 +11,13 @@ into ``(dp_shard, cp)``, ``cp`` fastest: the ``cp`` ranks of one data-parallel s
 (equal ``dp_replicate``, data-shard and ``tp`` coordinates) take the same rows and
 each computes ``T/cp`` of their tokens. ``pp``, ``ep``, ``etp`` and ``vpp`` must be 1.
 
-TP plan by role (like AReaL's): q/k/v/gate/up, multi-latent attention's up
-projections ``q_b_proj`` / ``kv_b_proj`` and ``lm_head`` column-wise
-(``Shard(0)``), gpt-oss's attention sinks by head (``Shard(0)``), o/down row-wise (``Shard(1)``, their biases replicated), embeddings
-row-wise over the vocabulary (``Shard(0)``; ``tp_embeddings=False`` replicates them),
-norms, q/k norms, multi-latent attention's down projections, router and stacked
-experts replicated. FSDP2 then shards dim 0 of
+TP plan by each tensor's role in its family's table
+(:class:`~areal_fn.model.families.tp_role.TpRole`, like AReaL's plan by module):
+column roles (q/k/v, gate/up, multi-latent attention's up projections) ``Shard(0)``,
+head roles (gpt-oss's attention sinks) ``Shard(0)``, row roles (o/down) ``Shard(1)``
+(their biases replicated), the vocabulary tensors ``Shard(0)`` (``tp_embeddings=False``
+replicates them); routed experts (per-expert or stacked) and every other role
+replicated. FSDP2 then shards dim 0 of
 every parameter over ``dp_shard``; on a dim that TP already shards it produces
 ``StridedShard(0, split_factor=tp)`` (right-to-left sharding), elsewhere ``Shard(0)``.
 """
@@ -26,6 +27,8 @@ import attrs
 from areal_fn.errors import LayoutError
 from areal_fn.layouts.layout import FusionPiece, Layout, LayoutKind, LogicalTensor
 from areal_fn.layouts.vocab import vocab_tensors
+from areal_fn.model.families.roles import tp_record
+from areal_fn.model.families.tp_role import TpRole
 from areal_fn.model.hf_memory import hf_memory_view
 from areal_fn.model.spec import ModelSpec
 from areal_fn.sharding.mesh import Axis, Mesh
@@ -36,21 +39,12 @@ from areal_fn.strategy.coerce import Strategy, as_dims
 from areal_fn.strategy.rules import check_dims
 from areal_fn.typecheck import beartype
 
-_COLWISE = (
-    "q_proj.weight",
-    "k_proj.weight",
-    "v_proj.weight",
-    "q_proj.bias",
-    "k_proj.bias",
-    "v_proj.bias",
-    "gate_proj.weight",
-    "up_proj.weight",
-    "gate_proj.bias",
-    "up_proj.bias",
-    "q_b_proj.weight",  # multi-latent attention's up projections (per head)
-    "kv_b_proj.weight",
-)
-_ROWWISE = ("o_proj.weight", "down_proj.weight")
+_BY_ROLE: dict[TpRole, Placement] = {
+    TpRole.COLUMN: Shard(dim=0),
+    TpRole.KV: Shard(dim=0),
+    TpRole.HEAD: Shard(dim=0),
+    TpRole.ROW: Shard(dim=1),
+}
 
 
 @attrs.frozen(kw_only=True)
@@ -104,18 +98,18 @@ def fsdp2_data_mesh(mesh: Mesh, cp: int) -> Mesh:
     return mesh.split(Axis.DP_SHARD, dp_shard=shards // cp, cp=cp)
 
 
-def tp_placement(name: str, options: Fsdp2Options, *, vocab: bool) -> Placement:
-    """The TP placement of a parameter by its role (its name's suffix; ``vocab``: a
-    vocabulary tensor, :func:`~areal_fn.layouts.vocab.vocab_tensors`)."""
-    if name.endswith("self_attn.sinks"):
-        return Shard(dim=0)  # one per head, beside the column-wise q/k/v heads
-    if name.endswith(_COLWISE) and ".experts." not in name:
-        return Shard(dim=0)
-    if name.endswith(_ROWWISE) and ".experts." not in name:
-        return Shard(dim=1)
+def tp_placement(
+    model: ModelSpec, canonical: str, options: Fsdp2Options, *, vocab: bool
+) -> Placement:
+    """The TP placement of the parameter holding canonical tensor ``canonical`` (its first
+    piece, for a parameter fusing several), by the tensor's role in the family's table
+    (``vocab``: a vocabulary tensor, :func:`~areal_fn.layouts.vocab.vocab_tensors`)."""
     if vocab:
         return Shard(dim=0) if options.tp_embeddings else Replicate()
-    return Replicate()
+    rec = tp_record(model.family, canonical)
+    if rec is None or rec.expert or rec.stacked:
+        return Replicate()  # the FSDP2 engine does not split experts over tp
+    return _BY_ROLE.get(rec.tp, Replicate())
 
 
 def fsdp2_sharding(
@@ -125,15 +119,14 @@ def fsdp2_sharding(
     mesh: Mesh,
     options: Fsdp2Options,
     *,
-    vocab: bool,
+    tp: Placement,
 ) -> Sharding:
-    """The sharding FSDP2 (+TP) gives parameter ``name`` of ``shape`` on ``mesh``
-    (``vocab``: a vocabulary tensor).
+    """The sharding FSDP2 (+TP) gives parameter ``name`` of ``shape`` on ``mesh``, placed
+    ``tp`` over the ``tp`` axis (:func:`tp_placement`).
 
     ``LayoutError`` when FSDP2 would store the parameter unlike its own placements: a
     TP row-sharded dim not divisible by ``tp`` over more than two FSDP shards.
     """
-    tp = tp_placement(name, options, vocab=vocab)
     dp_shard = mesh.axis_size(Axis.DP_SHARD)
     row_tp = isinstance(tp, Shard) and tp.dim == 0 and dims.tp > 1
     if row_tp and shape[0] % dims.tp and dp_shard > 2:
@@ -183,7 +176,14 @@ def fsdp2_layout(
         sharding = (  # FSDP2 shards parameters; a buffer stays whole on every rank
             Sharding.replicated(mesh)
             if mt.buffer
-            else fsdp2_sharding(mt.name, mt.shape, dims, mesh, options, vocab=mt.name in vocab)
+            else fsdp2_sharding(
+                mt.name,
+                mt.shape,
+                dims,
+                mesh,
+                options,
+                tp=tp_placement(model, mt.pieces[0].canonical, options, vocab=mt.name in vocab),
+            )
         )
         fusion = tuple(
             FusionPiece(

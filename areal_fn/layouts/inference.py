@@ -2,7 +2,8 @@
 
 The engines load HF checkpoint names and shard them at load time; weight updates
 (`update_weights_from_distributed`) send HF names, so the layout is over canonical
-names. Rules (both engines):
+names. Each tensor is placed by its role in the family's table
+(:class:`~areal_fn.model.families.tp_role.TpRole`); the rules (both engines):
 
 - ``q_proj``, ``gate_proj``, ``up_proj`` (+ biases), experts' gate/up: column-wise,
   ``Shard(0)``; ``o_proj``, ``down_proj``, experts' down: row-wise, ``Shard(1)``.
@@ -46,6 +47,8 @@ Mesh: ``(dp, pp, tp)``, replicas outermost; ``tp`` varies fastest.
 
 from areal_fn.layouts.layout import FusionPiece, Layout, LayoutKind, LogicalTensor
 from areal_fn.layouts.vocab import vocab_tensors
+from areal_fn.model.families.roles import tp_record, tp_role
+from areal_fn.model.families.tp_role import TpRole
 from areal_fn.model.spec import ModelSpec, layer_of
 from areal_fn.model.tensor_spec import TensorSpec
 from areal_fn.sharding.box import Box
@@ -69,23 +72,6 @@ def layer_stage(layer: int, num_layers: int, pp: int) -> int:
         if bounds[s] <= layer < bounds[s + 1]:
             return s
     raise AssertionError("layer out of range")
-
-
-#: Weight names (suffixes) by their ``tp`` placement.
-_KV = ("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")
-_COLUMN = (
-    "q_proj.weight",
-    "q_proj.bias",
-    "gate_proj.weight",
-    "up_proj.weight",
-    "gate_proj.bias",
-    "up_proj.bias",
-    "w1.weight",  # Mixtral's expert gate and up
-    "w3.weight",
-    "q_b_proj.weight",  # multi-latent attention's up projections (per head)
-    "kv_b_proj.weight",
-)
-_ROW = ("o_proj.weight", "down_proj.weight", "w2.weight")
 
 
 @beartype
@@ -131,25 +117,19 @@ def _stage(name: str, model: ModelSpec, pp: int) -> int:
     return pp - 1
 
 
-#: gpt-oss's stacked experts and sinks (vLLM's and SGLang's gpt-oss loaders): the
-#: interleaved gate/up columns and the down rows split in contiguous chunks over ``tp``.
-_STACKED = (
-    ("self_attn.sinks", Shard(dim=0)),
-    ("mlp.experts.gate_up_proj", Shard(dim=2)),
-    ("mlp.experts.gate_up_proj_bias", Shard(dim=1)),
-    ("mlp.experts.down_proj", Shard(dim=1)),
-)
-
-
-def _tp_placement(name: str, *, vocab: bool) -> Placement:
-    """The ``tp`` placement of canonical tensor ``name`` (KV weights: on ``tp_kv``;
-    ``vocab``: a vocabulary tensor)."""
-    for suffix, placement in _STACKED:
-        if name.endswith(suffix):
-            return placement
-    if vocab or name.endswith(_KV + _COLUMN):
+def _tp_placement(model: ModelSpec, spec: TensorSpec, *, vocab: bool) -> Placement:
+    """The ``tp`` placement of canonical tensor ``spec`` by its role (KV weights: on
+    ``tp_kv``; ``vocab``: a vocabulary tensor). A stacked expert tensor (``[E, in, out]``,
+    gpt-oss: vLLM's and SGLang's loaders) splits its last dim for a column role (the
+    interleaved gate/up columns in contiguous chunks) and dim 1 for a row role."""
+    if vocab:
         return Shard(dim=0)
-    if name.endswith(_ROW):
+    rec = tp_record(model.family, spec.name)
+    if rec is None:
+        return Replicate()
+    if rec.tp in (TpRole.COLUMN, TpRole.KV, TpRole.HEAD):
+        return Shard(dim=len(spec.shape) - 1) if rec.stacked else Shard(dim=0)
+    if rec.tp is TpRole.ROW:
         return Shard(dim=1)
     return Replicate()
 
@@ -165,9 +145,9 @@ def _logical_tensor(
     )
     vocab = name in vocab_tensors(model)
     lshape = (vpad, shape[1]) if vocab else shape
-    placement = _tp_placement(name, vocab=vocab)
+    placement = _tp_placement(model, spec, vocab=vocab)
     placements: tuple[Placement, ...]
-    if name.endswith(_KV):
+    if tp_role(model.family, name) is TpRole.KV:
         m = kv_mesh
         placements = (Replicate(), Replicate(), placement, Replicate())
     else:

@@ -31,6 +31,7 @@ from areal_fn.model.dsa import layer_flags
 from areal_fn.model.embedded import resolve_config
 from areal_fn.model.families import FAMILIES, Family, family
 from areal_fn.model.families.mapping import layer_tensors
+from areal_fn.model.families.tp_role import TpRole
 from areal_fn.model.hf_config import ROPE_TYPES as ROPE_TYPES
 from areal_fn.model.hf_config import _positive_float, _rope_pairs, _spec_fields
 from areal_fn.model.layer_types import layer_type_config
@@ -247,8 +248,9 @@ class ModelSpec:
 
     @property
     def has_sinks(self) -> bool:
-        """Attention sinks: one learnt softmax logit per head (gpt-oss ``self_attn.sinks``)."""
-        return any(r.name == "self_attn.sinks" for r in self.family.canonical)
+        """Attention sinks: one learnt softmax logit per head (gpt-oss ``self_attn.sinks``):
+        the family's table has a tensor split with the heads (``TpRole.HEAD``)."""
+        return any(r.tp is TpRole.HEAD for r in self.family.canonical)
 
     @property
     def has_expert_biases(self) -> bool:

@@ -2,6 +2,9 @@
 Ulysses splits whole heads, and a TP row split that ``tp`` does not divide cannot be
 stored over more than two FSDP shards (the vocabulary, the shared experts' width)."""
 
+from areal_fn.model.families.mapping import Dim
+from areal_fn.model.families.roles import tp_record
+from areal_fn.model.families.tp_role import TpRole
 from areal_fn.model.spec import ModelSpec
 from areal_fn.strategy.allocation import ParallelDims
 from areal_fn.strategy.rules_fixed import Problem, _Options, _Rule
@@ -43,7 +46,13 @@ def _fsdp2_shared(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
     if not width:
         return None
     first = next(i for i, moe in enumerate(m.moe_layers) if moe)
-    name = f"model.layers.{first}.mlp.shared_experts.gate_proj.weight"
+    name = next(  # the shared experts' first column-split tensor
+        t.name
+        for t in m.layer_tensors(first)
+        if (r := tp_record(m.family, t.name)) is not None
+        and r.tp is TpRole.COLUMN
+        and Dim.SHARED_INTER in r.shape
+    )
     remedy = f"use a tp that divides the shared experts' width {width} ({m.model_type})"
     return _uneven_rows(name, width, d, o, remedy)
 

@@ -39,25 +39,27 @@ from areal_fn.model.families.mapping import (
     HfTensor,
     MegatronTensor,
 )
+from areal_fn.model.families.tp_role import TpRole
 from areal_fn.sharding.placement import Replicate, Shard
 
 _ROWS, _COLS = Shard(dim=0), Shard(dim=1)
+_R = TpRole.REPLICATE
 
 
-def _attn(name: str, *shape: Dim, when: str | None = None) -> HfTensor:
-    return HfTensor(name=f"self_attn.{name}.weight", shape=shape, when=when)
+def _attn(name: str, *shape: Dim, when: str | None = None, tp: TpRole = _R) -> HfTensor:
+    return HfTensor(name=f"self_attn.{name}.weight", shape=shape, when=when, tp=tp)
 
 
 #: Canonical tensors of multi-latent attention, in transformers' registration order.
 MLA_ATTENTION_HF: tuple[HfTensor, ...] = (
-    _attn("q_proj", Dim.Q_OUT, Dim.HIDDEN, when="q_direct"),
+    _attn("q_proj", Dim.Q_OUT, Dim.HIDDEN, when="q_direct", tp=TpRole.COLUMN),
     _attn("q_a_proj", Dim.Q_LORA, Dim.HIDDEN, when="q_lora_rank"),
     _attn("q_a_layernorm", Dim.Q_LORA, when="q_lora_rank"),
-    _attn("q_b_proj", Dim.Q_OUT, Dim.Q_LORA, when="q_lora_rank"),
-    _attn("kv_a_proj_with_mqa", Dim.KV_A_OUT, Dim.HIDDEN),
+    _attn("q_b_proj", Dim.Q_OUT, Dim.Q_LORA, when="q_lora_rank", tp=TpRole.COLUMN),
+    _attn("kv_a_proj_with_mqa", Dim.KV_A_OUT, Dim.HIDDEN, tp=TpRole.SHARED_ROPE_KEY),
     _attn("kv_a_layernorm", Dim.KV_LORA),
-    _attn("kv_b_proj", Dim.KV_B_OUT, Dim.KV_LORA),
-    _attn("o_proj", Dim.HIDDEN, Dim.V_OUT),
+    _attn("kv_b_proj", Dim.KV_B_OUT, Dim.KV_LORA, tp=TpRole.COLUMN),
+    _attn("o_proj", Dim.HIDDEN, Dim.V_OUT, tp=TpRole.ROW),
 )
 
 

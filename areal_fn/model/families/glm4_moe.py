@@ -14,6 +14,8 @@ checkpoint that holds them (``model.layers.{num_hidden_layers}.*``) is refused b
 strict readers, which list them as unexpected, not dropped.
 """
 
+import attrs
+
 from areal_fn.model.families import STACKED_SWIGLU_EXPERTS, Family
 from areal_fn.model.families.mapping import (
     GQA_ATTENTION,
@@ -29,6 +31,7 @@ from areal_fn.model.families.mapping import (
     LayerKind,
     MegatronTensor,
 )
+from areal_fn.model.families.tp_role import TpRole
 from areal_fn.sharding.placement import Replicate, Shard, StridedShard
 
 _MOE = LayerKind.MOE
@@ -43,33 +46,26 @@ ROUTER_AND_SHARED_HF: tuple[HfTensor, ...] = (
         dtype="float32",
         buffer=True,
     ),
-    HfTensor(
-        name="mlp.shared_experts.gate_proj.weight",
-        shape=(Dim.SHARED_INTER, Dim.HIDDEN),
-        when="num_shared_experts",
-        layers=_MOE,
-    ),
-    HfTensor(
-        name="mlp.shared_experts.up_proj.weight",
-        shape=(Dim.SHARED_INTER, Dim.HIDDEN),
-        when="num_shared_experts",
-        layers=_MOE,
-    ),
-    HfTensor(
-        name="mlp.shared_experts.down_proj.weight",
-        shape=(Dim.HIDDEN, Dim.SHARED_INTER),
-        when="num_shared_experts",
-        layers=_MOE,
+    *(
+        HfTensor(
+            name=f"mlp.shared_experts.{n}.weight",
+            shape=shape,
+            when="num_shared_experts",
+            layers=_MOE,
+            tp=tp,
+        )
+        for n, shape, tp in (
+            ("gate_proj", (Dim.SHARED_INTER, Dim.HIDDEN), TpRole.COLUMN),
+            ("up_proj", (Dim.SHARED_INTER, Dim.HIDDEN), TpRole.COLUMN),
+            ("down_proj", (Dim.HIDDEN, Dim.SHARED_INTER), TpRole.ROW),
+        )
     ),
 )
 
 
 def float32_router(table: tuple[HfTensor, ...]) -> tuple[HfTensor, ...]:
     return tuple(
-        HfTensor(name=r.name, shape=r.shape, layers=r.layers, dtype="float32")
-        if r.name == "mlp.gate.weight"
-        else r
-        for r in table
+        attrs.evolve(r, dtype="float32") if r.name == "mlp.gate.weight" else r for r in table
     )
 
 

@@ -39,21 +39,22 @@ from areal_fn.model.families.mapping import (
     MegatronTensor,
 )
 from areal_fn.model.families.serving import Serving
+from areal_fn.model.families.tp_role import TpRole
 from areal_fn.sharding.placement import Replicate, Shard
 
 _MOE = LayerKind.MOE
 
 
-def _stacked(name: str, *shape: Dim) -> HfTensor:
+def _stacked(name: str, tp: TpRole, *shape: Dim) -> HfTensor:
     return HfTensor(
-        name=f"mlp.experts.{name}", shape=(Dim.EXPERTS, *shape), layers=_MOE, stacked=True
+        name=f"mlp.experts.{name}", shape=(Dim.EXPERTS, *shape), layers=_MOE, stacked=True, tp=tp
     )
 
 
 #: The attention sinks, first in the state dict (a parameter of the attention module
 #: itself), then grouped-query attention with its biases.
 SINK_ATTENTION_HF: tuple[HfTensor, ...] = (
-    HfTensor(name="self_attn.sinks", shape=(Dim.HEADS,)),
+    HfTensor(name="self_attn.sinks", shape=(Dim.HEADS,), tp=TpRole.HEAD),
     *GQA_ATTENTION_HF,
 )
 
@@ -61,10 +62,10 @@ SINK_ATTENTION_HF: tuple[HfTensor, ...] = (
 FUSED_EXPERTS_HF: tuple[HfTensor, ...] = (
     HfTensor(name="mlp.router.weight", shape=(Dim.EXPERTS, Dim.HIDDEN), layers=_MOE),
     HfTensor(name="mlp.router.bias", shape=(Dim.EXPERTS,), layers=_MOE),
-    _stacked("gate_up_proj", Dim.HIDDEN, Dim.GLU_INTER),
-    _stacked("gate_up_proj_bias", Dim.GLU_INTER),
-    _stacked("down_proj", Dim.MOE_INTER, Dim.HIDDEN),
-    _stacked("down_proj_bias", Dim.HIDDEN),
+    _stacked("gate_up_proj", TpRole.COLUMN, Dim.HIDDEN, Dim.GLU_INTER),
+    _stacked("gate_up_proj_bias", TpRole.COLUMN, Dim.GLU_INTER),
+    _stacked("down_proj", TpRole.ROW, Dim.MOE_INTER, Dim.HIDDEN),
+    _stacked("down_proj_bias", TpRole.REPLICATE, Dim.HIDDEN),
 )
 
 

@@ -11,8 +11,8 @@ A family's :attr:`~areal_fn.model.families.Family.megatron` is a tuple of
 :func:`areal_fn.layouts.megatron.megatron_layout` interprets the table (one generic
 function), so adding a family is writing its table. Names are relative to the layer
 prefix: ``decoder.layers.{i}.`` on the Megatron side, ``model.layers.{i}.`` on the HF
-side. The embedding, the final norm and the output layer are the same for every family
-and are not in the table.
+side. The embedding, the final norm and the output layer are the family's
+:attr:`~areal_fn.model.families.Family.outer`, not in the table.
 
 A record says
 
@@ -37,7 +37,9 @@ from typing import TypeVar
 import attrs
 
 from areal_fn.errors import SpecError
+from areal_fn.model.families.dim import Dim as Dim
 from areal_fn.model.families.mixer import Mixer
+from areal_fn.model.families.tp_role import TpRole
 from areal_fn.sharding.placement import Placement, Replicate, Shard, StridedShard
 
 
@@ -112,54 +114,6 @@ CONDITIONS = (
 )
 
 
-class Dim(enum.Enum):
-    """A model dimension a canonical shape is written in (its value: how ModelSpec gives it)."""
-
-    HIDDEN = "hidden_size"
-    HEAD_DIM = "head_dim"
-    #: ``num_attention_heads`` (gpt-oss attention sinks: one per head).
-    HEADS = "num_attention_heads"
-    #: ``num_attention_heads * head_dim``.
-    Q_OUT = "num_attention_heads * head_dim"
-    #: ``num_key_value_heads * head_dim``.
-    KV_OUT = "num_key_value_heads * head_dim"
-    INTER = "intermediate_size"
-    MOE_INTER = "moe_intermediate_size"
-    #: ``2 * moe_intermediate_size``: gate and up of one expert side by side (gpt-oss).
-    GLU_INTER = "2 * moe_intermediate_size"
-    EXPERTS = "num_experts"
-    #: ``num_shared_experts * moe_intermediate_size``: the shared experts' fused width.
-    SHARED_INTER = "num_shared_experts * moe_intermediate_size"
-    #: ``2 * num_attention_heads * head_dim``: per head ``[q_h; gate_h]`` (gated attention output).
-    GATED_Q_OUT = "2 * num_attention_heads * head_dim"
-    #: The gated shared expert's width (``shared_expert_intermediate_size``).
-    SHARED_EXPERT = "shared_expert_size"
-    ONE = "1"
-    #: Gated delta net (:class:`~areal_fn.model.linear_attention.LinearAttention`).
-    LIN_QKVZ = "2 * key_dim + 2 * value_dim"
-    LIN_QKV = "2 * key_dim + value_dim"
-    LIN_V = "value_dim"
-    LIN_V_HEADS = "value_heads"
-    LIN_BA = "2 * value_heads"
-    LIN_V_HEAD_DIM = "value_head_dim"
-    LIN_CONV = "conv_kernel"
-    #: Multi-latent attention: the query and key/value LoRA ranks.
-    Q_LORA = "q_lora_rank"
-    KV_LORA = "kv_lora_rank"
-    #: ``kv_lora_rank + qk_rope_head_dim``: the compressed key/value plus the shared rope key.
-    KV_A_OUT = "kv_lora_rank + qk_rope_head_dim"
-    #: ``num_attention_heads * (qk_nope_head_dim + v_head_dim)``: per head ``[k_nope; v]``.
-    KV_B_OUT = "num_attention_heads * (qk_nope_head_dim + v_head_dim)"
-    #: ``num_attention_heads * v_head_dim``: the attention output's width.
-    V_OUT = "num_attention_heads * v_head_dim"
-    INDEX_HEAD_DIM = "index_head_dim"
-    INDEX_HEADS = "index_n_heads"
-    INDEX_Q_OUT = "index_n_heads * index_head_dim"
-
-    def __repr__(self) -> str:
-        return f"Dim.{self.name}"
-
-
 def _dims(value: Iterable[Dim]) -> tuple[Dim, ...]:
     return tuple(value)
 
@@ -200,7 +154,7 @@ class HfTensor:
     a persistent buffer in transformers' module, not a parameter (not trained, not
     sharded by FSDP2). ``stacked``: one tensor holds every routed expert along its first
     dim (gpt-oss ``mlp.experts.gate_up_proj [E, H, 2I]``); a token uses
-    ``num_experts_per_tok`` of its ``E`` slices.
+    ``num_experts_per_tok`` of its ``E`` slices. ``tp``: its :class:`TpRole`.
     """
 
     name: str
@@ -212,6 +166,7 @@ class HfTensor:
     buffer: bool = False
     stacked: bool = False
     mixer: Mixer = Mixer.ANY
+    tp: TpRole = TpRole.REPLICATE
 
     def __attrs_post_init__(self) -> None:
         _check_hf_record(self)
@@ -290,30 +245,35 @@ class MegatronTensor:
 # -- building blocks the families compose ------------------------------------------------
 
 
-def _linear(
-    name: str, out: Dim, inp: Dim, bias: str | None, layers: LayerKind = LayerKind.ALL
+def linear_hf(
+    name: str, out: Dim, inp: Dim, bias: str | None, tp: TpRole, layers: LayerKind = LayerKind.ALL
 ) -> tuple[HfTensor, ...]:
-    weight = HfTensor(name=f"{name}.weight", shape=(out, inp), layers=layers)
+    """A ``Linear``'s weight ``[out, inp]`` and optional bias (when ``bias``), split as ``tp``
+    (a row-split layer's bias is whole on every rank, added after the sum)."""
+    weight = HfTensor(name=f"{name}.weight", shape=(out, inp), layers=layers, tp=tp)
     if bias is None:
         return (weight,)
-    return weight, HfTensor(name=f"{name}.bias", shape=(out,), when=bias, layers=layers)
+    btp = TpRole.REPLICATE if tp is TpRole.ROW else tp
+    return weight, HfTensor(name=f"{name}.bias", shape=(out,), when=bias, layers=layers, tp=btp)
 
 
 #: Canonical tensors of grouped-query attention: q/k/v (optional biases), o_proj, q/k norms.
 GQA_ATTENTION_HF: tuple[HfTensor, ...] = (
-    *_linear("self_attn.q_proj", Dim.Q_OUT, Dim.HIDDEN, "qkv_bias"),
-    *_linear("self_attn.k_proj", Dim.KV_OUT, Dim.HIDDEN, "qkv_bias"),
-    *_linear("self_attn.v_proj", Dim.KV_OUT, Dim.HIDDEN, "qkv_bias"),
-    *_linear("self_attn.o_proj", Dim.HIDDEN, Dim.Q_OUT, "o_bias"),
-    HfTensor(name="self_attn.q_norm.weight", shape=(Dim.HEAD_DIM,), when="qk_norm"),
-    HfTensor(name="self_attn.k_norm.weight", shape=(Dim.HEAD_DIM,), when="qk_norm"),
+    *linear_hf("self_attn.q_proj", Dim.Q_OUT, Dim.HIDDEN, "qkv_bias", TpRole.COLUMN),
+    *linear_hf("self_attn.k_proj", Dim.KV_OUT, Dim.HIDDEN, "qkv_bias", TpRole.KV),
+    *linear_hf("self_attn.v_proj", Dim.KV_OUT, Dim.HIDDEN, "qkv_bias", TpRole.KV),
+    *linear_hf("self_attn.o_proj", Dim.HIDDEN, Dim.Q_OUT, "o_bias", TpRole.ROW),
+    *(
+        HfTensor(name=n, shape=(Dim.HEAD_DIM,), when="qk_norm", tp=TpRole.HEAD_NORM)
+        for n in ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
+    ),
 )
 
 #: Canonical tensors of a dense SwiGLU MLP (optional biases).
 SWIGLU_MLP_HF: tuple[HfTensor, ...] = (
-    *_linear("mlp.gate_proj", Dim.INTER, Dim.HIDDEN, "mlp_bias", LayerKind.DENSE),
-    *_linear("mlp.up_proj", Dim.INTER, Dim.HIDDEN, "mlp_bias", LayerKind.DENSE),
-    *_linear("mlp.down_proj", Dim.HIDDEN, Dim.INTER, "mlp_bias", LayerKind.DENSE),
+    *linear_hf("mlp.gate_proj", Dim.INTER, Dim.HIDDEN, "mlp_bias", TpRole.COLUMN, LayerKind.DENSE),
+    *linear_hf("mlp.up_proj", Dim.INTER, Dim.HIDDEN, "mlp_bias", TpRole.COLUMN, LayerKind.DENSE),
+    *linear_hf("mlp.down_proj", Dim.HIDDEN, Dim.INTER, "mlp_bias", TpRole.ROW, LayerKind.DENSE),
 )
 
 #: Canonical tensors of routed SwiGLU experts (per expert ``gate``, ``up``, ``down``),
@@ -325,11 +285,12 @@ ROUTED_EXPERTS_HF: tuple[HfTensor, ...] = (
             shape=shape,
             layers=LayerKind.MOE,
             expert=True,
+            tp=tp,
         )
-        for part, shape in (
-            ("gate_proj", (Dim.MOE_INTER, Dim.HIDDEN)),
-            ("up_proj", (Dim.MOE_INTER, Dim.HIDDEN)),
-            ("down_proj", (Dim.HIDDEN, Dim.MOE_INTER)),
+        for part, shape, tp in (
+            ("gate_proj", (Dim.MOE_INTER, Dim.HIDDEN), TpRole.COLUMN),
+            ("up_proj", (Dim.MOE_INTER, Dim.HIDDEN), TpRole.COLUMN),
+            ("down_proj", (Dim.HIDDEN, Dim.MOE_INTER), TpRole.ROW),
         )
     ),
     HfTensor(name="mlp.gate.weight", shape=(Dim.EXPERTS, Dim.HIDDEN), layers=LayerKind.MOE),

@@ -22,6 +22,7 @@ from areal_fn.model.families.mapping import (
     LayerKind,
     MegatronTensor,
 )
+from areal_fn.model.families.tp_role import TpRole
 from areal_fn.sharding.placement import Replicate, Shard, StridedShard
 
 _MOE = LayerKind.MOE
@@ -32,12 +33,16 @@ SPARSE_MOE_HF: tuple[HfTensor, ...] = (
     HfTensor(name="block_sparse_moe.gate.weight", shape=(Dim.EXPERTS, Dim.HIDDEN), layers=_MOE),
     *(
         HfTensor(
-            name=f"block_sparse_moe.experts.{{e}}.{w}.weight", shape=shape, layers=_MOE, expert=True
+            name=f"block_sparse_moe.experts.{{e}}.{w}.weight",
+            shape=shape,
+            layers=_MOE,
+            expert=True,
+            tp=tp,
         )
-        for w, shape in (
-            ("w1", (Dim.MOE_INTER, Dim.HIDDEN)),
-            ("w3", (Dim.MOE_INTER, Dim.HIDDEN)),
-            ("w2", (Dim.HIDDEN, Dim.MOE_INTER)),
+        for w, shape, tp in (
+            ("w1", (Dim.MOE_INTER, Dim.HIDDEN), TpRole.COLUMN),
+            ("w3", (Dim.MOE_INTER, Dim.HIDDEN), TpRole.COLUMN),
+            ("w2", (Dim.HIDDEN, Dim.MOE_INTER), TpRole.ROW),
         )
     ),
 )

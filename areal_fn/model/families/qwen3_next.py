@@ -21,6 +21,8 @@ checkpoints and HF export. Refused, with the reason: Megatron layouts, the FSDP2
 engine under ``tp > 1``, and splitting or packing sequences (Ulysses, CP, packed rows).
 """
 
+import attrs
+
 from areal_fn.model.families import SOFTMAX_ROUTING, STACKED_SWIGLU_EXPERTS, Family
 from areal_fn.model.families.mapping import (
     GQA_ATTENTION_HF,
@@ -32,14 +34,15 @@ from areal_fn.model.families.mapping import (
     LayerKind,
 )
 from areal_fn.model.families.mixer import Mixer
+from areal_fn.model.families.tp_role import TpRole
 
 _FULL, _LINEAR = Mixer.ATTENTION, Mixer.LINEAR
 
 #: Gated full attention: Qwen3's attention whose q_proj also gives the output gate.
 GATED_ATTENTION_HF: tuple[HfTensor, ...] = tuple(
-    HfTensor(name=r.name, shape=(Dim.GATED_Q_OUT, Dim.HIDDEN), mixer=_FULL)
+    attrs.evolve(r, shape=(Dim.GATED_Q_OUT, Dim.HIDDEN), mixer=_FULL)
     if r.name == "self_attn.q_proj.weight"
-    else HfTensor(name=r.name, shape=r.shape, when=r.when, mixer=_FULL)
+    else attrs.evolve(r, mixer=_FULL)
     for r in GQA_ATTENTION_HF
     if r.when != "qkv_bias" and r.when != "o_bias"
 )
@@ -79,11 +82,11 @@ GATED_SHARED_MOE_HF: tuple[HfTensor, ...] = (
     *(r for r in ROUTED_EXPERTS_HF if r.name == "mlp.gate.weight"),
     *(r for r in ROUTED_EXPERTS_HF if r.expert),
     *(
-        HfTensor(name=f"mlp.shared_expert.{n}.weight", shape=s, layers=LayerKind.MOE)
-        for n, s in (
-            ("gate_proj", (Dim.SHARED_EXPERT, Dim.HIDDEN)),
-            ("up_proj", (Dim.SHARED_EXPERT, Dim.HIDDEN)),
-            ("down_proj", (Dim.HIDDEN, Dim.SHARED_EXPERT)),
+        HfTensor(name=f"mlp.shared_expert.{n}.weight", shape=s, layers=LayerKind.MOE, tp=tp)
+        for n, s, tp in (
+            ("gate_proj", (Dim.SHARED_EXPERT, Dim.HIDDEN), TpRole.COLUMN),
+            ("up_proj", (Dim.SHARED_EXPERT, Dim.HIDDEN), TpRole.COLUMN),
+            ("down_proj", (Dim.HIDDEN, Dim.SHARED_EXPERT), TpRole.ROW),
         )
     ),
     HfTensor(

@@ -4,7 +4,10 @@ Every module with parameters gets a DTensor parallel style from its parameters'
 placements on the ``tp`` axis: a ``Linear`` placed ``Shard(0)`` is ``ColwiseParallel``,
 ``Shard(1)`` is ``RowwiseParallel``, an ``Embedding`` placed ``Shard(0)`` (vocabulary)
 is ``RowwiseParallel``, ``Shard(1)`` ``ColwiseParallel``, and a module whose parameters
-are all ``Replicate()`` gets :class:`ReplicateParallel`. Used by
+are all ``Replicate()`` gets :class:`ReplicateParallel` (with partial gradients for a
+per-head norm, ``TpRole.HEAD_NORM``, and the summed rope-key columns of
+``TpRole.SHARED_ROPE_KEY``: each module's role in its family's table), a module of
+head-split parameters (``TpRole.HEAD``) :class:`HeadShardParallel`. Used by
 :func:`~areal_fn.runtime.engines.fsdp2_apply.apply_fsdp2` (which re-exports these names)
 and by the TP stand-in inference engine (:mod:`areal_fn.runtime.engines.tp`).
 """
@@ -24,6 +27,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from areal_fn.errors import LayoutError
 from areal_fn.layouts.layout import Layout
+from areal_fn.model.families import FAMILIES
+from areal_fn.model.families.roles import tp_role
+from areal_fn.model.families.tp_role import TpRole
 from areal_fn.model.spec import layer_of
 from areal_fn.runtime.engines.fsdp2_mesh import TP, layout_mesh
 from areal_fn.runtime.engines.lora import lora_tp_plan
@@ -40,12 +46,6 @@ __all__ = [
     "tensor_parallel_style",
     "tp_plan",
 ]
-
-#: Modules whose input is sharded over attention heads (dim -2) under TP.
-_HEAD_SHARDED_INPUT = ("self_attn.q_norm", "self_attn.k_norm")
-#: Multi-latent attention's replicated down projection whose last columns (the rope key
-#: shared by every head) get part of their gradient on each TP rank.
-_SHARED_ROPE_KEY = "self_attn.kv_a_proj_with_mqa"
 
 
 class ReplicateParallel(ParallelStyle):
@@ -220,18 +220,27 @@ def module_placements(
     return grouped
 
 
+def _module_role(config: Any, mname: str, placements: Mapping[str, Placement]) -> TpRole:
+    """The role its family's table gives every parameter of module ``mname`` (one role
+    for all of them, else ``REPLICATE``; ``REPLICATE`` for a model of no known family)."""
+    family = FAMILIES.get(getattr(config, "model_type", None) or "")
+    if family is None:
+        return TpRole.REPLICATE
+    roles = {tp_role(family, f"{mname}.{p}") for p in placements}
+    return roles.pop() if len(roles) == 1 else TpRole.REPLICATE
+
+
 def _style(
     mname: str, module: nn.Module, placements: Mapping[str, Placement], config: Any
 ) -> ParallelStyle:
-    if mname.endswith("self_attn") and placements == {"sinks": Shard(dim=0)}:
+    role = _module_role(config, mname, placements)
+    if role is TpRole.HEAD and all(p == Shard(dim=0) for p in placements.values()):
         return HeadShardParallel()  # gpt-oss: the sinks of this rank's heads
     if all(isinstance(p, Replicate) for p in placements.values()):
         cols = None
-        if mname.endswith(_SHARED_ROPE_KEY) and isinstance(module, nn.Linear):
+        if role is TpRole.SHARED_ROPE_KEY and isinstance(module, nn.Linear):
             cols = (int(config.kv_lora_rank), module.out_features)
-        return ReplicateParallel(
-            partial_grads=mname.endswith(_HEAD_SHARDED_INPUT), sum_output_grad=cols
-        )
+        return ReplicateParallel(partial_grads=role is TpRole.HEAD_NORM, sum_output_grad=cols)
     return tensor_parallel_style(mname, module, placements)
 
 
