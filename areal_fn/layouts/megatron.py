@@ -31,6 +31,7 @@ on the last chunk (:mod:`areal_fn.model.mtp`), the final norm then with the last
 decoder layer.
 """
 
+from collections.abc import Callable
 from typing import Literal
 
 import attrs
@@ -44,6 +45,7 @@ from areal_fn.model.families.mapping import (
     expert_runs,
     select,
 )
+from areal_fn.model.families.serving import MtpBlock
 from areal_fn.model.mtp import moe_at
 from areal_fn.model.spec import ModelSpec, condition_flags
 from areal_fn.pipeline.partition import StagePlan
@@ -403,17 +405,20 @@ class _Builder:
         )
         self.add(name, ((self.vpad, hid), fusion), Shard(dim=0), ((Axis.PP, stage),))
 
-    def _mtp_names(self, leaf: str) -> tuple[str, ...]:
-        n = self.model.num_layers
-        return tuple(f"model.layers.{n + j}.{leaf}" for j in range(self.model.mtp_layers))
+    def _mtp_names(self, leaf: Callable[[MtpBlock], str]) -> tuple[str, ...]:
+        """One of the family's MTP-block tensors (``leaf`` picks it) in every MTP layer."""
+        n, block = self.model.num_layers, self.model.family.mtp
+        if block is None:
+            return ()
+        return tuple(f"model.layers.{n + j}.{leaf(block)}" for j in range(self.model.mtp_layers))
 
     def embedding(self, pre: str, stage: int, *, mtp: bool) -> None:
         """The embedding of the first chunk, or the copy that the last chunk holds for its
         MTP layers (``mtp``; with one chunk, the same tensor). It holds the MTP layers'
         embeddings tied, and the MTP heads too when the output layer is the embedding."""
-        tied = self._mtp_names("embed_tokens.weight") if mtp else ()
+        tied = self._mtp_names(lambda b: b.embedding) if mtp else ()
         if mtp and self.model.tie_word_embeddings and self.dims.pp == 1:
-            tied += self._mtp_names("shared_head.head.weight")
+            tied += self._mtp_names(lambda b: b.head)
         name = pre + "embedding.word_embeddings.weight"
         self.vocab(name, self.model.family.outer.embedding, stage, tied)
 
@@ -423,7 +428,7 @@ class _Builder:
         self.add(pre + "decoder.final_layernorm.weight", norm, Replicate(), ((Axis.PP, stage),))
 
     def head(self, pre: str, stage: int) -> None:
-        heads = self._mtp_names("shared_head.head.weight")
+        heads = self._mtp_names(lambda b: b.head)
         outer = self.model.family.outer
         if not self.model.tie_word_embeddings:
             self.vocab(pre + "output_layer.weight", outer.output, stage, heads)
@@ -436,16 +441,19 @@ class _Builder:
         ``transformer_layer`` and ``final_layernorm`` (the checkpoint's
         ``shared_head.norm``); its embedding and head are the main ones (tied pieces)."""
         hid, present = self.model.hidden_size, ((Axis.PP, stage),)
+        block = self.model.family.mtp
+        if block is None:
+            return
         for j in range(self.model.mtp_layers):
             layer = self.model.num_layers + j
             mp, hp = f"{pre}mtp.layers.{j}.", f"model.layers.{layer}."
-            for own, leaf in (("enorm", "enorm"), ("hnorm", "hnorm")):
-                norm = ((hid,), _full(hp + leaf + ".weight", (hid,)))
+            for own, leaf in (("enorm", block.enorm), ("hnorm", block.hnorm)):
+                norm = ((hid,), _full(hp + leaf, (hid,)))
                 self.add(mp + own + ".weight", norm, Replicate(), present)
-            proj = ((hid, 2 * hid), _full(hp + "eh_proj.weight", (hid, 2 * hid)))
+            proj = ((hid, 2 * hid), _full(hp + block.eh_proj, (hid, 2 * hid)))
             self.add(mp + "eh_proj.weight", proj, Shard(dim=0), present)
             self.layer(mp + "transformer_layer.", layer, stage)
-            norm = ((hid,), _full(hp + "shared_head.norm.weight", (hid,)))
+            norm = ((hid,), _full(hp + block.head_norm, (hid,)))
             self.add(mp + "final_layernorm.weight", norm, Replicate(), present)
 
     def layer(self, mp: str, layer: int, stage: int) -> None:

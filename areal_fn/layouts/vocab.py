@@ -10,7 +10,6 @@ are pieces of padding in a layout, never checkpoint data.
 import functools
 
 from areal_fn.errors import SpecError
-from areal_fn.model.mtp import MTP_VOCAB
 from areal_fn.model.spec import ModelSpec
 from areal_fn.typecheck import beartype
 
@@ -45,5 +44,7 @@ def vocab_tensors(model: ModelSpec) -> frozenset[str]:
     the family's embedding and output layer (``Family.outer``) and each MTP layer's own
     embedding copy and head."""
     outer = model.family.outer
-    mtp = {f"model.layers.{i}.{leaf}" for i in model.mtp_layer_ids for leaf in MTP_VOCAB}
+    block = model.family.mtp
+    leaves = block.vocab if block is not None else ()
+    mtp = {f"model.layers.{i}.{leaf}" for i in model.mtp_layer_ids for leaf in leaves}
     return frozenset({outer.embedding, outer.output, *mtp})

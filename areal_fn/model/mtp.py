@@ -51,21 +51,19 @@ They are never dropped: a checkpoint that holds them is read by a spec with
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from areal_fn.errors import ConversionError, LayoutError
+from areal_fn.errors import ConversionError, LayoutError, SpecError
 from areal_fn.model.families.mapping import Dim, HfTensor, layer_tensors
+from areal_fn.model.families.serving import MtpBlock
 from areal_fn.model.tensor_spec import layer_of
 
 #: The config key giving the number of MTP layers.
 MTP_KEY = "num_nextn_predict_layers"
-#: An MTP layer's own vocabulary tensors (relative to the layer): its embedding copy and
-#: its head, ``[vocab, H]`` each.
-MTP_VOCAB = ("embed_tokens.weight", "shared_head.head.weight")
-
 Shapes = list[tuple[str, tuple[int, ...], str | None]]
 
 
 def mtp_shapes(
     table: tuple[HfTensor, ...],
+    block: MtpBlock | None,
     *,
     num_layers: int,
     mtp_layers: int,
@@ -76,21 +74,21 @@ def mtp_shapes(
     sizes: Mapping[Dim, int],
     num_experts: int,
 ) -> Shapes:
-    """The canonical ``(name, shape, dtype or None)`` of every MTP layer, in order."""
+    """The canonical ``(name, shape, dtype or None)`` of every MTP layer, in order
+    (``block``: the family's names of an MTP layer's own tensors)."""
+    if mtp_layers and block is None:
+        raise SpecError(f"mtp_layers={mtp_layers}: the family has no MTP block (Family.mtp)")
     out: Shapes = []
     for j in range(mtp_layers):
-        p = f"model.layers.{num_layers + j}."
+        p, b = f"model.layers.{num_layers + j}.", block or MtpBlock()
         out += [
-            (p + MTP_VOCAB[0], (vocab, hidden), None),
-            (p + "enorm.weight", (hidden,), None),
-            (p + "hnorm.weight", (hidden,), None),
-            (p + "eh_proj.weight", (hidden, 2 * hidden), None),
+            (p + b.embedding, (vocab, hidden), None),
+            (p + b.enorm, (hidden,), None),
+            (p + b.hnorm, (hidden,), None),
+            (p + b.eh_proj, (hidden, 2 * hidden), None),
         ]
         out += layer_tensors(table, p, moe=moe, flags=flags, sizes=sizes, num_experts=num_experts)
-        out += [
-            (p + "shared_head.norm.weight", (hidden,), None),
-            (p + MTP_VOCAB[1], (vocab, hidden), None),
-        ]
+        out += [(p + b.head_norm, (hidden,), None), (p + b.head, (vocab, hidden), None)]
     return out
 
 

@@ -444,6 +444,7 @@ def _canonical_shapes(spec: ModelSpec) -> list[tuple[str, tuple[int, ...], str |
         out.append((spec.family.outer.output, (spec.vocab_size, hid), None))
     return out + mtp_shapes(
         table,
+        spec.family.mtp,
         num_layers=spec.num_layers,
         mtp_layers=spec.mtp_layers,
         vocab=spec.vocab_size,

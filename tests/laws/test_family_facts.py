@@ -77,8 +77,6 @@ def test_no_module_outside_the_families_names_an_outer_tensor() -> None:
 LAYER_NAME_EXEMPT = {
     "layouts/vllm.py": "vLLM's fused qkv_proj / gate_up_proj and their parts",
     "model/lora.py": "the LoRA target module names PEFT users write",
-    "model/mtp.py": "the MTP layer's own tensors",
-    "layouts/megatron.py": "the MTP layer's own tensors in Megatron's MTP block",
 }
 
 

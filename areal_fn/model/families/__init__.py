@@ -17,7 +17,7 @@ import attrs
 
 from areal_fn.errors import SpecError
 from areal_fn.model.families.mapping import HfTensor, LayerKind, MegatronTensor
-from areal_fn.model.families.serving import OuterTensors, Serving
+from areal_fn.model.families.serving import MtpBlock, OuterTensors, Serving
 from areal_fn.typecheck import beartype
 
 #: How a config class switches sliding-window attention on (see :class:`Family`).
@@ -171,7 +171,8 @@ class Family:
       later layer MoE (DeepSeek/GLM's ``first_k_dense_replace``), or ``None`` when MoE
       layers follow ``decoder_sparse_step`` / ``mlp_only_layers``.
     - ``mtp``: the config may declare multi-token-prediction layers
-      (``num_nextn_predict_layers``, :mod:`areal_fn.model.mtp`).
+      (``num_nextn_predict_layers``, :mod:`areal_fn.model.mtp`), whose own tensors the
+      :class:`~areal_fn.model.families.serving.MtpBlock` names; ``None`` when it may not.
     - ``moe_keys``: ``(ModelSpec field, config key)`` of the routing fields the config
       gives (``("num_shared_experts", "n_shared_experts")``...).
     - ``mla``: multi-latent attention (DeepSeek-V3): the config gives ``q_lora_rank``,
@@ -251,7 +252,7 @@ class Family:
         default="", validator=attrs.validators.in_(("", "every_layer", "indexer_types"))
     )
     first_k_dense: str | None = None
-    mtp: bool = False
+    mtp: MtpBlock | None = None
     moe_keys: tuple[tuple[str, str], ...] = attrs.field(
         default=(), converter=lambda v: tuple((str(a), str(b)) for a, b in v)
     )

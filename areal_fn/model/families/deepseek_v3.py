@@ -39,6 +39,7 @@ from areal_fn.model.families.mapping import (
     HfTensor,
     MegatronTensor,
 )
+from areal_fn.model.families.serving import MtpBlock
 from areal_fn.model.families.tp_role import TpRole
 from areal_fn.sharding.placement import Replicate, Shard
 
@@ -159,7 +160,7 @@ FAMILY = Family(
     moe=True,
     mla=True,
     first_k_dense="first_k_dense_replace",
-    mtp=True,
+    mtp=MtpBlock(),
     key_sources=(("num_experts", "n_routed_experts"),),
     foreign_keys=DEEPSEEK_MOE_FOREIGN_KEYS,
     moe_keys=DEEPSEEK_MOE_KEYS,

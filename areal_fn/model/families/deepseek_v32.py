@@ -21,6 +21,7 @@ from areal_fn.model.families.glm4_moe import (
     DEEPSEEK_MOE_LAYER_HF,
 )
 from areal_fn.model.families.mapping import Dim, HfTensor
+from areal_fn.model.families.serving import MtpBlock
 
 
 def _indexer(name: str, *shape: Dim) -> HfTensor:
@@ -112,7 +113,7 @@ FAMILY = Family(
     mla=True,
     indexer="every_layer",
     first_k_dense="first_k_dense_replace",
-    mtp=True,
+    mtp=MtpBlock(),
     key_sources=(("num_experts", "n_routed_experts"),),
     foreign_keys=DEEPSEEK_MOE_FOREIGN_KEYS,
     moe_keys=DEEPSEEK_MOE_KEYS,

@@ -20,6 +20,7 @@ from areal_fn.model.families.glm4_moe import (
     DEEPSEEK_MOE_KEYS,
     DEEPSEEK_MOE_LAYER_HF,
 )
+from areal_fn.model.families.serving import MtpBlock
 
 _GLM_DEFAULTS = {
     "num_key_value_heads": 64,
@@ -45,7 +46,7 @@ FAMILY = Family(
     mla=True,
     indexer="indexer_types",
     first_k_dense="first_k_dense_replace",
-    mtp=True,
+    mtp=MtpBlock(),
     key_sources=(("num_experts", "n_routed_experts"),),
     foreign_keys=DEEPSEEK_MOE_FOREIGN_KEYS,
     moe_keys=DEEPSEEK_MOE_KEYS,

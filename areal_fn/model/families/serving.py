@@ -1,6 +1,7 @@
 """What a family says beyond its decoder-layer tables: the tensors outside the layers
-(:class:`OuterTensors`) and what its serving and building paths need (:class:`Serving`),
-two fields of :class:`~areal_fn.model.families.Family`.
+(:class:`OuterTensors`), a multi-token-prediction layer's own tensors (:class:`MtpBlock`)
+and what its serving and building paths need (:class:`Serving`), fields of
+:class:`~areal_fn.model.families.Family`.
 
 The specs, layouts, memory estimates, strategy rules, the vLLM layout and the Megatron
 builder read these fields; none of them names a ``model_type`` or these tensors.
@@ -58,3 +59,26 @@ class OuterTensors:
     def embedding_module(self) -> str:
         """The module holding :attr:`embedding` (its name without ``.weight``)."""
         return self.embedding.removesuffix(".weight")
+
+
+@attrs.frozen(kw_only=True)
+class MtpBlock:
+    """The checkpoint names, relative to the layer (``model.layers.{i}.``), of a
+    multi-token-prediction layer's own tensors around its decoder layer
+    (:mod:`areal_fn.model.mtp`): its copy of the token ``embedding`` ``[vocab, hidden]``,
+    the norms ``enorm`` and ``hnorm`` ``[hidden]`` of the next token's embedding and of
+    the previous depth's hidden state, ``eh_proj`` ``[hidden, 2 * hidden]`` over their
+    concatenation, then the ``head_norm`` ``[hidden]`` and the ``head`` ``[vocab, hidden]``.
+    The default is DeepSeek-V3's naming (GLM-4.5's too)."""
+
+    embedding: str = "embed_tokens.weight"
+    enorm: str = "enorm.weight"
+    hnorm: str = "hnorm.weight"
+    eh_proj: str = "eh_proj.weight"
+    head_norm: str = "shared_head.norm.weight"
+    head: str = "shared_head.head.weight"
+
+    @property
+    def vocab(self) -> tuple[str, str]:
+        """The block's vocabulary tensors: its embedding and its head."""
+        return (self.embedding, self.head)
