@@ -43,6 +43,7 @@ from areal_fn.errors import LayoutError
 from areal_fn.layouts.inference import inference_layout
 from areal_fn.layouts.layout import FusionPiece, Layout, LayoutKind, LogicalTensor
 from areal_fn.model.families import FAMILIES
+from areal_fn.model.families.serving import VllmFused
 from areal_fn.model.spec import ModelSpec, layer_of
 from areal_fn.sharding.box import Box
 from areal_fn.sharding.placement import Replicate, Shard
@@ -56,9 +57,6 @@ __all__ = ["VLLM_FAMILIES", "vllm_layout"]
 #: The ``model_type`` values whose vLLM parameters this layout describes
 #: (``Serving.vllm_layout`` of their families).
 VLLM_FAMILIES = tuple(n for n, f in FAMILIES.items() if f.serving.vllm_layout)
-
-_QKV = ("q_proj", "k_proj", "v_proj")
-_GATE_UP = ("gate_proj", "up_proj")
 
 
 @beartype
@@ -95,15 +93,15 @@ def vllm_layout(model: ModelSpec, dims: Strategy) -> Layout:
             fused.update(expert_names)
             tensors.extend(_stacked_experts(base, model, dims, layer))
             continue
-        parts = _fusion_group(name)
-        if parts is None:
+        group = _fusion_group(model, name)
+        if group is None:
             tensors.append(t)
             continue
-        prefix, kind, suffix = parts
-        names = [f"{prefix}{p}.{suffix}" for p in (_QKV if kind == "qkv_proj" else _GATE_UP)]
+        prefix, spec, suffix = group
+        names = [f"{prefix}{p}.{suffix}" for p in spec.parts]
         fused.update(names)
         tensors.append(
-            _fused(base, model, dims, names, f"{prefix}{kind}.{suffix}", kind == "qkv_proj")
+            _fused(base, model, dims, names, f"{prefix}{spec.module}.{suffix}", spec.qkv)
         )
     return Layout(
         kind=LayoutKind.INFERENCE,
@@ -113,16 +111,16 @@ def vllm_layout(model: ModelSpec, dims: Strategy) -> Layout:
     )
 
 
-def _fusion_group(name: str) -> tuple[str, str, str] | None:
-    """``(prefix, fused module, weight|bias)`` for a tensor vLLM fuses, else None."""
-    if layer_of(name) is None:
+def _fusion_group(model: ModelSpec, name: str) -> tuple[str, VllmFused, str] | None:
+    """``(layer prefix, fused module, weight|bias)`` for a tensor vLLM fuses, else None."""
+    layer = layer_of(name)
+    if layer is None:
         return None
-    module, _, suffix = name.rpartition(".")
-    prefix, _, leaf = module.rpartition(".")
-    if leaf in _QKV:
-        return f"{prefix}.", "qkv_proj", suffix
-    if leaf in _GATE_UP:
-        return f"{prefix}.", "gate_up_proj", suffix
+    prefix = f"model.layers.{layer}."
+    module, _, suffix = name.removeprefix(prefix).rpartition(".")
+    for spec in model.family.serving.vllm_fused:
+        if module in spec.parts:
+            return prefix, spec, suffix
     return None
 
 
@@ -178,14 +176,14 @@ def _fused(
     )
 
 
-_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
-
-
 def _experts(model: ModelSpec) -> dict[str, tuple[int, set[str]]]:
     """Each layer's first expert tensor -> (layer, every expert tensor of that layer)."""
+    ex = model.family.serving.vllm_experts
+    parts = [re.escape(m).replace(r"\{e\}", r"\d+") for m in (ex.gate, ex.up, ex.down)]
+    pattern = re.compile(rf"^model\.layers\.(\d+)\.(?:{'|'.join(parts)})\.weight$")
     by_layer: dict[int, list[str]] = {}
     for t in model.tensors:
-        m = _EXPERT.match(t.name)
+        m = pattern.match(t.name)
         if m is not None:
             by_layer.setdefault(int(m[1]), []).append(t.name)
     return {names[0]: (layer, set(names)) for layer, names in by_layer.items()}
@@ -195,27 +193,31 @@ def _stacked_experts(
     base: Layout, model: ModelSpec, dims: ParallelDims, layer: int
 ) -> list[LogicalTensor]:
     """``w13_weight [E, tp*2*Ir, H]`` (``Shard(1)``) and ``w2_weight [E, H, I]`` (``Shard(2)``)."""
-    tp, n = dims.tp, model.num_experts
-    prefix = f"model.layers.{layer}.mlp.experts"
-    gate = base.tensor(f"{prefix}.0.gate_proj.weight")
+    tp, n, ex = dims.tp, model.num_experts, model.family.serving.vllm_experts
+    prefix = f"model.layers.{layer}."
+
+    def canonical(module: str, e: int) -> str:
+        return f"{prefix}{module.format(e=e)}.weight"
+
+    gate = base.tensor(canonical(ex.gate, 0))
     inter, hidden = (c.shape for c in base.canonical if c.name == gate.name).__next__()
     ir = inter // tp
     w13: list[FusionPiece] = []
     w2: list[FusionPiece] = []
     for e in range(n):
         for r in range(tp):
-            for k, part in enumerate(("gate", "up")):
+            for k, part in enumerate((ex.gate, ex.up)):
                 at = r * 2 * ir + k * ir
                 w13.append(
                     FusionPiece(
-                        canonical=f"{prefix}.{e}.{part}_proj.weight",
+                        canonical=canonical(part, e),
                         canonical_box=Box(ranges=((r * ir, (r + 1) * ir), (0, hidden))),
                         logical_box=Box(ranges=((e, e + 1), (at, at + ir), (0, hidden))),
                     )
                 )
         w2.append(
             FusionPiece(
-                canonical=f"{prefix}.{e}.down_proj.weight",
+                canonical=canonical(ex.down, e),
                 canonical_box=Box(ranges=((0, hidden), (0, inter))),
                 logical_box=Box(ranges=((e, e + 1), (0, hidden), (0, inter))),
             )
@@ -223,7 +225,7 @@ def _stacked_experts(
     mesh = gate.sharding.mesh
     return [
         LogicalTensor(
-            name=f"{prefix}.routed_experts.w13_weight",
+            name=prefix + ex.w13,
             shape=(n, 2 * inter, hidden),
             dtype=gate.dtype,
             fusion=tuple(w13),
@@ -231,7 +233,7 @@ def _stacked_experts(
             present=gate.present,
         ),
         LogicalTensor(
-            name=f"{prefix}.routed_experts.w2_weight",
+            name=prefix + ex.w2,
             shape=(n, hidden, inter),
             dtype=gate.dtype,
             fusion=tuple(w2),

@@ -75,7 +75,6 @@ def test_no_module_outside_the_families_names_an_outer_tensor() -> None:
 
 #: Modules that still name decoder-layer tensors or modules of the tables, each with why.
 LAYER_NAME_EXEMPT = {
-    "layouts/vllm.py": "vLLM's fused qkv_proj / gate_up_proj and their parts",
     "model/lora.py": "the LoRA target module names PEFT users write",
 }
 

@@ -30,16 +30,63 @@ def _refusals(value: Iterable[TiedRefusal]) -> tuple[TiedRefusal, ...]:
     return tuple(value)
 
 
+def _strs(value: Iterable[str]) -> tuple[str, ...]:
+    return tuple(value)
+
+
+@attrs.frozen(kw_only=True)
+class VllmFused:
+    """One of vLLM's fused column-parallel modules: ``module`` (relative to the layer)
+    holds, on each ``tp`` rank, that rank's rows of each of ``parts`` in order (their
+    ``.weight`` and ``.bias`` alike); ``qkv``: the parts are q, k, v, whose KV heads vLLM
+    replicates when ``tp`` exceeds them (``QKVParallelLinear``)."""
+
+    module: str
+    parts: tuple[str, ...] = attrs.field(converter=_strs)
+    qkv: bool = False
+
+
+def _fused(value: Iterable[VllmFused]) -> tuple[VllmFused, ...]:
+    return tuple(value)
+
+
+@attrs.frozen(kw_only=True)
+class VllmExperts:
+    """vLLM's ``FusedMoE``: the per-expert ``gate``, ``up`` and ``down`` projections
+    (modules relative to the layer, ``{e}`` the expert) stacked into ``w13`` and ``w2``."""
+
+    gate: str = "mlp.experts.{e}.gate_proj"
+    up: str = "mlp.experts.{e}.up_proj"
+    down: str = "mlp.experts.{e}.down_proj"
+    w13: str = "mlp.experts.routed_experts.w13_weight"
+    w2: str = "mlp.experts.routed_experts.w2_weight"
+
+
+#: vLLM's fused modules of a Llama-named decoder layer.
+LLAMA_VLLM_FUSED = (
+    VllmFused(
+        module="self_attn.qkv_proj",
+        parts=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        qkv=True,
+    ),
+    VllmFused(module="mlp.gate_up_proj", parts=("mlp.gate_proj", "mlp.up_proj")),
+)
+
+
 @attrs.frozen(kw_only=True)
 class Serving:
     """- ``vllm_layout``: :func:`~areal_fn.layouts.vllm.vllm_layout` describes vLLM's own
-      fused parameters for the family (proven against vLLM's model classes);
+      fused parameters for the family (proven against vLLM's model classes): the fused
+      modules ``vllm_fused`` and the routed experts ``vllm_experts`` (Llama's and
+      Qwen3-MoE's naming by default);
     - ``megatron_yarn``: the Megatron builder gives ``GPTModel`` the family's yarn rope
       (logits parity with transformers proven for it);
     - ``tied_refusals``: engines that cannot serve the family's tied models.
     """
 
     vllm_layout: bool = False
+    vllm_fused: tuple[VllmFused, ...] = attrs.field(default=LLAMA_VLLM_FUSED, converter=_fused)
+    vllm_experts: VllmExperts = attrs.field(factory=VllmExperts)
     megatron_yarn: bool = False
     tied_refusals: tuple[TiedRefusal, ...] = attrs.field(default=(), converter=_refusals)
 
