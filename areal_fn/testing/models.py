@@ -75,8 +75,8 @@ def hf_configs(
         "intermediate_size": draw(st.integers(1, 16)),
         "num_hidden_layers": layers,
         "num_attention_heads": heads,
-        # OLMo 3's embedding pads token 1 (pad_token_id's default): two tokens at least
-        "vocab_size": draw(st.integers(2 if name == "olmo3" else 1, 64)),
+        # two tokens at least: OLMo's embeddings pad token 1 (pad_token_id's default)
+        "vocab_size": draw(st.integers(2, 64)),
     }
     kv_default = (
         fam.default("num_key_value_heads") if fam.has_default("num_key_value_heads") else None

@@ -283,45 +283,19 @@ class Family:
 
 
 def _registry() -> dict[str, Family]:
-    from areal_fn.model.families import (
-        deepseek_v3,
-        deepseek_v32,
-        gemma3_text,
-        glm4_moe,
-        glm_moe_dsa,
-        gpt_oss,
-        llama,
-        minimax_m2,
-        mistral,
-        mixtral,
-        olmo3,
-        qwen2,
-        qwen3,
-        qwen3_5,
-        qwen3_moe,
-        qwen3_next,
-    )
+    """Every :class:`Family` that a module of this package holds at top level (its
+    ``FAMILY``, and any other, e.g. ``qwen3_5.MOE_FAMILY``): adding a family is adding
+    its module."""
+    import importlib
+    import pkgutil
 
-    fams = (
-        deepseek_v3.FAMILY,
-        deepseek_v32.FAMILY,
-        gemma3_text.FAMILY,
-        glm4_moe.FAMILY,
-        glm_moe_dsa.FAMILY,
-        gpt_oss.FAMILY,
-        llama.FAMILY,
-        minimax_m2.FAMILY,
-        mistral.FAMILY,
-        mixtral.FAMILY,
-        olmo3.FAMILY,
-        qwen2.FAMILY,
-        qwen3.FAMILY,
-        qwen3_5.FAMILY,
-        qwen3_5.MOE_FAMILY,
-        qwen3_moe.FAMILY,
-        qwen3_next.FAMILY,
-    )
-    return {f.model_type: f for f in sorted(fams, key=lambda f: f.model_type)}
+    fams: dict[str, Family] = {}
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        for value in vars(module).values():
+            if isinstance(value, Family):
+                fams.setdefault(value.model_type, value)
+    return dict(sorted(fams.items()))
 
 
 #: ``model_type`` values of published configs that transformers has no class for, and the
