@@ -222,6 +222,7 @@ CONFIGS["gpt_oss"] = {
 }
 #: the families with per-layer attention kinds (layer_type_configs), a 3-token window
 CONFIGS["olmo3"] = layer_type_configs.olmo3(3)
+CONFIGS["olmo2"] = layer_type_configs.olmo2()
 CONFIGS["gemma3_text"] = layer_type_configs.gemma3_text(3)
 CONFIGS["minimax_m2"] = layer_type_configs.minimax_m2()
 #: the gated-delta-net families (gated_delta_configs): FSDP2 without TP
@@ -260,6 +261,7 @@ LAYOUT_CASES: tuple[tuple[str, str], ...] = (
     ("gpt_oss", "d4"),
     ("gpt_oss", "d2t2"),
     ("olmo3", "d4"),  # no TP: its q/k norms span every head (fsdp2_layout refuses t2)
+    ("olmo2", "hsdp2x2"),  # no TP, as olmo3
     ("gemma3_text", "d4"),
     ("gemma3_text", "d2t2"),
     ("minimax_m2", "d4"),  # no TP: q/k norms over the whole projections, as olmo3

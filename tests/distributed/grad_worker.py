@@ -229,6 +229,7 @@ CONFIGS["gpt_oss"] = {
 #: the families with per-layer attention kinds (layer_type_configs): a 5-token window,
 #: shorter than SEQ
 CONFIGS["olmo3"] = layer_type_configs.olmo3(5)
+CONFIGS["olmo2"] = layer_type_configs.olmo2()
 CONFIGS["gemma3_text"] = layer_type_configs.gemma3_text(5)
 CONFIGS["minimax_m2"] = layer_type_configs.minimax_m2()
 #: the gated-delta-net families: linear-attention layers with gated full attention
@@ -317,6 +318,7 @@ CASES: tuple[tuple[str, str], ...] = (
     ("gpt_oss", "megatron:d2p2"),
     ("olmo3", "fsdp:d4"),
     ("olmo3", "fsdp:d2c2"),  # Ulysses: sliding windows over the gathered sequence
+    ("olmo2", "fsdp:d2c2"),  # Ulysses: q/k norms over the whole projection per token
     ("gemma3_text", "fsdp:d2t2"),
     ("gemma3_text", "fsdp:t2c2"),
     ("minimax_m2", "fsdp:d4"),

@@ -30,6 +30,23 @@ def olmo3(window: int) -> dict[str, object]:
     }
 
 
+def olmo2() -> dict[str, object]:
+    """OLMo 2: OLMo 3's layer (post-norms, whole-projection q/k norms) with full attention
+    in every layer and plain rope."""
+    return {
+        "model_type": "olmo2",
+        "hidden_size": 16,
+        "intermediate_size": 24,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 52,
+        "attention_bias": True,
+        "max_position_embeddings": 256,
+        "torch_dtype": "float32",
+    }
+
+
 def gemma3_text(window: int) -> dict[str, object]:
     return {
         "model_type": "gemma3_text",

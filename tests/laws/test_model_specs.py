@@ -57,6 +57,9 @@ PUBLISHED = {
     "Qwen3.5-35B-A3B": (35.0, None),
     # MiniMax's model card: "230 billion total parameters" (ours 228.7B)
     "MiniMax-M2": (230.0, None),
+    # the Hugging Face pages' safetensors counts: 13.7B and 1.48B
+    "OLMo-2-1124-13B": (13.7, None),
+    "OLMo-2-0425-1B": (1.48, None),
 }
 
 #: Wider bands where the vendor's figure counts differently: Z.ai's 355B / 106B round

@@ -258,6 +258,14 @@ CASES = {
         torch_dtype="bfloat16",
     ),
     "olmo3": _cfg("olmo3", num_hidden_layers=5, sliding_window=3),
+    "olmo2": _cfg("olmo2", num_hidden_layers=3),
+    "olmo2-bias-tied-bf16": _cfg(
+        "olmo2",
+        num_hidden_layers=2,
+        attention_bias=True,
+        tie_word_embeddings=True,
+        torch_dtype="bfloat16",
+    ),
     "olmo3-bias-tied-yarn-bf16": _cfg(
         "olmo3",
         num_hidden_layers=2,
