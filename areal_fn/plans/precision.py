@@ -53,8 +53,11 @@ def engine_policy(policy: PrecisionPolicy, backend: Backend) -> PrecisionPolicy:
     unchanged: ``PrecisionPolicy.bf16_mixed()`` is counted as
     ``PrecisionPolicy.fp32_params_bf16_compute()`` (16 B per parameter element, not 18),
     ``PrecisionPolicy.fp16_mixed()`` as ``PrecisionPolicy.fp32_params_fp16_compute()``.
-    ``MegatronEngine`` runs Megatron's layouts (16-bit parameters beside fp32 master
-    weights): every policy is counted for it as given.
+    A megatron component is counted as given: Megatron-Core's mixed precision keeps
+    16-bit parameters beside fp32 main gradients, master weights and Adam states.
+    ``MegatronEngine`` runs the fp16 form (``PrecisionPolicy.fp16_mixed()``) and fp32;
+    the bf16 form is what Megatron-Core's own ``DistributedOptimizer`` keeps on a GPU,
+    which ``MegatronEngine`` does not build on the CPU.
     """
     if backend is Backend.FSDP:
         return attrs.evolve(
