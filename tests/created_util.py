@@ -70,6 +70,10 @@ def fsdp2_step_state(
         states = [t for s in engine.optimizer.state.values() for t in s.values()]
         if engine.scaler is not None:  # the scale and the growth tracker
             states += [engine.scaler._scale, engine.scaler._growth]
-        return _nbytes(params), _nbytes(p.grad for p in params), _nbytes(states)
+        return (
+            _nbytes(params),
+            _nbytes(p.grad for p in params if p.grad is not None),
+            _nbytes(states),
+        )
     finally:
         dist.destroy_process_group()

@@ -57,6 +57,22 @@ def test_fsdp_memory_is_the_state_the_engine_holds(
     assert dtypes >= {getattr(torch, compute), torch.float32}
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_fsdp_lora_memory_is_the_state_the_engine_holds(
+    capsys: pytest.CaptureFixture[str], precision: str
+) -> None:
+    """LoRA: the frozen base in fp32 (weights only), the adapters trained by AdamW."""
+    from areal_fn.model.lora import LoraConfig, default_targets
+
+    argv = ["plan", "demo", "fsdp:d1", "--precision", precision, "--lora-rank", "4", "--json"]
+    doc = json.loads(_out(capsys, argv))
+    (row,) = doc["components"][0]["memory"]["per_rank"]
+    spec = model_from_hf_config(DEMO_CONFIG)
+    lora = LoraConfig(rank=4, target_modules=default_targets(spec))
+    state = fsdp2_step_state(spec, _IDS, lora=lora, **_RUNS[precision])
+    assert (row["params"], row["grads"], row["optimizer"]) == state
+
+
 def test_the_policy_is_printed_and_in_the_json(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["plan", "demo", "fsdp:d2+megatron:t2", "--precision", "fp16"]
     lines = [ln for ln in _out(capsys, argv).splitlines() if ln.startswith("precision")]
