@@ -1,8 +1,10 @@
 """Memory estimates for the published models under a few strategies, and the advisor's picks.
 
 For every config in ``specs/models``: the busiest rank's memory (GiB) under a few
-FSDP2 and Megatron strategies (bf16 weights, fp32 gradients, fp32 master weights and
-Adam states; one 4,096-token sequence per micro-batch with full recompute), then
+FSDP2 and Megatron strategies under ``--precision bf16`` as each engine runs it (Megatron:
+bf16 weights, fp32 gradients, fp32 master weights and Adam states; FSDP2: fp32 sharded
+weights, gradients and Adam states, bf16 compute; one 4,096-token sequence per
+micro-batch with full recompute), then
 :func:`areal_fn.plans.advisor.suggest_strategy`'s top three on 8 and on 64 devices of
 80 GiB. Megatron stages: the even split, or when ``pp`` does not divide the layers the
 first stages one layer longer. The tables in ``docs/memory.md`` are this output.
@@ -18,6 +20,7 @@ from areal_fn.pipeline.partition import split_evenly
 from areal_fn.plans.advisor import suggest_strategy
 from areal_fn.plans.advisor.census import fsdp2_census, megatron_census
 from areal_fn.plans.memory import GIB, ActivationModel, PrecisionPolicy, estimate_memory
+from areal_fn.plans.precision import engine_policy
 from areal_fn.strategy.allocation import Backend
 from areal_fn.strategy.parse import parse_allocation
 
@@ -51,7 +54,8 @@ def _peak_row(model: ModelSpec, allocation: str) -> str:
         census = megatron_census(model, dims, stages=stages)
     else:
         census = megatron_census(model, dims)
-    report = estimate_memory(census, POLICY, activation=ACTIVATION, model=model, dims=dims)
+    policy = engine_policy(POLICY, comp.backend)  # what its engine runs
+    report = estimate_memory(census, policy, activation=ACTIVATION, model=model, dims=dims)
     r = report.max_rank
     cells = (r.params, r.grads, r.optimizer, r.activations, r.buffers, r.total)
     fits = "yes" if r.total <= 0.9 * DEVICE else "no"
@@ -97,7 +101,8 @@ def tables() -> str:
 
 
 def run() -> None:
-    print(f"Policy: {POLICY}. Activations: {ACTIVATION}.")
+    print(f"Policy: {POLICY} (FSDP2: {engine_policy(POLICY, Backend.FSDP)}).")
+    print(f"Activations: {ACTIVATION}.")
     print("Memory columns are the busiest rank's GiB (params, grads, optim exact; activ and")
     print("buffers estimated).")
     print()

@@ -42,15 +42,31 @@ def named_policy(name: str) -> PrecisionPolicy:
 def engine_policy(policy: PrecisionPolicy, backend: Backend) -> PrecisionPolicy:
     """The policy an engine of ``backend`` runs for ``policy``.
 
-    FSDP2 runs fp16 with fp32 sharded parameters (they are AdamW's weights) and fp16
-    compute under autocast, and refuses fp16 parameters (with fp32 masters that is
-    Megatron's layout): for FSDP a policy with fp16 parameters becomes fp32 parameters
-    without a master copy, the rest (compute, gradients, optimizer states, loss scale)
-    unchanged, which for ``PrecisionPolicy.fp16_mixed()`` is
-    ``PrecisionPolicy.fp32_params_fp16_compute()``. Every other policy is counted as given.
+    ``Fsdp2Engine`` keeps its sharded parameters in fp32: they are AdamW's weights (no
+    master copy), their gradients are fp32 (FSDP2 casts a reduced gradient to the
+    sharded parameter's dtype) and so are AdamW's moments (torch AdamW keeps them in the
+    parameter's dtype). It computes in 16 bits by other means: bf16 through FSDP2's
+    mixed precision (``Fsdp2RunOptions(param_dtype="bfloat16", reduce_dtype="float32")``:
+    the unsharded bf16 copies exist only in flight), fp16 under ``torch.autocast`` with
+    a loss scale. So for FSDP every policy becomes fp32 parameters, gradients and
+    optimizer states with no master copy, its compute dtype, optimizer and loss scale
+    unchanged: ``PrecisionPolicy.bf16_mixed()`` is counted as
+    ``PrecisionPolicy.fp32_params_bf16_compute()`` (16 B per parameter element, not 18),
+    ``PrecisionPolicy.fp16_mixed()`` as ``PrecisionPolicy.fp32_params_fp16_compute()``.
+    A megatron component is counted as given: Megatron-Core's mixed precision keeps
+    16-bit parameters beside fp32 main gradients, master weights and Adam states.
+    ``MegatronEngine`` runs the fp16 form (``PrecisionPolicy.fp16_mixed()``) and fp32;
+    the bf16 form is what Megatron-Core's own ``DistributedOptimizer`` keeps on a GPU,
+    which ``MegatronEngine`` does not build on the CPU.
     """
-    if backend is Backend.FSDP and policy.param_dtype == "float16":
-        return attrs.evolve(policy, param_dtype="float32", master_weights=False)
+    if backend is Backend.FSDP:
+        return attrs.evolve(
+            policy,
+            param_dtype="float32",
+            grad_dtype="float32",
+            master_weights=False,
+            state_dtype="float32",
+        )
     return policy
 
 

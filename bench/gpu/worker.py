@@ -27,6 +27,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from bench.gpu.engines import ENGINE_CHECKS, Ctx  # noqa: E402
+from bench.gpu.megatron_fp8 import PARITY_CHECKS  # noqa: E402
 from bench.gpu.megatron_native import megatron_dist_optimizer  # noqa: E402
 from bench.gpu.plan import skip_reason  # noqa: E402
 from bench.gpu.report import CheckResult, report_json  # noqa: E402
@@ -35,6 +36,7 @@ from bench.gpu.transfer import TRANSFER_CHECKS  # noqa: E402
 RUNNERS: dict[str, Callable[[Ctx], CheckResult]] = {
     **ENGINE_CHECKS,
     "megatron_dist_optimizer": megatron_dist_optimizer,
+    **PARITY_CHECKS,
     **TRANSFER_CHECKS,
 }
 

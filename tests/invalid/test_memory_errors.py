@@ -8,6 +8,7 @@ import pytest
 from areal_fn.errors import LayoutError, PlanError, SpecError
 from areal_fn.layouts.inference import inference_layout
 from areal_fn.layouts.megatron import megatron_layout
+from areal_fn.model.demo import DEMO_CONFIG
 from areal_fn.model.spec import ModelSpec, model_from_hf_config
 from areal_fn.plans.advisor import Hardware, suggest_strategy
 from areal_fn.plans.advisor.census import Census, TensorGroup, fsdp2_census, megatron_census
@@ -19,7 +20,9 @@ from areal_fn.plans.memory import (
     RankMemory,
     estimate_memory,
     estimate_rows,
+    float8_copies,
     local_param_bytes,
+    with_float8,
 )
 from areal_fn.sharding.mesh import Mesh
 from areal_fn.sharding.placement import Replicate, Shard
@@ -235,10 +238,38 @@ CASES = [
         r"'deepep'\)",
     ),
     (
+        "float8 recipe torchao lacks",
+        lambda: float8_copies(spec("Qwen2.5-0.5B"), "blockwise"),
+        r"^float8 recipe 'blockwise' is not one of torchao's; use one of \('tensorwise', "
+        r"'rowwise', 'rowwise_with_gw_hp'\)$",
+    ),
+    (
+        "float8 negative tokens",
+        lambda: float8_copies(spec("Qwen2.5-0.5B"), "rowwise", tokens=-1),
+        r"^float8_copies: tokens=-1 must be >= 0 \(0: weight copies only\)$",
+    ),
+    (
+        "float8 on a model with no linear layer it converts",
+        lambda: float8_copies(
+            model_from_hf_config({**DEMO_CONFIG, "hidden_size": 40, "intermediate_size": 72}),
+            "tensorwise",
+        ),
+        r"^float8 recipe 'tensorwise': qwen2 has no linear layer float8 training converts \(every "
+        r"nn.Linear but lm_head whose sizes are multiples of 16\); drop it$",
+    ),
+    (
+        "float8 copies added to a megatron report",
+        lambda: with_float8(
+            estimate_memory(small_layout()), float8_copies(spec("Qwen2.5-0.5B"), "rowwise")
+        ),
+        r"^with_float8: float8 training runs in the FSDP2 engine, not in a megatron layout; "
+        r"pass the report of an fsdp2 layout$",
+    ),
+    (
         "nothing fits",
         lambda: suggest_strategy(spec("Llama-3.1-70B"), 8, 80 * GIB),
         r"no strategy for this llama model \(70.6B params\) on 8 devices of 80.0 GiB fits: "
-        r"tried 26 \(fsdp 4, megatron 22\); the smallest peak is 149.0 GiB \(fsdp:d1t8\); "
+        r"tried 26 \(fsdp 4, megatron 22\); the smallest peak is 132.6 GiB \(fsdp:d1t8\); "
         r".*; use more devices, a lighter policy \(PrecisionPolicy.bf16_pure\(\)\), "
         r"optimizer_offload=True or LoRA \(lora=LoraConfig\(...\)\)$",
     ),

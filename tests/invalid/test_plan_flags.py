@@ -24,8 +24,39 @@ LIMIT = (
 )
 SUGGEST = ["--suggest", "8", "--device-memory", "80GB"]
 
+FLOAT8 = r"--float8-recipe rowwise counts torchao's float8 training, which runs in the FSDP2 engine"
+
 #: (argv after ``plan``, the message after ``areal-fn: error: ``)
 REFUSED = [
+    (
+        ["demo", "fsdp:d2t2", "--float8-recipe", "rowwise"],
+        FLOAT8 + r"; with tp=2 \(fsdp:d2t2\) it needs torchao's float8 TP styles, which the "
+        r"engine's TP plan does not use: use t1, or drop --float8-recipe rowwise$",
+    ),
+    (
+        ["demo", "fsdp:d2+megatron:d2", "--float8-recipe", "rowwise"],
+        FLOAT8 + r"; megatron:d2 is megatron, whose engine refuses every fp8_recipe \(Transformer "
+        r"Engine's FP8 needs its layer spec and an FP8 GPU\): plan fsdp components only, or "
+        r"drop --float8-recipe rowwise$",
+    ),
+    (
+        ["demo", "vllm:t2", "--float8-recipe", "rowwise"],
+        FLOAT8 + r"; vllm:d1t2 has no fsdp component: drop --float8-recipe rowwise$",
+    ),
+    (
+        ["demo", "fsdp:d2", "--float8-recipe", "rowwise", "--lora-rank", "4"],
+        FLOAT8 + r" over plain fp32 linear layers, not with LoRA adapters \(--lora-rank\): drop "
+        r"one of them$",
+    ),
+    (
+        ["demo", "fsdp:d2", "--float8-recipe", "rowwise", "--precision", "bf16"],
+        FLOAT8 + r" over plain fp32 linear layers \(fp32 parameters, gradients and Adam states\), "
+        r"not under --precision bf16: drop --precision \(fp32 is counted\)$",
+    ),
+    (
+        ["demo", *SUGGEST, "--float8-recipe", "rowwise"],
+        r"--float8-recipe applies to plan of an ALLOCATION; --suggest does not use it: drop it$",
+    ),
     (
         ["Qwen3-8B", "--suggest", "1000000000000000000000", "--device-memory", "80GB"],
         r"--suggest 1000000000000000000000 asks for 1000000000000000000000 " + LIMIT,

@@ -23,6 +23,7 @@ from areal_fn.model.spec import ModelSpec, model_from_hf_config
 from areal_fn.plans.advisor import Hardware, Suggestion, suggest_strategy
 from areal_fn.plans.advisor.score import EP_DISPATCHES, ep_token_copies
 from areal_fn.plans.memory import GIB, ActivationModel, PrecisionPolicy, estimate_memory
+from areal_fn.plans.precision import engine_policy
 from areal_fn.strategy.allocation import Backend
 from areal_fn.strategy.parse import parse_allocation
 from tools.golden import layout_for
@@ -111,7 +112,7 @@ def test_suggested_memory_equals_the_report_of_the_real_layout(name, n):
         checked += 1
         report = estimate_memory(
             layout_for(model, component),
-            PrecisionPolicy.bf16_mixed(),
+            engine_policy(PrecisionPolicy.bf16_mixed(), s.backend),  # what its engine runs
             activation=ActivationModel(micro_batch_size=1, seq_len=4096, recompute=True),
             model=model,
             dims=s.dims,

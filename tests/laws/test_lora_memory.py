@@ -116,9 +116,11 @@ def test_advisor_suggests_lora_where_full_training_does_not_fit() -> None:
         assert row.grads == 4 * lora_n
         # Megatron fuses q/k/v and gate/up: 8 adapter tensors a layer (Adam's step each), not 14
         tensors = lora_t if s.backend is Backend.FSDP else lora_t * 8 // 14
-        assert row.optimizer == 12 * lora_n + 4 * tensors
-        if s.backend is Backend.FSDP:
-            assert row.params == 2 * base_n + 2 * lora_n
+        if s.backend is Backend.FSDP:  # fp32 sharded parameters, AdamW on them: no master
+            assert row.optimizer == 8 * lora_n + 4 * tensors
+            assert row.params == 4 * base_n + 4 * lora_n
+        else:  # bf16 parameters, fp32 master weights and Adam states
+            assert row.optimizer == 12 * lora_n + 4 * tensors
 
 
 def test_moe_megatron_tp_adapters_per_rank_from_the_shapes() -> None:

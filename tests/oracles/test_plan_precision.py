@@ -1,8 +1,9 @@
 """``areal-fn plan --precision``: the policy each training component is counted under,
-printed and in the JSON; its bytes against the same state built in torch (a transformers
-model in the policy's dtypes, its gradients, ``torch.optim.AdamW``'s state after a step
-and ``torch.amp.GradScaler``'s after an update); the advisor sizes each backend under a
-policy its engine runs (the engines' own checks accept it)."""
+printed and in the JSON; its bytes against what ``Fsdp2Engine`` holds on ``fsdp:d1``
+after one step run as each policy runs there (fp32; bf16 through FSDP2's mixed precision;
+fp16 under autocast with its loss scale): parameters, gradients, ``torch.optim.AdamW``'s
+states and the loss scale's tensors; the advisor sizes each backend under a policy its
+engine runs (the engines' own checks accept it)."""
 
 import json
 
@@ -16,9 +17,10 @@ from areal_fn.model.embedded import resolve_config
 from areal_fn.model.spec import model_from_hf_config
 from areal_fn.plans.advisor import suggest_strategy
 from areal_fn.plans.memory import PrecisionPolicy
-from areal_fn.runtime.engines.fsdp2 import build_hf_model
+from areal_fn.runtime.engines.fsdp2_apply import Fsdp2RunOptions
 from areal_fn.runtime.engines.precision import fsdp2_loss_scale, megatron_loss_scale
 from areal_fn.strategy.allocation import Backend
+from tests.created_util import Created, fsdp2_step_state
 
 
 def _out(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
@@ -26,49 +28,49 @@ def _out(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
     return capsys.readouterr().out
 
 
-def _nbytes(tensors: object) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)  # type: ignore[attr-defined]
+#: How Fsdp2Engine runs each ``--precision`` (engine_policy's docstring says the same).
+_RUNS: dict[str, dict[str, object]] = {
+    "fp32": {},
+    "bf16": {"run_options": Fsdp2RunOptions(param_dtype="bfloat16", reduce_dtype="float32")},
+    "fp16": {"precision": PrecisionPolicy.fp32_params_fp16_compute()},
+}
 
 
-def _torch_state(precision: str) -> tuple[int, int, int]:
-    """(params, grads, optimizer) bytes of the demo model trained one step in torch as a
-    single FSDP2 rank runs ``precision``: fp32 and fp16 (autocast, a GradScaler) keep fp32
-    parameters; bf16 keeps bf16 parameters beside fp32 master copies that AdamW steps."""
-    model = build_hf_model(model_from_hf_config(DEMO_CONFIG), seed=0)
-    ids = torch.randint(0, 100, (1, 8), generator=torch.Generator().manual_seed(0))
-    params = list(model.parameters())
-    if precision == "bf16":
-        masters = [p.detach().clone().requires_grad_(True) for p in params]
-        model = model.bfloat16()
-        params = list(model.parameters())
-    scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")
-    with torch.autocast("cpu", dtype=torch.float16, enabled=precision == "fp16"):
-        loss = model(ids, labels=ids).loss
-    scaler.scale(loss).backward()
-    if precision == "bf16":
-        for m, p in zip(masters, params, strict=True):
-            m.grad = p.grad.float()  # type: ignore[union-attr]
-        trained = masters
-    else:
-        trained = params
-    optim = torch.optim.AdamW(trained)
-    scaler.step(optim)
-    scaler.update()
-    states = [t for s in optim.state.values() for t in s.values()]
-    extra = _nbytes(masters) if precision == "bf16" else 0
-    if precision == "fp16":  # the scale and the growth tracker
-        extra += _nbytes([scaler._scale, scaler._growth_tracker])  # type: ignore[list-item]
-    grads = _nbytes(m.grad for m in trained)  # type: ignore[misc]
-    return _nbytes(params), grads, _nbytes(states) + extra
+_IDS = torch.randint(0, 100, (1, 8), generator=torch.Generator().manual_seed(0))
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
-def test_fsdp_memory_is_the_state_torch_builds(
+def test_fsdp_memory_is_the_state_the_engine_holds(
     capsys: pytest.CaptureFixture[str], precision: str
 ) -> None:
     doc = json.loads(_out(capsys, ["plan", "demo", "fsdp:d1", "--precision", precision, "--json"]))
     (row,) = doc["components"][0]["memory"]["per_rank"]
-    assert (row["params"], row["grads"], row["optimizer"]) == _torch_state(precision)
+    spec = model_from_hf_config(DEMO_CONFIG)
+    shapes = {t.shape for t in spec.tensors if len(t.shape) == 2}
+    made = Created(lambda t: tuple(t.shape) in shapes)  # weight-shaped tensors
+    state = fsdp2_step_state(spec, _IDS, [made], **_RUNS[precision])
+    dtypes = {dtype for dtype, _ in made.seen}
+    assert (row["params"], row["grads"], row["optimizer"]) == state
+    # the weights were computed with in the compute dtype counted (bf16: FSDP2's
+    # unsharded copies; fp16: autocast's casts), beside the fp32 parameters
+    compute = doc["components"][0]["memory"]["precision"]["compute_dtype"]
+    assert dtypes >= {getattr(torch, compute), torch.float32}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_fsdp_lora_memory_is_the_state_the_engine_holds(
+    capsys: pytest.CaptureFixture[str], precision: str
+) -> None:
+    """LoRA: the frozen base in fp32 (weights only), the adapters trained by AdamW."""
+    from areal_fn.model.lora import LoraConfig, default_targets
+
+    argv = ["plan", "demo", "fsdp:d1", "--precision", precision, "--lora-rank", "4", "--json"]
+    doc = json.loads(_out(capsys, argv))
+    (row,) = doc["components"][0]["memory"]["per_rank"]
+    spec = model_from_hf_config(DEMO_CONFIG)
+    lora = LoraConfig(rank=4, target_modules=default_targets(spec))
+    state = fsdp2_step_state(spec, _IDS, lora=lora, **_RUNS[precision])
+    assert (row["params"], row["grads"], row["optimizer"]) == state
 
 
 def test_the_policy_is_printed_and_in_the_json(capsys: pytest.CaptureFixture[str]) -> None:
@@ -78,8 +80,9 @@ def test_the_policy_is_printed_and_in_the_json(capsys: pytest.CaptureFixture[str
         "precision (--precision fp16): params float32, compute float16, grads (reduced) "
         "float32, no master copy, adam states float32: 16 B per parameter element; dynamic "
         "loss scale from 65536 (x2 after 2000 good steps, x0.5 on an overflow, the step "
-        "skipped), 8 B per rank; FSDP2 runs fp16 with fp32 sharded parameters (the "
-        "optimizer's weights)",
+        "skipped), 8 B per rank; FSDP2 keeps fp32 sharded parameters, gradients and Adam "
+        "states (the optimizer's weights, no master copy) and computes in float16 under "
+        "torch.autocast with the loss scale",
         "precision (--precision fp16): params float16, compute float16, grads (reduced) "
         "float32, float32 master weights, adam states float32: 18 B per parameter element; "
         "dynamic loss scale from 65536 (x2 after 2000 good steps, x0.5 on an overflow, the "

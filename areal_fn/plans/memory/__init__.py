@@ -6,7 +6,9 @@
   activations and FSDP2 buffers;
 - :mod:`~areal_fn.plans.memory.lora`: :func:`estimate_lora_memory` (a frozen base,
   trained adapters);
-- :mod:`~areal_fn.plans.memory.kv_cache`: an inference engine's KV cache per rank.
+- :mod:`~areal_fn.plans.memory.kv_cache`: an inference engine's KV cache per rank;
+- :mod:`~areal_fn.plans.memory.float8`: :func:`float8_copies`, the FP8 copies torchao's
+  float8 training creates in a step (:func:`with_float8` adds them to a report).
 
 This module is the package's face: the names above import from it, as they imported
 from the flat modules it replaces (``plans.memory``, ``plans.activations``,
@@ -26,6 +28,11 @@ from areal_fn.plans.memory.estimate import estimate_rows as estimate_rows
 from areal_fn.plans.memory.estimate import in_flight_chunks as in_flight_chunks
 from areal_fn.plans.memory.estimate import layer_token_bytes as layer_token_bytes
 from areal_fn.plans.memory.estimate import local_param_bytes as local_param_bytes
+from areal_fn.plans.memory.float8 import FLOAT8_RECIPES as FLOAT8_RECIPES
+from areal_fn.plans.memory.float8 import Float8Copies as Float8Copies
+from areal_fn.plans.memory.float8 import float8_copies as float8_copies
+from areal_fn.plans.memory.float8 import float8_linears as float8_linears
+from areal_fn.plans.memory.float8 import with_float8 as with_float8
 from areal_fn.plans.memory.kv_cache import KVCache as KVCache
 from areal_fn.plans.memory.kv_cache import kv_cache as kv_cache
 from areal_fn.plans.memory.lora import estimate_lora_memory as estimate_lora_memory

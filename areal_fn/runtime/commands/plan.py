@@ -22,9 +22,15 @@ from areal_fn.plans.advisor.census import CensusIndex, census_of
 from areal_fn.plans.memory import MemoryReport, estimate_memory
 from areal_fn.plans.memory.activations import ActivationModel
 from areal_fn.plans.memory.kv_cache import KVCache, kv_cache
-from areal_fn.plans.precision import engine_policy, named_policy, policy_json, policy_line
+from areal_fn.plans.precision import engine_policy, named_policy, policy_json
 from areal_fn.runtime.commands.output import emit_json, human, parse_size
 from areal_fn.runtime.commands.plan_flags import check_plan_ranks
+from areal_fn.runtime.commands.plan_precision import (
+    check_float8_flag,
+    float8_json,
+    precision_lines,
+    with_float8_of,
+)
 from areal_fn.runtime.commands.suggest import (
     lora_json,
     lora_line,
@@ -93,7 +99,7 @@ def _training_memory(
     lora = lora_of(model, args)
     if lora is not None:
         return estimate_lora_memory(layout, adapter_layout(layout, model, lora), policy, **kw)
-    return estimate_memory(layout, policy, **kw)
+    return with_float8_of(model, comp, estimate_memory(layout, policy, **kw), args)
 
 
 def _memory_json(report: MemoryReport, first: int) -> dict[str, Any]:
@@ -297,6 +303,7 @@ def _component_json(
         | {
             "lora": lora_json(model, lora_of(model, args)),
             "precision": {"name": args.precision} | policy_json(facts.report.policy),
+            "float8": float8_json(model, comp, args),
         },
         "weights": None if facts.kv is None else list(facts.rows),
         "kv_cache": None if facts.kv is None else _kv_json(facts.kv),
@@ -391,17 +398,8 @@ def _print_component(
         console.print(note, markup=False, highlight=False)
     if facts.report is not None:
         console.print(facts.report.table(first_rank=facts.first))  # global ranks
-        mapped = facts.report.policy != named_policy(args.precision)
-        console.print(
-            f"precision (--precision {args.precision}): {policy_line(facts.report.policy)}"
-            + (
-                "; FSDP2 runs fp16 with fp32 sharded parameters (the optimizer's weights)"
-                if mapped
-                else ""
-            ),
-            markup=False,
-            highlight=False,
-        )
+        for line in precision_lines(model, comp, facts.report, args):
+            console.print(line, markup=False, highlight=False)
         if (lora := lora_of(model, args)) is not None:
             console.print(lora_line(model, lora), markup=False, highlight=False)
     else:
@@ -477,6 +475,7 @@ def cmd_plan(
     alloc = parse_allocation(args.allocation)
     check_plan_ranks(f"ALLOCATION {alloc} has", alloc.world_size)
     _check_inference_flags(alloc, args)
+    check_float8_flag(model, alloc, args)
     if args.seq_len is not None and args.seq_len < 1:
         raise SpecError(f"--seq-len {args.seq_len} must be >= 1")
     device = None

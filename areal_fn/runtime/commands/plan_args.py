@@ -3,6 +3,7 @@
 import argparse
 from collections.abc import Callable
 
+from areal_fn.plans.memory.float8 import FLOAT8_RECIPES
 from areal_fn.plans.precision import PRECISIONS
 from areal_fn.runtime.commands.plan_flags import MAX_PLAN_RANKS
 
@@ -70,6 +71,13 @@ def add_plan_parser(
         "weights only), adapters on every attention projection and, in dense families, "
         "gate/up/down_proj trained; with an ALLOCATION it needs a training component",
     )
+    _add_precision_arguments(plan)
+    _add_suggest_arguments(plan)
+    plan.set_defaults(func=handler)
+
+
+def _add_precision_arguments(plan: argparse.ArgumentParser) -> None:
+    """``--precision`` and ``--float8-recipe``: the training precision counted."""
     plan.add_argument(
         "--precision",
         choices=tuple(PRECISIONS),
@@ -79,8 +87,15 @@ def add_plan_parser(
         "loss scale; fsdp components keep fp32 sharded parameters, the optimizer's weights, "
         "and no master copy), or fp32 throughout; needs a training component",
     )
-    _add_suggest_arguments(plan)
-    plan.set_defaults(func=handler)
+    plan.add_argument(
+        "--float8-recipe",
+        choices=FLOAT8_RECIPES,
+        default=None,
+        help="count torchao's float8 training of the fsdp components (Fsdp2RunOptions("
+        "float8_recipe=...)): fp32 parameters, gradients and Adam states, and in buffers the "
+        "FP8 copies of one linear layer at a time; refused where the engines refuse it "
+        "(megatron, tp > 1, --lora-rank, a 16-bit --precision); with an ALLOCATION only",
+    )
 
 
 def _add_suggest_arguments(plan: argparse.ArgumentParser) -> None:

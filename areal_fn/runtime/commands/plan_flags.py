@@ -50,7 +50,7 @@ _SUGGEST_ONLY = (
 )
 
 #: Flags only the plan of an ALLOCATION uses.
-_ALLOCATION_ONLY = ("tensors", "max_ranks", "png", "context_len", "batch")
+_ALLOCATION_ONLY = ("tensors", "max_ranks", "png", "context_len", "batch", "float8_recipe")
 
 #: Integer flags, the least value each takes, and what it counts.
 _AT_LEAST = (
@@ -63,8 +63,8 @@ _AT_LEAST = (
 
 
 def _flag(dest: str, args: argparse.Namespace) -> str:
-    if dest == "png":
-        return "--png"
+    if dest in ("png", "float8_recipe"):
+        return "--" + dest.replace("_", "-")
     if dest == "recompute":
         return "--recompute" if args.recompute else "--no-recompute"
     return DEFAULTS[dest][0]

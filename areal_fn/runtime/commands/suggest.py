@@ -19,8 +19,9 @@ from areal_fn.model.spec import ModelSpec
 from areal_fn.plans.advisor import Hardware, Suggestion, suggest_strategy
 from areal_fn.plans.advisor.score import EP_DISPATCHES
 from areal_fn.plans.memory import ActivationModel, PrecisionPolicy
-from areal_fn.plans.precision import named_policy, policy_json
+from areal_fn.plans.precision import engine_policy, named_policy, policy_json
 from areal_fn.runtime.commands.output import emit_json, human, parse_size
+from areal_fn.strategy.allocation import Backend
 
 __all__ = [
     "LEFT_OUT",
@@ -205,6 +206,7 @@ def _assumptions(args: argparse.Namespace, device_bytes: int) -> dict[str, Any]:
         "policy": str(policy),
         "precision": args.precision,
         "precision_policy": policy_json(policy),
+        "fsdp_policy": str(engine_policy(policy, Backend.FSDP)),
         "grad_dtype": args.grad_dtype,
         "master_dtype": _short(policy.master_dtype if policy.master_weights else None),
         "adam_dtype": args.adam_dtype,
@@ -237,18 +239,17 @@ def _assumption_lines(a: dict[str, Any], device_bytes: int) -> list[str]:
         f"(--optimizer-offload)",
         f"  precision {a['precision']} (--precision): {a['policy']} (--grad-dtype "
         f"{a['grad_dtype']}, --master-dtype {a['master_dtype']}, --adam-dtype {a['adam_dtype']})"
-        + ("; fsdp counts fp32 sharded parameters, no master copy" if _fp16_params(a) else ""),
+        + (
+            f"; fsdp candidates as Fsdp2Engine runs it: {a['fsdp_policy']}"
+            if a["fsdp_policy"] != a["policy"]
+            else ""
+        ),
         f"  EP all-to-all: {_DISPATCH_WORDS[a['ep_dispatch']]} (--ep-dispatch {a['ep_dispatch']})",
         f"  margin: {a['memory_margin']:.0%} of {device_bytes:,} bytes ({human(a['margin_bytes'])})"
         f" kept free for what the estimate leaves out ({', '.join(a['left_out'])}); a "
         f"strategy fits when its estimate is at most {a['usable_bytes']:,} bytes "
         f"({human(a['usable_bytes'])}) (--memory-margin)",
     ]
-
-
-def _fp16_params(a: dict[str, Any]) -> bool:
-    """fp16 parameters: what FSDP2 runs as fp32 parameters (engine_policy)."""
-    return bool(a["precision_policy"]["param_dtype"] == "float16")
 
 
 def _suggestion_json(i: int, s: Suggestion) -> dict[str, Any]:

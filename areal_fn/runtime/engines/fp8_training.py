@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from areal_fn.errors import LayoutError
 from areal_fn.plans.fp8 import block_amax, quantize_fp8
+from areal_fn.plans.memory.float8 import FLOAT8_RECIPES
 from areal_fn.typecheck import beartype
 
 __all__ = [
@@ -35,8 +36,6 @@ __all__ = [
     "torchao_installed",
 ]
 
-#: torchao's ``Float8LinearRecipeName`` values.
-FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 #: The scalings torch 2.13's ``_scaled_mm`` takes on the CPU.
 SCALINGS = ("tensorwise", "rowwise")
 
