@@ -24,13 +24,27 @@ parameter (``lora_B`` exactly like ``W``, ``lora_A`` ``Shard(0)``).
 Refused (``LayoutError``): a fused tensor holding targeted and untargeted weights, or
 members of different ranks; a weight split over several logical tensors; pieces that
 are strided, tied, stacked or cut in the input dimension.
+
+Routed experts (``LoraConfig.target_parameters``) are adapted in an FSDP2 layout only,
+beside transformers' fused expert tensor (``mlp.experts.gate_up_proj``
+``[E, out, in]``): ``<its name>_lora_A`` and ``<its name>_lora_B`` are PEFT's pair
+itself (``[E * r, in]``, ``[out, E * r]``), replicated where the base is and sharded on
+dim 0 over ``dp_shard``. Another layout kind, or the base split any other way, is
+refused.
 """
 
 from collections.abc import Sequence
 
 from areal_fn.errors import LayoutError
-from areal_fn.layouts.layout import FusionPiece, Layout, LogicalTensor
-from areal_fn.model.lora import LoraConfig, LoraTarget, lora_targets
+from areal_fn.layouts.layout import FusionPiece, Layout, LayoutKind, LogicalTensor
+from areal_fn.model.lora import (
+    LoraConfig,
+    LoraExpertTarget,
+    LoraTarget,
+    lora_expert_targets,
+    lora_targets,
+    lora_tensors,
+)
 from areal_fn.model.spec import ModelSpec
 from areal_fn.sharding.box import Box
 from areal_fn.sharding.mesh import Axis
@@ -38,7 +52,13 @@ from areal_fn.sharding.placement import Placement, Replicate, Shard, StridedShar
 from areal_fn.sharding.sharding import Sharding
 from areal_fn.typecheck import beartype
 
-__all__ = ["adapter_layout", "adapter_row_members", "adapter_shardings", "with_lora"]
+__all__ = [
+    "adapter_layout",
+    "adapter_row_members",
+    "adapter_shardings",
+    "expert_kind_error",
+    "with_lora",
+]
 
 
 def _rows_dim0(p: Placement) -> bool:
@@ -161,10 +181,85 @@ def _adapters(t: LogicalTensor, members: Sequence[LoraTarget]) -> tuple[LogicalT
     )
 
 
+def _expert_sharding(name: str, base: Sharding) -> Sharding:
+    out: list[Placement] = []
+    for axis, p in zip(base.mesh.names, base.placements, strict=True):
+        if isinstance(p, Replicate) or (axis == Axis.DP_SHARD and p == Shard(dim=0)):
+            out.append(p)
+        else:
+            raise LayoutError(
+                f"{name}: placement {p} on axis {axis!r}; expert adapters are placed beside "
+                "fused experts that are replicated, or sharded on the expert dim over "
+                "dp_shard, only: drop target_parameters for this layout"
+            )
+    return Sharding(mesh=base.mesh, placements=tuple(out))
+
+
+def _expert_adapters(t: LogicalTensor, x: LoraExpertTarget) -> tuple[LogicalTensor, ...]:
+    """PEFT's pair of fused expert tensor ``t`` (checked to hold ``x.parts`` whole)."""
+    held = [f.canonical for f in t.fusion if f.canonical is not None]
+    if t.shape != (x.experts, x.out_features, x.in_features) or sorted(held) != sorted(x.parts):
+        raise LayoutError(
+            f"{t.name} has shape {t.shape} and holds {len(held)} pieces; expert adapters "
+            f"need it to hold {x.parts[0]} .. {x.parts[-1]} whole as "
+            f"[{x.experts}, {x.out_features}, {x.in_features}]"
+        )
+    sharding = _expert_sharding(t.name, t.sharding)
+    out = []
+    for suffix, spec in zip(("_lora_A", "_lora_B"), x.tensors, strict=True):
+        piece = FusionPiece(
+            canonical=spec.name,
+            canonical_box=Box.full(spec.shape),
+            logical_box=Box.full(spec.shape),
+        )
+        out.append(
+            LogicalTensor(
+                name=t.name + suffix,
+                shape=spec.shape,
+                dtype=spec.dtype,
+                fusion=(piece,),
+                sharding=sharding,
+                present=t.present,
+            )
+        )
+    return tuple(out)
+
+
+def expert_kind_error(config: LoraConfig, kind: str) -> LayoutError:
+    """The refusal of expert adapters (``target_parameters``) in a ``kind`` layout."""
+    return LayoutError(
+        f"target_parameters={list(config.target_parameters)}: adapters on routed experts "
+        f"are built for the FSDP2 engine (transformers' fused experts) only, not a {kind} "
+        "layout (Megatron's per-expert linear_fc1/linear_fc2 get none); drop "
+        "target_parameters or train under fsdp"
+    )
+
+
+def _expert_tensors(
+    layout: Layout, model: ModelSpec, config: LoraConfig
+) -> list[tuple[int, tuple[LogicalTensor, ...]]]:
+    """(index of the fused expert tensor, its adapters), in layout order."""
+    targets = lora_expert_targets(model, config)
+    if targets and layout.kind != LayoutKind.FSDP2:
+        raise expert_kind_error(config, str(layout.kind))
+    index = {t.name: i for i, t in enumerate(layout.tensors)}
+    out = []
+    for x in targets:
+        if x.base not in index:
+            raise LayoutError(
+                f"expert adapter target {x.base} is not a tensor of this {layout.kind} layout; "
+                "pass the model the layout was built from"
+            )
+        i = index[x.base]
+        out.append((i, _expert_adapters(layout.tensors[i], x)))
+    return out
+
+
 def _adapter_tensors(
     layout: Layout, model: ModelSpec, config: LoraConfig
 ) -> list[tuple[int, tuple[LogicalTensor, ...]]]:
     """(index of the base logical tensor, its adapters), in layout order."""
+    experts = _expert_tensors(layout, model, config)  # its refusals first
     targets = {t.base: t for t in lora_targets(model, config)}
     known = {c.name for c in layout.canonical}
     absent = [n for n in targets if n not in known]
@@ -191,7 +286,7 @@ def _adapter_tensors(
         raise LayoutError(
             f"LoRA targets {lost[:3]} are held by no tensor of this {layout.kind} layout"
         )
-    return out
+    return out + experts
 
 
 @beartype
@@ -204,7 +299,7 @@ def with_lora(layout: Layout, model: ModelSpec, config: LoraConfig) -> Layout:
     for i, t in enumerate(layout.tensors):
         tensors.append(t)
         tensors.extend(adapters.get(i, ()))
-    specs = tuple(s for t in lora_targets(model, config) for s in t.tensors)
+    specs = lora_tensors(model, config)
     return Layout(
         kind=layout.kind,
         world_size=layout.world_size,
@@ -217,8 +312,9 @@ def with_lora(layout: Layout, model: ModelSpec, config: LoraConfig) -> Layout:
 @beartype
 def adapter_layout(layout: Layout, model: ModelSpec, config: LoraConfig) -> Layout:
     """The adapters of :func:`with_lora` alone (the trained part of a LoRA layout)."""
-    tensors = tuple(t for _, pair in _adapter_tensors(layout, model, config) for t in pair)
-    specs = tuple(s for t in lora_targets(model, config) for s in t.tensors)
+    pairs = sorted(_adapter_tensors(layout, model, config), key=lambda p: p[0])
+    tensors = tuple(t for _, pair in pairs for t in pair)
+    specs = lora_tensors(model, config)
     return Layout(
         kind=layout.kind,
         world_size=layout.world_size,

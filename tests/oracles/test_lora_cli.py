@@ -122,6 +122,7 @@ def test_inspect_json_has_the_lora_field(
         "dropout": 0.0,
         "target_modules": ["q_proj", "v_proj", "up_proj"],
         "module_ranks": {},
+        "target_parameters": [],
     }
     shapes = {a[k]["name"]: a[k]["shape"] for a in adapters for k in ("lora_A", "lora_B")}
     assert shapes == made["peft_shapes"]  # every adapter PEFT saves, by its name and shape
@@ -130,6 +131,7 @@ def test_inspect_json_has_the_lora_field(
             ".weight", ".lora_A.weight"
         )
         assert a["base"].split(".")[-2] == a["module"] and a["rank"] == 2
+        assert a["experts"] is None
 
 
 def test_convert_writes_peft_and_merged(

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from areal_fn.model.lora import LoraExpertTarget, LoraTarget, lora_expert_targets, lora_targets
 from areal_fn.plans.checkpoint import CheckpointManifest
 from areal_fn.runtime.checkpoint.files import (
     list_checkpoints,
@@ -36,10 +37,23 @@ def _keyed(m: CheckpointManifest, hmac_key: bytes | None) -> str:
     return "present, not checked" if m.keyed_digest is not None else "none"
 
 
+def _adapter(t: LoraTarget | LoraExpertTarget) -> dict[str, Any]:
+    module, experts = (
+        (t.parameter, t.experts) if isinstance(t, LoraExpertTarget) else (t.module, None)
+    )
+    pair = zip(("lora_A", "lora_B"), t.tensors, strict=True)
+    return {
+        "base": t.base,
+        "module": module,
+        "rank": t.rank,
+        "experts": experts,
+        **{k: {"name": s.name, "shape": list(s.shape)} for k, s in pair},
+    }
+
+
 def _lora(folder: Path, m: CheckpointManifest) -> dict[str, Any] | None:
     """An adapter checkpoint's LoRA configuration (``hf/adapter_config.json``) and its
     adapters per targeted layer; None for a checkpoint of a model."""
-    from areal_fn.model.lora import lora_targets
     from areal_fn.model.spec import model_from_hf_config
     from areal_fn.plans.lora_export import ADAPTER_CONFIG, lora_config_from_peft
 
@@ -48,7 +62,11 @@ def _lora(folder: Path, m: CheckpointManifest) -> dict[str, Any] | None:
     if hf is None or raw is None:
         return None
     c = lora_config_from_peft(json.loads(raw))
-    targets = lora_targets(model_from_hf_config(hf.config_dict), c)
+    model = model_from_hf_config(hf.config_dict)
+    targets: list[LoraTarget | LoraExpertTarget] = [
+        *lora_targets(model, c),
+        *lora_expert_targets(model, c),
+    ]
     return {
         "config": f"{HF_DIR}/{ADAPTER_CONFIG}",
         "rank": c.rank,
@@ -56,18 +74,8 @@ def _lora(folder: Path, m: CheckpointManifest) -> dict[str, Any] | None:
         "dropout": c.dropout,
         "target_modules": list(c.target_modules),
         "module_ranks": dict(c.module_ranks),
-        "adapters": [
-            {
-                "base": t.base,
-                "module": t.module,
-                "rank": t.rank,
-                **{
-                    k: {"name": s.name, "shape": list(s.shape)}
-                    for k, s in zip(("lora_A", "lora_B"), t.tensors, strict=True)
-                },
-            }
-            for t in targets
-        ],
+        "target_parameters": list(c.target_parameters),
+        "adapters": [_adapter(t) for t in targets],
     }
 
 
