@@ -319,10 +319,10 @@ def lora_expert_targets(model: ModelSpec, config: LoraConfig) -> tuple[LoraExper
     lacking = [p for p in config.target_parameters if p not in fused]
     if lacking:
         raise LoraError(
-            f"target_parameters names {lacking}, which {model.model_type} does not hold: "
-            "expert adapters adapt a MoE layer's fused experts as transformers keeps them "
-            f"({sorted(fused) or 'none in this family'}); drop target_parameters or use "
-            "those names"
+            f"target_parameters names {lacking}; expert adapters are built where transformers "
+            "fuses a MoE layer's per-expert checkpoint weights into [E, out, in] parameters, "
+            f"and {model.model_type} has {sorted(fused) or 'none'} of those: drop "
+            "target_parameters or use those names"
         )
     shapes = {t.name: t.shape for t in model.tensors}
     out: list[LoraExpertTarget] = []

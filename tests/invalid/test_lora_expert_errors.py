@@ -101,10 +101,10 @@ CASES: list[tuple[str, Callable[[], object], type[Exception], str]] = [
         "a dense family",
         lambda: lora_tensors(model_from_hf_config(DENSE), EXPERTS),
         LoraError,
-        r"^target_parameters names \['mlp\.experts\.gate_up_proj', 'mlp\.experts\.down_proj'\], "
-        r"which qwen3 does not hold: expert adapters adapt a MoE layer's fused experts as "
-        r"transformers keeps them \(none in this family\); drop target_parameters or use "
-        r"those names$",
+        r"^target_parameters names \['mlp\.experts\.gate_up_proj', 'mlp\.experts\.down_proj'\]"
+        r"; expert adapters are built where transformers fuses a MoE layer's per-expert "
+        r"checkpoint weights into \[E, out, in\] parameters, and qwen3 has none of those: "
+        r"drop target_parameters or use those names$",
     ),
     (
         "a MoE family's MLP modules",

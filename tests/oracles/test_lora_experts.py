@@ -202,6 +202,11 @@ def test_inspect_json_lists_the_expert_adapters(
         "shape": [8, 16],
     }
     assert first["lora_B"]["shape"] == [24, 8]
+    assert main(["checkpoint", "inspect", str(saved["ckpt"])]) == 0
+    assert (
+        "r=2, alpha=6.0, dropout=0.0, targets ['q_proj'], routed experts "
+        "['mlp.experts.gate_up_proj', 'mlp.experts.down_proj']; export with"
+    ) in capsys.readouterr().out
 
 
 def test_convert_writes_peft_and_merged_expert_adapters(
