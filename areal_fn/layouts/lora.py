@@ -25,12 +25,15 @@ Refused (``LayoutError``): a fused tensor holding targeted and untargeted weight
 members of different ranks; a weight split over several logical tensors; pieces that
 are strided, tied, stacked or cut in the input dimension.
 
-Routed experts (``LoraConfig.target_parameters``) are adapted in an FSDP2 layout only,
-beside transformers' fused expert tensor (``mlp.experts.gate_up_proj``
-``[E, out, in]``): ``<its name>_lora_A`` and ``<its name>_lora_B`` are PEFT's pair
-itself (``[E * r, in]``, ``[out, E * r]``), replicated where the base is and sharded on
-dim 0 over ``dp_shard``. Another layout kind, or the base split any other way, is
-refused.
+Routed experts (``LoraConfig.target_parameters``): in an FSDP2 layout, beside
+transformers' fused expert tensor (``mlp.experts.gate_up_proj`` ``[E, out, in]``),
+``<its name>_lora_A`` and ``<its name>_lora_B`` are PEFT's pair itself (``[E * r, in]``,
+``[out, E * r]``), replicated where the base is and sharded on dim 0 over
+``dp_shard``. In a Megatron layout each local expert's ``linear_fc1`` / ``linear_fc2``
+gets expert ``e``'s part of PEFT's pair, like any linear layer: rows ``e*r..(e+1)*r`` of
+``lora_A`` and columns ``e, e+E, ..., e+(r-1)E`` of ``lora_B`` (a strided view), its
+rows laid out like the base's (``[gate; up]`` for ``linear_fc1``). Other layout kinds
+are refused.
 """
 
 from collections.abc import Sequence
@@ -50,6 +53,7 @@ from areal_fn.sharding.box import Box
 from areal_fn.sharding.mesh import Axis
 from areal_fn.sharding.placement import Placement, Replicate, Shard, StridedShard
 from areal_fn.sharding.sharding import Sharding
+from areal_fn.sharding.strided import View
 from areal_fn.typecheck import beartype
 
 __all__ = [
@@ -229,18 +233,109 @@ def expert_kind_error(config: LoraConfig, kind: str) -> LayoutError:
     """The refusal of expert adapters (``target_parameters``) in a ``kind`` layout."""
     return LayoutError(
         f"target_parameters={list(config.target_parameters)}: adapters on routed experts "
-        f"are built for the FSDP2 engine (transformers' fused experts) only, not a {kind} "
-        "layout (Megatron's per-expert linear_fc1/linear_fc2 get none); drop "
-        "target_parameters or train under fsdp"
+        f"are placed in the training engines' layouts (fsdp2, megatron) only, and this "
+        f"layout is {kind}: drop target_parameters for it"
     )
+
+
+def _per_expert_adapters(
+    t: LogicalTensor, x: LoraExpertTarget, e: int
+) -> tuple[LogicalTensor, ...]:
+    """Megatron's adapters of expert ``e``'s linear layer ``t``: rows ``e*r..(e+1)*r`` of
+    PEFT's ``lora_A`` and columns ``e, e+E, ...`` of its ``lora_B`` (a strided view),
+    ``lora_B``'s rows laid out like ``t``'s."""
+    r, cols, per = x.rank, x.in_features, len(x.parts) // x.experts
+    if len(t.shape) != 2 or t.shape[1] != cols:
+        raise LayoutError(f"{t.name} has shape {t.shape}, not [rows, {cols}]; not LoRA-able")
+    offset, row = {}, 0
+    for name in x.parts[e * per : (e + 1) * per]:
+        offset[name] = row
+        row += x.out_features // per
+    a = FusionPiece(
+        canonical=x.lora_a,
+        canonical_box=Box(ranges=((e * r, (e + 1) * r), (0, cols))),
+        logical_box=Box.full((r, cols)),
+    )
+    b = []
+    for f in t.fusion:
+        if f.view is not None or f.tied or f.stacked_dims or f.canonical_box.ranges[1] != (0, cols):
+            raise LayoutError(f"{t.name}: a strided, tied, stacked or cut piece of {f.canonical}")
+        lo, hi = f.canonical_box.ranges[0]
+        b.append(
+            FusionPiece(
+                canonical=x.lora_b,
+                canonical_box=Box(
+                    ranges=(
+                        (offset[f.canonical] + lo, offset[f.canonical] + hi),
+                        (e, e + x.experts * (r - 1) + 1),
+                    )
+                ),
+                logical_box=Box(ranges=(f.logical_box.ranges[0], (0, r))),
+                view=View(step=(1, x.experts), perm=(0, 1)),
+            )
+        )
+    sa, sb = adapter_shardings(t.name, t.sharding)
+    stem = _stem(t.name)
+    a_spec, b_spec = x.tensors
+    return (
+        LogicalTensor(
+            name=stem + ".lora_A.weight",
+            shape=(r, cols),
+            dtype=a_spec.dtype,
+            fusion=(a,),
+            sharding=sa,
+            present=t.present,
+        ),
+        LogicalTensor(
+            name=stem + ".lora_B.weight",
+            shape=(t.shape[0], r),
+            dtype=b_spec.dtype,
+            fusion=tuple(b),
+            sharding=sb,
+            present=t.present,
+        ),
+    )
+
+
+def _megatron_experts(
+    layout: Layout, targets: Sequence[LoraExpertTarget]
+) -> list[tuple[int, tuple[LogicalTensor, ...]]]:
+    """Every local expert's ``linear_fc1`` / ``linear_fc2`` holding targeted weights."""
+    part: dict[str, tuple[LoraExpertTarget, int]] = {}
+    for x in targets:
+        per = len(x.parts) // x.experts
+        for k, name in enumerate(x.parts):
+            part[name] = (x, k // per)
+    out, seen = [], set()
+    for i, t in enumerate(layout.tensors):
+        names = [f.canonical for f in t.fusion if f.canonical is not None]
+        if not names or names[0] not in part:
+            continue
+        x, e = part[names[0]]
+        per = len(x.parts) // x.experts
+        if sorted(set(names)) != sorted(x.parts[e * per : (e + 1) * per]):
+            raise LayoutError(
+                f"{t.name} holds {names}, not exactly expert {e}'s "
+                f"{list(x.parts[e * per : (e + 1) * per])}; expert adapters cannot be placed"
+            )
+        seen.update(names)
+        out.append((i, _per_expert_adapters(t, x, e)))
+    lost = [n for n in part if n not in seen]
+    if lost:
+        raise LayoutError(f"expert weights {lost[:3]} are held by no tensor of this layout")
+    return out
 
 
 def _expert_tensors(
     layout: Layout, model: ModelSpec, config: LoraConfig
 ) -> list[tuple[int, tuple[LogicalTensor, ...]]]:
-    """(index of the fused expert tensor, its adapters), in layout order."""
+    """(index of the expert tensor, its adapters), in layout order."""
     targets = lora_expert_targets(model, config)
-    if targets and layout.kind != LayoutKind.FSDP2:
+    if not targets:
+        return []
+    if layout.kind == LayoutKind.MEGATRON:
+        return _megatron_experts(layout, targets)
+    if layout.kind != LayoutKind.FSDP2:
         raise expert_kind_error(config, str(layout.kind))
     index = {t.name: i for i, t in enumerate(layout.tensors)}
     out = []

@@ -126,7 +126,10 @@ LORA_MOE = LoraConfig(rank=4, alpha=8.0, target_modules=("q_proj", "k_proj", "v_
 
 #: Routed experts too: both fused expert parameters (PEFT's ``target_parameters``).
 LORA_EXPERTS = LoraConfig(
-    rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"), target_parameters=EXPERT_PARAMETERS
+    rank=4,
+    alpha=8.0,
+    target_modules=("q_proj", "k_proj", "v_proj"),
+    target_parameters=EXPERT_PARAMETERS,
 )
 
 

@@ -1,18 +1,20 @@
 """Refusals of LoRA adapters on routed experts (``LoraConfig.target_parameters``): the
-configuration's own rules, a family without fused experts, the layouts and engines that
-do not build them (Megatron) and the vLLM sync that cannot serve them: one table of
+configuration's own rules, a family without fused experts, the layouts that do not hold
+them (the inference engines'), the checkpoint plans of Megatron's per-expert adapters
+and the vLLM sync that cannot serve them: one table of
 (call, error, regex)."""
 
 from collections.abc import Callable
 
+import attrs
 import pytest
 
-from areal_fn import ParallelDims, megatron_layout
-from areal_fn.errors import LayoutError
-from areal_fn.layouts.lora import with_lora
+from areal_fn.errors import CheckpointError, LayoutError
+from areal_fn.layouts.layout_for import layout_for
+from areal_fn.layouts.lora import adapter_layout, with_lora
 from areal_fn.model.lora import EXPERT_PARAMETERS, LoraConfig, LoraError, lora_tensors
 from areal_fn.model.spec import model_from_hf_config
-from areal_fn.plans.memory.lora import lora_adapter_census
+from areal_fn.plans.checkpoint import plan_save
 
 MOE: dict[str, object] = {
     "model_type": "qwen3_moe",
@@ -38,25 +40,12 @@ DENSE: dict[str, object] = {
     "vocab_size": 40,
 }
 EXPERTS = LoraConfig(rank=2, target_modules=("q_proj",), target_parameters=EXPERT_PARAMETERS)
-KIND = (
-    r"^target_parameters=\['mlp\.experts\.gate_up_proj', 'mlp\.experts\.down_proj'\]: "
-    r"adapters on routed experts are built for the FSDP2 engine \(transformers' fused "
-    r"experts\) only, not a megatron layout \(Megatron's per-expert linear_fc1/linear_fc2 "
-    r"get none\); drop target_parameters or train under fsdp$"
-)
 
 
 def _vllm_sync() -> object:
     from areal_fn.runtime.vllm.lora import VllmLoraSync
 
     return VllmLoraSync(object(), "/nonexistent", model_from_hf_config(MOE), EXPERTS)
-
-
-def _megatron_engine() -> object:
-    pytest.importorskip("megatron.core")
-    from areal_fn.runtime.engines.megatron import MegatronEngine
-
-    return MegatronEngine(model_from_hf_config(MOE), ParallelDims(dp=2, ep=2), lora=EXPERTS)
 
 
 CASES: list[tuple[str, Callable[[], object], type[Exception], str]] = [
@@ -118,22 +107,30 @@ CASES: list[tuple[str, Callable[[], object], type[Exception], str]] = [
         r"\['mlp\.experts\.gate_up_proj', 'mlp\.experts\.down_proj'\]$",
     ),
     (
-        "a Megatron layout",
+        "an inference layout",
         lambda: with_lora(
-            megatron_layout(model_from_hf_config(MOE), ParallelDims(dp=2, ep=2)),
-            model_from_hf_config(MOE),
-            EXPERTS,
+            layout_for(model_from_hf_config(MOE), "sglang:t2"), model_from_hf_config(MOE), EXPERTS
         ),
         LayoutError,
-        KIND,
+        r"^target_parameters=\['mlp\.experts\.gate_up_proj', 'mlp\.experts\.down_proj'\]: "
+        r"adapters on routed experts are placed in the training engines' layouts \(fsdp2, "
+        r"megatron\) only, and this layout is inference: drop target_parameters for it$",
     ),
     (
-        "a Megatron memory census",
-        lambda: lora_adapter_census(model_from_hf_config(MOE), "megatron:d2e2", EXPERTS),
-        LayoutError,
-        KIND,
+        "a checkpoint of Megatron's expert adapters",
+        lambda: plan_save(
+            adapter_layout(
+                layout_for(model_from_hf_config(MOE), "megatron:d2e2"),
+                model_from_hf_config(MOE),
+                attrs.evolve(EXPERTS, target_modules=("o_proj",)),
+            )
+        ),
+        CheckpointError,
+        r"^checkpoint planning: decoder\.layers\.0\.mlp\.experts\.local_experts\.0\.linear_fc1\."
+        r"lora_B\.weight: its strided pieces cannot be lifted to a plain box: it is sharded "
+        r"\(R, R, R, SS\(0,2\)\), not replicated; transfer and checkpoint plans place strided "
+        r"pieces that together fill a plain box of one canonical tensor",
     ),
-    ("the Megatron engine", _megatron_engine, LayoutError, KIND),
     (
         "the vLLM adapter sync",
         _vllm_sync,

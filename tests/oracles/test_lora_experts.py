@@ -12,7 +12,8 @@ For a tiny qwen3_moe and a tiny mixtral (transformers 5 holds their experts as f
 - an adapter checkpoint (``fsdp:d2`` adapter layout, saved offline): ``checkpoint
   inspect --json`` lists the expert adapters, ``convert --to-hf`` writes a directory
   ``peft.PeftModel.from_pretrained`` loads with the same logits, ``--merge BASE`` an HF
-  checkpoint transformers loads with them.
+  checkpoint transformers loads with them; Megatron ``d2e2``'s per-expert adapters
+  convert to and from its tensors bitwise, and loading it into them is refused.
 """
 
 import json
@@ -27,7 +28,9 @@ transformers = pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 from areal_fn.cli import main  # noqa: E402
+from areal_fn.errors import CheckpointError  # noqa: E402
 from areal_fn.layouts.fsdp2 import fsdp2_layout  # noqa: E402
+from areal_fn.layouts.layout_for import layout_for  # noqa: E402
 from areal_fn.layouts.lora import adapter_layout  # noqa: E402
 from areal_fn.model.hf_memory import hf_state_to_canonical  # noqa: E402
 from areal_fn.model.lora import (  # noqa: E402
@@ -38,9 +41,14 @@ from areal_fn.model.lora import (  # noqa: E402
     lora_tensors,
 )
 from areal_fn.model.spec import ModelSpec, model_from_hf_config  # noqa: E402
-from areal_fn.plans.convert import to_megatron  # noqa: E402
+from areal_fn.plans.convert import to_hf, to_megatron  # noqa: E402
 from areal_fn.plans.lora_export import lora_config_from_peft, merge_lora  # noqa: E402
-from areal_fn.runtime.checkpoint import RankState, save_checkpoint  # noqa: E402
+from areal_fn.runtime.checkpoint import (  # noqa: E402
+    CheckpointReader,
+    RankState,
+    load_checkpoint,
+    save_checkpoint,
+)
 from areal_fn.runtime.checkpoint.lora import lora_hf_files  # noqa: E402
 from areal_fn.runtime.engines.fsdp2 import build_hf_model  # noqa: E402
 from areal_fn.runtime.engines.lora import inject_lora  # noqa: E402
@@ -81,7 +89,7 @@ CASES = [(m, t) for m in CONFIGS for t in TARGETS]
 
 
 def _config(targets: tuple[str, ...]) -> LoraConfig:
-    return LoraConfig(rank=2, alpha=6.0, target_modules=("q_proj",), target_parameters=targets)
+    return LoraConfig(rank=2, alpha=6.0, target_modules=("o_proj",), target_parameters=targets)
 
 
 def _peft(spec: ModelSpec, config: LoraConfig, adapters: dict[str, torch.Tensor] | None) -> Any:
@@ -157,7 +165,7 @@ def test_injected_and_merged_adapters_compute_what_peft_computes(
     diff = max(float((merged[k] - peft_merged[k]).abs().max()) for k in merged)
     assert diff <= 1e-6, diff
     moved = [k for k in merged if not torch.equal(merged[k], base[k])]
-    assert moved and all(".experts." in k or "q_proj" in k for k in moved)
+    assert moved and all(".experts." in k or "o_proj" in k for k in moved)
 
 
 @pytest.fixture(scope="module")
@@ -204,9 +212,30 @@ def test_inspect_json_lists_the_expert_adapters(
     assert first["lora_B"]["shape"] == [24, 8]
     assert main(["checkpoint", "inspect", str(saved["ckpt"])]) == 0
     assert (
-        "r=2, alpha=6.0, dropout=0.0, targets ['q_proj'], routed experts "
+        "r=2, alpha=6.0, dropout=0.0, targets ['o_proj'], routed experts "
         "['mlp.experts.gate_up_proj', 'mlp.experts.down_proj']; export with"
     ) in capsys.readouterr().out
+
+
+def test_megatron_expert_adapters_convert_and_their_checkpoints_are_refused(
+    saved: dict[str, Any],
+) -> None:
+    """Megatron ``d2e2``'s per-expert adapters hold expert ``e``'s part of PEFT's pair
+    (rows of ``lora_A``, columns ``e::E`` of ``lora_B``): conversion is bitwise both ways;
+    checkpoints of that layout are refused in planning (a strided region of one phase)."""
+    spec, config = saved["spec"], saved["config"]
+    layout = adapter_layout(layout_for(spec, "megatron:d2e2"), spec, config)
+    reader = CheckpointReader(saved["ckpt"])
+    adapters = {t.name: reader.read(t.name) for t in reader.manifest.tensors}
+    ranks = {r: to_megatron(adapters, layout, r) for r in range(layout.world_size)}
+    back = to_hf(ranks, layout)
+    assert set(back) == set(adapters) and all(torch.equal(back[k], adapters[k]) for k in back)
+    down_b = "base_model.model.model.layers.0.mlp.experts.lora_B.weight"  # expert 1 of 4
+    local = "decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.lora_B.weight"
+    assert torch.equal(ranks[0][local], adapters[down_b][:, 1::4])
+    states = {r: RankState(params=ranks[r]) for r in ranks}
+    with pytest.raises(CheckpointError, match=r"lora_B\.weight: its strided pieces cannot be "):
+        load_checkpoint(saved["ckpt"], layout=layout, states=states, restore_rng_state=False)
 
 
 def test_convert_writes_peft_and_merged_expert_adapters(

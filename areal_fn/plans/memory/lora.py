@@ -23,7 +23,7 @@ import attrs
 from areal_fn.errors import LayoutError, SpecError
 from areal_fn.layouts.layout import Layout
 from areal_fn.layouts.layout_for import layout_for
-from areal_fn.layouts.lora import adapter_layout, adapter_shardings, expert_kind_error
+from areal_fn.layouts.lora import adapter_layout, adapter_shardings
 from areal_fn.layouts.megatron import MegatronMeshes, layer_parameters, stages_for
 from areal_fn.model.lora import LoraConfig, lora_targets
 from areal_fn.model.spec import ModelSpec
@@ -70,12 +70,10 @@ def lora_adapter_census(model: ModelSpec, component: Component | str, config: Lo
     """The census of ``config``'s adapters under one training component's layout:
     ``census_of(adapter_layout(layout_for(model, component), model, config))``, computed
     for a Megatron component without building the layout (its routed experts make a big
-    MoE model's layout take seconds; the adapters never sit on them)."""
+    MoE model's layout take seconds), unless ``config`` adapts the routed experts."""
     comp = as_component(component, caller="lora_adapter_census")
-    if comp.backend is not Backend.MEGATRON:
+    if comp.backend is not Backend.MEGATRON or config.target_parameters:
         return census_of(adapter_layout(layout_for(model, comp), model, config))
-    if config.target_parameters:
-        raise expert_kind_error(config, "megatron")
     dims = comp.dims
     check_dims(model, "megatron", dims)
     plan = stages_for(model, dims)
