@@ -47,6 +47,7 @@ CASES: tuple[tuple[str, str], ...] = (
     ("mixtral", "megatron:d4e2"),
     ("qwen3_moe", "megatron:d4e2"),
     ("qwen3_moe", "megatron:d2p2e2"),
+    ("qwen3_moe", "megatron:d4e4"),
 )
 
 

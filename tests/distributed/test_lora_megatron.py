@@ -4,8 +4,8 @@ One ``torchrun --nproc-per-node 4`` launch (``lora_megatron_worker.py``) runs tw
 steps (clipped to norm 0.5) of :class:`~areal_fn.runtime.engines.megatron.MegatronEngine`
 built with ``lora=`` under ``megatron:d2t2``, ``d2p2``, ``t2p2`` and ``d2c2`` (qwen2),
 ``d2t2`` (qwen3), ``d2p2v2`` (a 4-layer qwen2, interleaved), ``d4e2`` (mixtral,
-experts over 2 ranks, adapters on the attention projections) and ``d4e2`` and ``d2p2e2``
-(qwen3_moe, adapters on q/k/v and on the routed experts: each local expert's
+experts over 2 ranks, adapters on the attention projections) and ``d4e2``, ``d2p2e2``
+and ``d4e4`` (qwen3_moe, adapters on q/k/v and on the routed experts: each local expert's
 ``linear_fc1`` / ``linear_fc2`` holding its part of PEFT's fused ``target_parameters``
 pair), its ``linear_qkv`` / ``linear_fc1`` holding the fused adapters, from the same
 base weights and adapters as ``peft.get_peft_model`` of the transformers model stepping
