@@ -3,12 +3,13 @@
 :func:`peft_adapter_config` is the ``adapter_config.json`` PEFT reads for a
 :class:`~areal_fn.model.lora.LoraConfig` (``peft_type`` ``LORA``, ``task_type``
 ``CAUSAL_LM``, ``r``, ``lora_alpha``, ``lora_dropout``, ``target_modules``,
-``rank_pattern``; no bias, no DoRA, no rsLoRA); :func:`lora_config_from_peft` reads one
+``rank_pattern``, ``target_parameters``; no bias, no DoRA, no rsLoRA); :func:`lora_config_from_peft` reads one
 back, refusing the PEFT features not modelled here (one ``LoraError`` line each).
 
 :func:`merge_lora` folds the adapters into their base weights:
-``W' = W + (alpha / r) * (B @ A)``, computed in float32 and cast to ``W``'s dtype; every
-other tensor is returned as it is. The result is the model's plain canonical tensors,
+``W' = W + (alpha / r) * (B @ A)`` (per expert ``B_e @ A_e`` for a fused expert
+parameter, its rows split over the expert's gate and up weights), computed in float32
+and cast to ``W``'s dtype; every other tensor is returned as it is. The result is the model's plain canonical tensors,
 what transformers loads without PEFT.
 """
 
@@ -17,7 +18,15 @@ from typing import Any
 
 from torch import Tensor
 
-from areal_fn.model.lora import MODULES, LoraConfig, LoraError, lora_targets, lora_tensors
+from areal_fn.model.lora import (
+    EXPERT_PARAMETERS,
+    MODULES,
+    LoraConfig,
+    LoraError,
+    lora_expert_targets,
+    lora_targets,
+    lora_tensors,
+)
 from areal_fn.model.spec import ModelSpec
 from areal_fn.plans.convert import check_canonical
 from areal_fn.typecheck import beartype
@@ -45,7 +54,6 @@ _PLAIN: dict[str, Any] = {
     "layers_to_transform": None,
     "layers_pattern": None,
     "exclude_modules": None,
-    "target_parameters": None,
     "trainable_token_indices": None,
     "layer_replication": None,
 }
@@ -65,6 +73,7 @@ def peft_adapter_config(
         "lora_dropout": config.dropout,
         "target_modules": sorted(config.target_modules),
         "rank_pattern": dict(config.module_ranks),
+        "target_parameters": list(config.target_parameters) or None,
         "init_lora_weights": True,
         "inference_mode": True,
         **_PLAIN,
@@ -107,6 +116,12 @@ def lora_config_from_peft(raw: Mapping[str, Any]) -> LoraConfig:
             f"adapter_config.json has target_modules={targets!r}, a regular expression; "
             "list the module names instead (['q_proj', 'v_proj'])"
         )
+    params = raw.get("target_parameters") or ()
+    if isinstance(params, str) or not isinstance(params, list | tuple):
+        raise LoraError(
+            f"adapter_config.json has target_parameters={params!r}; expected a list of "
+            f"parameter names ({list(EXPERT_PARAMETERS)})"
+        )
     pattern = raw.get("rank_pattern") or {}
     if not isinstance(pattern, dict):
         raise LoraError(f"adapter_config.json has rank_pattern={pattern!r}; expected a mapping")
@@ -114,8 +129,9 @@ def lora_config_from_peft(raw: Mapping[str, Any]) -> LoraConfig:
         rank=raw.get("r"),  # type: ignore[arg-type]  # LoraConfig checks it
         alpha=raw.get("lora_alpha", 8),  # PEFT's default
         dropout=raw.get("lora_dropout", 0.0),
-        target_modules=_module_order(targets),  # type: ignore[arg-type]
+        target_modules=_module_order(() if targets is None else targets),  # type: ignore[arg-type]
         module_ranks=pattern,  # type: ignore[arg-type]
+        target_parameters=params,
     )
 
 
@@ -138,4 +154,17 @@ def merge_lora(
         a, b = adapters[t.lora_a].float(), adapters[t.lora_b].float()
         delta = (b @ a) * (float(config.alpha) / t.rank)
         out[t.base] = (w.float() + delta.to(w.device)).to(w.dtype)
+    for x in lora_expert_targets(model, config):
+        a = adapters[x.lora_a].float().reshape(x.experts, x.rank, x.in_features)
+        b = adapters[x.lora_b].float().reshape(x.out_features, x.rank, x.experts)
+        scale = float(config.alpha) / x.rank
+        per_expert = len(x.parts) // x.experts
+        for e in range(x.experts):
+            delta = (b[:, :, e] @ a[e]) * scale  # expert e's [out, in]: its parts' rows
+            row = 0
+            for name in x.parts[e * per_expert : (e + 1) * per_expert]:
+                w = base[name]
+                d = delta[row : row + w.shape[0]]
+                out[name] = (w.float() + d.to(w.device)).to(w.dtype)
+                row += w.shape[0]
     return {s.name: out[s.name] for s in model.tensors}

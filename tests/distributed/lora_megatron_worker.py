@@ -45,6 +45,9 @@ CASES: tuple[tuple[str, str], ...] = (
     ("qwen2_4l", "megatron:d2p2v2"),
     ("qwen2", "megatron:d2c2"),
     ("mixtral", "megatron:d4e2"),
+    ("qwen3_moe", "megatron:d4e2"),
+    ("qwen3_moe", "megatron:d2p2e2"),
+    ("qwen3_moe", "megatron:d4e4"),
 )
 
 
@@ -72,6 +75,9 @@ def run_case(ref: dict[str, Any], strategy: str) -> dict[str, Any]:
         out: dict[str, Any] = {}
         fused = [t.name for t in engine.adapter_layout.tensors if ".linear_qkv.lora_" in t.name]
         out["fused_adapters"] = len(fused)
+        out["expert_adapters"] = len(
+            [t for t in engine.adapter_layout.tensors if ".local_experts." in t.name]
+        )
         start = engine.export_adapters()
         out["initial_b_zero"] = all(
             not bool(t.any()) for k, t in start.items() if k.endswith("lora_B.weight")
@@ -172,10 +178,25 @@ def run_checkpoint(ref: dict[str, Any], root: Path) -> dict[str, Any]:
     )
 
 
+def checkpoint_section(refs: dict[str, dict[str, Any]], out: Path) -> dict[str, Any]:
+    t0 = time.monotonic()
+    try:
+        rec = run_checkpoint(refs["qwen2"], out / "checkpoint")
+        rec["error"] = None
+    except Exception:
+        rec = {"error": traceback.format_exc()}
+    rec["seconds"] = round(time.monotonic() - t0, 2)
+    if dist.get_rank() == 0:
+        print(f"checkpoint: {rec['error']}", flush=True)
+    return rec
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
+    parser.add_argument("--only", default="", help="comma-separated case ids (default: all)")
     args = parser.parse_args()
+    only = [c for c in CASES if "/".join(c) in args.only.split(",")] if args.only else CASES
     warnings.filterwarnings("ignore", category=UserWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=180))
@@ -184,7 +205,7 @@ def main() -> int:
     refs: dict[str, dict[str, Any]] = {}
     start = time.monotonic()
     try:
-        for config, strategy in CASES:
+        for config, strategy in only:
             t0 = time.monotonic()
             try:
                 if config not in refs:
@@ -200,16 +221,8 @@ def main() -> int:
             results[f"{config}/{strategy}"] = rec
             if rank == 0:
                 print(f"{config}/{strategy}: {rec['error']}", flush=True)
-        t0 = time.monotonic()
-        try:
-            rec = run_checkpoint(refs["qwen2"], Path(args.out) / "checkpoint")
-            rec["error"] = None
-        except Exception:
-            rec = {"error": traceback.format_exc()}
-        rec["seconds"] = round(time.monotonic() - t0, 2)
-        results["checkpoint"] = rec
-        if rank == 0:
-            print(f"checkpoint: {rec['error']}", flush=True)
+        if not args.only:
+            results["checkpoint"] = checkpoint_section(refs, Path(args.out))
     finally:
         if rank == 0:
             out = Path(args.out)

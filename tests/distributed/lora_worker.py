@@ -42,7 +42,7 @@ if str(REPO) not in sys.path:
 
 from areal_fn.layouts.fsdp2 import Fsdp2Options  # noqa: E402
 from areal_fn.model.hf_memory import hf_state_to_canonical  # noqa: E402
-from areal_fn.model.lora import LoraConfig, lora_tensors  # noqa: E402
+from areal_fn.model.lora import EXPERT_PARAMETERS, LoraConfig, lora_tensors  # noqa: E402
 from areal_fn.model.spec import ModelSpec, model_from_hf_config  # noqa: E402
 from areal_fn.plans.convert import to_hf  # noqa: E402
 from areal_fn.runtime.checkpoint import RankState, load_checkpoint, save_checkpoint  # noqa: E402
@@ -92,6 +92,20 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "sliding_window": None,
         "torch_dtype": "float32",
     },
+    "qwen3_moe": {
+        "model_type": "qwen3_moe",
+        "hidden_size": 16,
+        "intermediate_size": 24,
+        "moe_intermediate_size": 12,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "vocab_size": 48,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "torch_dtype": "float32",
+    },
     "qwen3": {
         "model_type": "qwen3",
         "hidden_size": 16,
@@ -110,8 +124,19 @@ LORA = LoraConfig(rank=4, alpha=8.0, module_ranks=(("down_proj", 2),))
 LORA_MOE = LoraConfig(rank=4, alpha=8.0, target_modules=("q_proj", "k_proj", "v_proj", "o_proj"))
 
 
+#: Routed experts too: both fused expert parameters (PEFT's ``target_parameters``).
+LORA_EXPERTS = LoraConfig(
+    rank=4,
+    alpha=8.0,
+    target_modules=("q_proj", "k_proj", "v_proj"),
+    target_parameters=EXPERT_PARAMETERS,
+)
+
+
 def lora_of(spec: ModelSpec) -> LoraConfig:
     """The configuration the cases train ``spec`` with."""
+    if spec.model_type == "qwen3_moe":
+        return LORA_EXPERTS
     return LORA_MOE if spec.family.moe else LORA
 
 
@@ -124,6 +149,9 @@ CASES: tuple[tuple[str, str, int], ...] = (
     ("mixtral", "fsdp:d2t2", 1),
     ("qwen3", "fsdp:d2t2", 1),
     ("qwen3", "fsdp:t2c2", 1),
+    ("qwen3_moe", "fsdp:d4", 1),
+    ("qwen3_moe", "fsdp:d2t2", 1),
+    ("qwen3_moe", "fsdp:d4", 2),
 )
 
 
@@ -132,6 +160,10 @@ PLACED = tuple(
     f"model.layers.0.{m}{a}weight"
     for m in ("self_attn.q_proj", "self_attn.o_proj")
     for a in (".", ".lora_A.", ".lora_B.")
+) + tuple(
+    f"model.layers.0.mlp.experts.{p}{a}"
+    for p in ("gate_up_proj", "down_proj")
+    for a in ("", "_lora_A", "_lora_B")
 )
 
 
@@ -168,6 +200,7 @@ def peft_model(spec: ModelSpec, adapters: dict[str, Tensor]) -> torch.nn.Module:
         lora_dropout=lora.dropout,
         target_modules=list(lora.target_modules),
         rank_pattern=dict(lora.module_ranks),
+        target_parameters=list(lora.target_parameters) or None,
     )
     model = peft.get_peft_model(build_hf_model(spec), config)
     params = dict(model.named_parameters())
@@ -386,10 +419,27 @@ def run_checkpoint(ref: dict[str, Any], root: Path) -> dict[str, Any]:
     )
 
 
+def run_checkpoint_section(
+    refs: dict[str, dict[str, Any]], out: Path, results: dict[str, Any]
+) -> None:
+    t0 = time.monotonic()
+    try:
+        rec = run_checkpoint(refs[CHECKPOINT[0]], out / "checkpoint")
+        rec["error"] = None
+    except Exception:
+        rec = {"error": traceback.format_exc()}
+    rec["seconds"] = round(time.monotonic() - t0, 2)
+    results["checkpoint"] = rec
+    if dist.get_rank() == 0:
+        print(f"checkpoint: {rec['error']}", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
+    parser.add_argument("--only", default="", help="comma-separated case ids (default: all)")
     args = parser.parse_args()
+    only = [c for c in CASES if case_id(*c) in args.only.split(",")] if args.only else CASES
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
     warnings.filterwarnings("ignore", category=FutureWarning)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=180))
@@ -398,7 +448,7 @@ def main() -> int:
     refs: dict[str, dict[str, Any]] = {}
     start = time.monotonic()
     try:
-        for config, strategy, replicas in CASES:
+        for config, strategy, replicas in only:
             t0 = time.monotonic()
             try:
                 if config not in refs:
@@ -414,16 +464,8 @@ def main() -> int:
             results[case_id(config, strategy, replicas)] = rec
             if rank == 0:
                 print(f"{case_id(config, strategy, replicas)}: {rec['error']}", flush=True)
-        t0 = time.monotonic()
-        try:
-            rec = run_checkpoint(refs[CHECKPOINT[0]], Path(args.out) / "checkpoint")
-            rec["error"] = None
-        except Exception:
-            rec = {"error": traceback.format_exc()}
-        rec["seconds"] = round(time.monotonic() - t0, 2)
-        results["checkpoint"] = rec
-        if rank == 0:
-            print(f"checkpoint: {rec['error']}", flush=True)
+        if not args.only:
+            run_checkpoint_section(refs, Path(args.out), results)
     finally:
         if rank == 0:
             out = Path(args.out)

@@ -151,6 +151,7 @@ def test_inspect_counts_the_step_once_per_tensor(saved):
     }
     assert {t["name"]: t["bytes"] for t in doc["tensors"]} == want
     assert sum(doc["bytes_per_rank"].values()) == sum(want.values())
+    assert doc["lora"] is None  # a model's checkpoint, not adapters
     text = inspect_checkpoint(saved, verify=False, max_tensors=len(want))
     embed = TRUTH["param"]["model.embed_tokens.weight"]
     per_element = sum(TRUTH[k]["model.embed_tokens.weight"].element_size() for k in TRUTH)

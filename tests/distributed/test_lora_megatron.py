@@ -3,8 +3,11 @@
 One ``torchrun --nproc-per-node 4`` launch (``lora_megatron_worker.py``) runs two AdamW
 steps (clipped to norm 0.5) of :class:`~areal_fn.runtime.engines.megatron.MegatronEngine`
 built with ``lora=`` under ``megatron:d2t2``, ``d2p2``, ``t2p2`` and ``d2c2`` (qwen2),
-``d2t2`` (qwen3), ``d2p2v2`` (a 4-layer qwen2, interleaved) and ``d4e2`` (mixtral,
-experts over 2 ranks, adapters on the attention projections), its ``linear_qkv`` / ``linear_fc1`` holding the fused adapters, from the same
+``d2t2`` (qwen3), ``d2p2v2`` (a 4-layer qwen2, interleaved), ``d4e2`` (mixtral,
+experts over 2 ranks, adapters on the attention projections) and ``d4e2``, ``d2p2e2``
+and ``d4e4`` (qwen3_moe, adapters on q/k/v and on the routed experts: each local expert's
+``linear_fc1`` / ``linear_fc2`` holding its part of PEFT's fused ``target_parameters``
+pair), its ``linear_qkv`` / ``linear_fc1`` holding the fused adapters, from the same
 base weights and adapters as ``peft.get_peft_model`` of the transformers model stepping
 the whole batch (``lora_worker.reference``): loss, gradient norm and clipped adapter
 gradients of each step, the adapters after both steps and the log-probs after them
@@ -58,6 +61,8 @@ def test_megatron_adapter_training_equals_peft(results: dict[str, Any], case: st
     assert rec["error"] is None, rec["error"]
     assert rec["rank_errors"] == [None] * worker.WORLD, rec["rank_errors"]
     assert rec["fused_adapters"] > 0, "no fused linear_qkv adapter in the layout"
+    experts = rec["expert_adapters"]
+    assert experts == (2 * 2 * 2 * 4 if case.startswith("qwen3_moe/") else 0), experts
     assert rec["initial_b_zero"], "lora_B does not start at zero"
     assert rec["load_export_bitwise"], "load -> export of base and adapters is not bitwise"
     assert len(rec["steps"]) == lora_worker.STEPS

@@ -2,7 +2,9 @@
 
 One ``torchrun --nproc-per-node 4`` launch (``lora_worker.py``) runs, for tiny qwen2 and
 qwen3 models with adapters on every projection (``down_proj`` at another rank) and a
-mixtral (MoE: the attention projections, ``fsdp:d2t2``), two
+mixtral (MoE: the attention projections, ``fsdp:d2t2``), and a qwen3_moe with
+adapters on q/k/v and its routed experts (PEFT's ``target_parameters`` on the fused
+``gate_up_proj`` and ``down_proj``; ``fsdp:d4``, ``fsdp:d2t2`` and HSDP), two
 AdamW steps (gradients clipped to norm 0.5) of
 :class:`~areal_fn.runtime.engines.fsdp2.Fsdp2Engine` built with ``lora=`` under
 ``fsdp:d4``, HSDP (2 replicas x 2 shards), ``fsdp:d2t2``, Ulysses ``fsdp:d2c2`` and
@@ -79,7 +81,8 @@ def test_the_base_is_frozen(results: dict[str, Any], case: str) -> None:
     rec = results["cases"][case]
     assert rec["error"] is None, rec["error"]
     config = case.split("/")[0]
-    assert rec["frozen"] > 0 and rec["adapters"] == (16 if config == "mixtral" else 28)
+    assert rec["frozen"] > 0
+    assert rec["adapters"] == {"mixtral": 16, "qwen3_moe": 20}.get(config, 28)
     assert rec["frozen_with_grad"] == [], "base parameters got gradients (so a reduction)"
     assert rec["frozen_requiring_grad"] == []
     assert rec["optimizer_params_are_adapters"] and rec["optimizer_state_is_adapters"]
@@ -100,6 +103,19 @@ def test_adapters_under_tp_are_placed_beside_their_base(results: dict[str, Any])
     assert placed[f"{q}.lora_A.weight"] == "(Shard(dim=0), Replicate())"
     assert placed[f"{o}.weight"] == placed[f"{o}.lora_A.weight"] == "(Shard(dim=0), Shard(dim=1))"
     assert placed[f"{o}.lora_B.weight"] == "(Shard(dim=0), Replicate())"
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.xdist_group("lora_training")
+def test_expert_adapters_are_placed_like_their_fused_experts(results: dict[str, Any]) -> None:
+    """HSDP (mesh ``(dp_replicate, dp_shard)``): PEFT's pair of a fused expert parameter is
+    replicated over the replicas and sharded on dim 0 over ``dp_shard``, as its base is."""
+    placed = results["cases"]["qwen3_moe/fsdp:d4+r2"]["placements"]
+    for p in ("gate_up_proj", "down_proj"):
+        base = f"model.layers.0.mlp.experts.{p}"
+        assert placed[base] == "(Replicate(), Shard(dim=0))"
+        assert placed[f"{base}_lora_A"] == placed[f"{base}_lora_B"] == placed[base]
 
 
 def test_dropout_under_tp_is_refused_before_any_process_group() -> None:

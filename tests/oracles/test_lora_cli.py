@@ -8,6 +8,7 @@ adapter directory ``peft.PeftModel.from_pretrained`` loads with the adapters' lo
 flags that do not apply are refused in one line.
 """
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -77,8 +78,16 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     ids = torch.randint(0, spec.vocab_size, (2, 10), generator=g)
     with torch.no_grad():
         logits = ref(input_ids=ids).logits
+    saved = peft.get_peft_model_state_dict(ref)  # PEFT's names and shapes, as it saves them
     return dict(
-        root=root, spec=spec, adapters=adapters, ckpt=ckpt, base=base, ids=ids, logits=logits
+        root=root,
+        spec=spec,
+        adapters=adapters,
+        ckpt=ckpt,
+        base=base,
+        ids=ids,
+        logits=logits,
+        peft_shapes={k: list(v.shape) for k, v in saved.items()},
     )
 
 
@@ -98,6 +107,31 @@ def test_inspect_names_the_adapters(made: dict[str, Any], capsys: pytest.Capture
     ) in out.splitlines()
     for name in made["adapters"]:
         assert f"  {name}" in out
+
+
+def test_inspect_json_has_the_lora_field(
+    made: dict[str, Any], capsys: pytest.CaptureFixture
+) -> None:
+    assert main(["checkpoint", "inspect", str(made["ckpt"]), "--json"]) == 0
+    lora = json.loads(capsys.readouterr().out)["lora"]
+    adapters = lora.pop("adapters")
+    assert lora == {
+        "config": "hf/adapter_config.json",
+        "rank": 2,
+        "alpha": 6.0,
+        "dropout": 0.0,
+        "target_modules": ["q_proj", "v_proj", "up_proj"],
+        "module_ranks": {},
+        "target_parameters": [],
+    }
+    shapes = {a[k]["name"]: a[k]["shape"] for a in adapters for k in ("lora_A", "lora_B")}
+    assert shapes == made["peft_shapes"]  # every adapter PEFT saves, by its name and shape
+    for a in adapters:
+        assert a["lora_A"]["name"] == "base_model.model." + a["base"].replace(
+            ".weight", ".lora_A.weight"
+        )
+        assert a["base"].split(".")[-2] == a["module"] and a["rank"] == 2
+        assert a["experts"] is None
 
 
 def test_convert_writes_peft_and_merged(

@@ -145,6 +145,18 @@ def test_transformers_loads_the_merged_checkpoint(setup: dict[str, Any], tmp_pat
         ("peft_type", "IA3", r"^adapter_config\.json has peft_type='IA3'; only peft_type='LORA'"),
         ("target_modules", ".*q_proj", r"target_modules='\.\*q_proj', a regular expression; "),
         ("r", 0, r"^LoraConfig\.rank=0 must be an int >= 1"),
+        (
+            "target_parameters",
+            "mlp.experts.gate_up_proj",
+            r"^adapter_config\.json has target_parameters='mlp\.experts\.gate_up_proj'; expected "
+            r"a list of parameter names \(\['mlp\.experts\.gate_up_proj', 'mlp\.experts\.down_proj'\]\)$",
+        ),
+        (
+            "target_parameters",
+            ["experts.w1"],
+            r"^LoraConfig\.target_parameters has 'experts\.w1', which is not a parameter LoRA "
+            r"targets here; use names from \['mlp\.experts\.gate_up_proj', 'mlp\.experts\.down_proj'\]",
+        ),
     ],
 )
 def test_peft_configs_not_modelled_are_refused(key: str, value: object, message: str) -> None:

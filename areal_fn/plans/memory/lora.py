@@ -70,9 +70,9 @@ def lora_adapter_census(model: ModelSpec, component: Component | str, config: Lo
     """The census of ``config``'s adapters under one training component's layout:
     ``census_of(adapter_layout(layout_for(model, component), model, config))``, computed
     for a Megatron component without building the layout (its routed experts make a big
-    MoE model's layout take seconds; the adapters never sit on them)."""
+    MoE model's layout take seconds), unless ``config`` adapts the routed experts."""
     comp = as_component(component, caller="lora_adapter_census")
-    if comp.backend is not Backend.MEGATRON:
+    if comp.backend is not Backend.MEGATRON or config.target_parameters:
         return census_of(adapter_layout(layout_for(model, comp), model, config))
     dims = comp.dims
     check_dims(model, "megatron", dims)

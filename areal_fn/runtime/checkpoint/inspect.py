@@ -239,9 +239,10 @@ def _lora_lines(folder: Path, m: CheckpointManifest) -> list[str]:
         return []
     c = lora_config_from_peft(json.loads(raw))
     ranks = "".join(f", {mod} r={r}" for mod, r in c.module_ranks)
+    experts = f", routed experts {list(c.target_parameters)}" if c.target_parameters else ""
     return [
         f"  LoRA adapters of a frozen base (hf/{ADAPTER_CONFIG}): r={c.rank}, alpha={c.alpha}, "
-        f"dropout={c.dropout}, targets {list(c.target_modules)}{ranks}; export with "
+        f"dropout={c.dropout}, targets {list(c.target_modules)}{ranks}{experts}; export with "
         "convert DIR DST --to-hf (PEFT) or --to-hf --merge BASE"
     ]
 

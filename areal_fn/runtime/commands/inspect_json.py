@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from areal_fn.model.lora import LoraExpertTarget, LoraTarget, lora_expert_targets, lora_targets
 from areal_fn.plans.checkpoint import CheckpointManifest
 from areal_fn.runtime.checkpoint.files import (
     list_checkpoints,
@@ -19,7 +20,7 @@ from areal_fn.runtime.checkpoint.files import (
 from areal_fn.runtime.checkpoint.inspect import read_unverified
 from areal_fn.runtime.checkpoint.metadata import METADATA, check_metadata_file
 from areal_fn.runtime.commands.output import emit_json
-from areal_fn.runtime.hf.files import HF_DIR
+from areal_fn.runtime.hf.files import HF_DIR, checkpoint_hf_files
 
 __all__ = ["cmd_inspect_json", "inspect_json"]
 
@@ -34,6 +35,48 @@ def _keyed(m: CheckpointManifest, hmac_key: bytes | None) -> str:
     if hmac_key is not None:
         return "matches"  # checked above: a mismatch raised
     return "present, not checked" if m.keyed_digest is not None else "none"
+
+
+def _adapter(t: LoraTarget | LoraExpertTarget) -> dict[str, Any]:
+    module, experts = (
+        (t.parameter, t.experts) if isinstance(t, LoraExpertTarget) else (t.module, None)
+    )
+    pair = zip(("lora_A", "lora_B"), t.tensors, strict=True)
+    return {
+        "base": t.base,
+        "module": module,
+        "rank": t.rank,
+        "experts": experts,
+        **{k: {"name": s.name, "shape": list(s.shape)} for k, s in pair},
+    }
+
+
+def _lora(folder: Path, m: CheckpointManifest) -> dict[str, Any] | None:
+    """An adapter checkpoint's LoRA configuration (``hf/adapter_config.json``) and its
+    adapters per targeted layer; None for a checkpoint of a model."""
+    from areal_fn.model.spec import model_from_hf_config
+    from areal_fn.plans.lora_export import ADAPTER_CONFIG, lora_config_from_peft
+
+    hf = checkpoint_hf_files(folder, m)
+    raw = None if hf is None else dict(hf.files).get(ADAPTER_CONFIG)
+    if hf is None or raw is None:
+        return None
+    c = lora_config_from_peft(json.loads(raw))
+    model = model_from_hf_config(hf.config_dict)
+    targets: list[LoraTarget | LoraExpertTarget] = [
+        *lora_targets(model, c),
+        *lora_expert_targets(model, c),
+    ]
+    return {
+        "config": f"{HF_DIR}/{ADAPTER_CONFIG}",
+        "rank": c.rank,
+        "alpha": c.alpha,
+        "dropout": c.dropout,
+        "target_modules": list(c.target_modules),
+        "module_ranks": dict(c.module_ranks),
+        "target_parameters": list(c.target_parameters),
+        "adapters": [_adapter(t) for t in targets],
+    }
 
 
 def inspect_json(
@@ -63,6 +106,7 @@ def inspect_json(
         "optimizer": {"name": m.optimizer.name, "states": [s.name for s in m.optimizer.states]},
         "extras": list(m.extras),
         "hf_files": [f.path[len(prefix) :] for f in m.files if f.path.startswith(prefix)],
+        "lora": _lora(folder, m),
         "verified": verify,
         "storage_located": bool(m.storage),
         "keyed_digest": _keyed(m, hmac_key),

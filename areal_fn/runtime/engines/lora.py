@@ -14,6 +14,17 @@ as PEFT starts them: ``lora_A`` by ``nn.Linear``'s own initialisation (Kaiming u
 ``a = sqrt(5)``) from a generator seeded with ``seed``, ``lora_B`` zero, so the model
 computes what it did before.
 
+A fused expert parameter a configuration targets (``target_parameters``: transformers'
+``mlp.experts.gate_up_proj`` ``[E, out, in]``) gets PEFT's pair beside it on the same
+module, ``gate_up_proj_lora_A`` ``[E * r, in]`` and ``gate_up_proj_lora_B``
+``[out, E * r]`` (the names :func:`~areal_fn.layouts.lora.with_lora` gives them); the
+module's class becomes a subclass whose ``forward`` runs the original one with each
+targeted parameter replaced by what PEFT's ``ParamWrapper`` computes for it::
+
+    W + (alpha / r) * B_e @ A_e  for every expert e   (one torch.baddbmm)
+
+with ``A_e = lora_A[e*r:(e+1)*r]`` and ``B_e = lora_B[:, e::E]``.
+
 Under tensor parallelism the adapted layer takes one DTensor style
 (:func:`lora_tp_plan`): a column-parallel base (``ColwiseParallel``) holds ``lora_A``
 replicated and ``lora_B`` split like its rows; a row-parallel base holds ``lora_A``
@@ -34,7 +45,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from torch.distributed.tensor.placement_types import Placement as TPlacement
 
 from areal_fn.errors import LayoutError
-from areal_fn.model.lora import LoraConfig, lora_targets
+from areal_fn.model.lora import LoraConfig, LoraExpertTarget, lora_expert_targets, lora_targets
 from areal_fn.model.spec import ModelSpec
 from areal_fn.typecheck import beartype
 
@@ -115,6 +126,65 @@ def inject_lora(model: nn.Module, spec: ModelSpec, config: LoraConfig, *, seed: 
             base, rank=t.rank, alpha=float(config.alpha), dropout=config.dropout, seed=seed + i
         )
         setattr(parent, child, layer)
+    first = len(lora_targets(spec, config))
+    for i, x in enumerate(lora_expert_targets(spec, config)):
+        _inject_experts(model, x, alpha=float(config.alpha), seed=seed + first + i)
+
+
+class _LoraExperts(nn.Module):
+    """The forward of an experts module with LoRA adapters on fused parameters (mixed into
+    the module's own class by :func:`_inject_experts`)."""
+
+    #: (parameter name, rank, experts, scaling) per adapted parameter
+    lora_experts: tuple[tuple[str, int, int, float], ...] = ()
+
+    def forward(self, *args: object, **kwargs: object) -> object:
+        saved: dict[str, object] = {}
+        try:
+            for name, rank, experts, scaling in self.lora_experts:
+                w = self._parameters[name]
+                a = self._parameters[name + "_lora_A"]
+                b = self._parameters[name + "_lora_B"]
+                assert w is not None and a is not None and b is not None
+                lhs = b.reshape(b.shape[0], rank, experts).permute(2, 0, 1).to(w.dtype)
+                rhs = a.reshape(experts, rank, a.shape[-1]).to(w.dtype)
+                with torch.autocast(w.device.type, enabled=False):
+                    merged = torch.baddbmm(w, lhs, rhs, alpha=scaling)
+                saved[name] = w
+                self._parameters[name] = merged  # type: ignore[assignment]  # read by forward
+            return super().forward(*args, **kwargs)
+        finally:
+            self._parameters.update(saved)  # type: ignore[arg-type]
+
+
+_EXPERT_CLASSES: dict[type, type] = {}
+
+
+def _inject_experts(model: nn.Module, x: LoraExpertTarget, *, alpha: float, seed: int) -> None:
+    path, _, name = x.base.rpartition(".")
+    module = model.get_submodule(path)
+    w = module._parameters.get(name)
+    shape = (x.experts, x.out_features, x.in_features)
+    if w is None or tuple(w.shape) != shape:
+        raise LayoutError(
+            f"expert LoRA target {x.base!r} is not a parameter of shape {list(shape)} "
+            f"({None if w is None else list(w.shape)}); build the model from the spec's config"
+        )
+    er = x.experts * x.rank
+    a = nn.Parameter(torch.empty(er, x.in_features, device=w.device, dtype=torch.float32))
+    b = nn.Parameter(torch.zeros(x.out_features, er, device=w.device, dtype=torch.float32))
+    g = torch.Generator(device=w.device).manual_seed(seed)
+    with torch.no_grad():  # as PEFT starts lora_A, an nn.Linear(in, E * r)'s weight
+        nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=g)
+    module.register_parameter(name + "_lora_A", a)
+    module.register_parameter(name + "_lora_B", b)
+    cls = type(module)
+    if not issubclass(cls, _LoraExperts):
+        if cls not in _EXPERT_CLASSES:
+            _EXPERT_CLASSES[cls] = type(f"Lora{cls.__name__}", (_LoraExperts, cls), {})
+        module.__class__ = _EXPERT_CLASSES[cls]
+    assert isinstance(module, _LoraExperts)
+    module.lora_experts = (*module.lora_experts, (name, x.rank, x.experts, alpha / x.rank))
 
 
 def adapter_parameters(model: nn.Module) -> dict[str, nn.Parameter]:

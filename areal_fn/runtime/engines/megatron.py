@@ -78,7 +78,11 @@ from areal_fn.plans.convert import Reader, to_hf, to_megatron_into
 from areal_fn.plans.memory import PrecisionPolicy
 from areal_fn.plans.optim import LossScale
 from areal_fn.runtime.engines.common import AdamWConfig, DynamicLossScaler, norm_weights
-from areal_fn.runtime.engines.megatron_lora import initial_adapters, inject_megatron_lora
+from areal_fn.runtime.engines.megatron_lora import (
+    check_expert_lora,
+    initial_adapters,
+    inject_megatron_lora,
+)
 from areal_fn.runtime.engines.megatron_options import MegatronRunOptions, megatron_option_fields
 from areal_fn.runtime.engines.megatron_steps import MegatronSteps
 from areal_fn.runtime.engines.precision import megatron_loss_scale
@@ -190,6 +194,7 @@ class MegatronEngine(MegatronSteps):
         pdims = dims.dims if isinstance(dims, Component) else dims
         loss_scale = megatron_loss_scale(precision)  # pure: refused before any group exists
         _check_lora(lora, loss_scale)
+        check_expert_lora(lora, pdims.etp)
         self.lora = lora
         self._option_fields = megatron_option_fields(
             run_options,

@@ -18,7 +18,9 @@ vLLM 0.32 serves adapters it reads from a PEFT directory (``adapter_config.json`
    visible to every vLLM rank), vLLM's loaders cut each rank's part, and the new
    weights replace the old ones in the adapter's slot. A refused directory (vLLM
    validates it first) leaves the previous version served, but what vLLM's workers
-   would refuse (LoRA off, a rank over ``max_lora_rank``) is refused here first: at
+   would refuse (LoRA off, a rank over ``max_lora_rank``) is refused here first, and so
+   are adapters on routed experts (``target_parameters``: vLLM 0.32's CPU build has no
+   kernel that runs LoRA on MoE experts): at
    TP > 1 a refusal inside the workers leaves vLLM's replies to later calls out of step;
 3. removes the previous version's directory.
 
@@ -60,6 +62,18 @@ def safetensors_payload_bytes(file: Path) -> int:
     with open(file, "rb") as f:
         (header,) = struct.unpack("<Q", f.read(8))
     return os.path.getsize(file) - 8 - int(header)
+
+
+def _refuse_experts(config: LoraConfig) -> None:
+    if config.target_parameters:
+        raise LoraError(
+            f"LoraConfig.target_parameters={list(config.target_parameters)}: adapters on "
+            "routed experts are not synced into vLLM: vLLM 0.32's CPU build cannot serve "
+            "LoRA on MoE experts (PunicaWrapperCPU leaves the fused-MoE LoRA ops "
+            "unimplemented; its LoRA-capable MoE kernels are Triton's and TensorRT-LLM's, "
+            "GPU only); sync the merged weights (merge_lora with VllmWeightSync) or drop "
+            "target_parameters"
+        )
 
 
 def _check_lora_config(llm: Any, model: ModelSpec, config: LoraConfig) -> None:
@@ -120,6 +134,7 @@ class VllmLoraSync:
         lora_id: int = 1,
         base_model: str | None = None,
     ) -> None:
+        _refuse_experts(config)
         if type(llm).__name__ != "LLM" or not hasattr(llm, "llm_engine"):
             raise PlanError(
                 f"VllmLoraSync takes an offline vllm.LLM started with enable_lora=True, not "
