@@ -108,6 +108,15 @@ def test_transformers_linear_attention_does_not_reset_at_packed_boundaries() -> 
     assert outs["hybrid"] > 1e-3, outs
 
 
+def test_sequence_spans_start_at_column_zero_and_every_position_zero() -> None:
+    spans = linear_packed.sequence_spans
+    rows = torch.tensor([[0, 1, 2, 0, 1], [0, 1, 0, 1, 2]])
+    assert spans(rows) == (((0, 3), (3, 5)), ((0, 2), (2, 5)))
+    assert spans(torch.tensor([[3, 4, 0, 1]])) == (((0, 2), (2, 4)),)
+    assert spans(torch.arange(5).expand(2, 5)) is None  # one sequence a row: run whole
+    assert spans(None) is None
+
+
 #: Packed against one by one, fp32. Measured: logits <= 4.5e-8, gradients <= 1.4e-7 of
 #: their largest entry; without ``linear_packed`` 1.3e-2 to 2.0e-2 and 3.5e-2 to 5.6e-2.
 PACKED_LOGITS_ATOL = 1e-6

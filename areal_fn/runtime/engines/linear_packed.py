@@ -76,11 +76,12 @@ class _PerSequence:
         hidden: Tensor = args[0] if args else kwargs.pop("hidden_states")
         rest = args[1:]
         given = [k for k in ("cache", "attention_mask") if kwargs.get(k) is not None]
-        if given or any(a is not None for a in rest):
+        given += ["a positional argument"] * any(a is not None for a in rest)
+        if given:
             raise LayoutError(
                 f"{self.name}: a packed row (several sequences, position_ids restarting at "
-                f"0) with {given or 'a positional cache or mask'}; packed rows run without a "
-                "cache or padding mask (one sequence per row for generation)"
+                f"0) given {' and '.join(given)}; packed rows run without a cache or padding "
+                "mask (use_cache=False, no attention_mask), or one sequence per row"
             )
         if hidden.shape[0] != len(spans) or hidden.shape[1] != spans[0][-1][1]:
             raise LayoutError(
