@@ -9,7 +9,7 @@ model (:func:`~areal_fn.model.linear_attention.linear_mixers` names them):
 
 1. a forward pre-hook on its decoder layer reads the layer's ``position_ids`` and keeps
    each row's sequences: a sequence starts at column 0 and wherever ``position_ids``
-   is 0 (:func:`sequence_spans`);
+   is 0 (:func:`sequence_spans`, read once for the tensor every layer of a forward gets);
 2. the module's ``forward`` then runs transformers' own forward on each sequence's
    slice alone (a fresh state and conv window for each) and concatenates the outputs
    along the row; a batch whose every row holds one sequence runs whole, as before.
@@ -58,16 +58,31 @@ def sequence_spans(position_ids: Tensor | None) -> Spans | None:
     return tuple(out)
 
 
+class _LastSpans:
+    """The spans of the last ``position_ids`` tensor a model's layers were given (every
+    layer of one forward gets the same tensor: its spans are read once)."""
+
+    def __init__(self) -> None:
+        self.ids: Tensor | None = None
+        self.spans: Spans | None = None
+
+    def of(self, position_ids: Tensor | None) -> Spans | None:
+        if position_ids is None or position_ids is not self.ids:
+            self.ids, self.spans = position_ids, sequence_spans(position_ids)
+        return self.spans
+
+
 class _PerSequence:
     """One linear-attention module's forward, run per sequence of a packed row."""
 
-    def __init__(self, inner: Any, name: str) -> None:
+    def __init__(self, inner: Any, name: str, last: _LastSpans) -> None:
         self.inner = inner
         self.name = name
+        self.last = last
         self.spans: Spans | None = None
 
     def record(self, _layer: nn.Module, _args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        self.spans = sequence_spans(kwargs.get("position_ids"))
+        self.spans = self.last.of(kwargs.get("position_ids"))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         spans = self.spans
@@ -102,11 +117,12 @@ def install(model: nn.Module, spec: ModelSpec) -> int:
     linear attention). Call it once, before FSDP2 or activation checkpointing wrap the
     layers."""
     mixers = linear_mixers(spec)
+    last = _LastSpans()
     for layer_name, name in mixers:
         layer, module = model.get_submodule(layer_name), model.get_submodule(name)
         if isinstance(vars(module).get("forward"), _PerSequence):
             raise LayoutError(f"{name}: linear_packed.install was already called on this model")
-        wrapper = _PerSequence(module.forward, name)
+        wrapper = _PerSequence(module.forward, name, last)
         layer.register_forward_pre_hook(wrapper.record, with_kwargs=True)
         module.forward = wrapper  # type: ignore[method-assign]
     return len(mixers)
