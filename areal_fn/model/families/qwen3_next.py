@@ -18,7 +18,8 @@ checkpoint's ``mtp.*`` tensors are not part of the model transformers builds.
 
 Where it runs: specs, FSDP2 layouts (data parallel), inference layouts, weight sync,
 checkpoints and HF export. Refused, with the reason: Megatron layouts, the FSDP2
-engine under ``tp > 1``, and splitting or packing sequences (Ulysses, CP, packed rows).
+engine under ``tp > 1``, and splitting a sequence over ranks (Ulysses, CP). Packed rows
+train: the engine runs each linear-attention layer on every packed sequence alone.
 """
 
 import attrs
@@ -109,12 +110,11 @@ TP_REFUSAL = (
     "global head counts)"
 )
 
-#: Why Ulysses, context parallelism and packed rows are refused (shared by Qwen3.5).
+#: Why Ulysses and context parallelism are refused (shared by Qwen3.5).
 SEQUENCE_REFUSAL = (
-    "{mt}'s linear-attention layers carry a recurrent state along the sequence: Ulysses "
-    "and context parallelism would run it over part of a sequence, and transformers' "
-    "torch delta rule and conv do not reset the state at packed-sequence boundaries "
-    "(position_ids); train one sequence per row with c=1"
+    "{mt}'s linear-attention layers carry a recurrent state that must see the whole "
+    "sequence in order, and Ulysses and context parallelism would run it over one rank's "
+    "part of each sequence; use c=1"
 )
 
 #: The defaults the Qwen3-Next and Qwen3.5 config classes share.
