@@ -324,11 +324,14 @@ CASES: tuple[tuple[str, str], ...] = (
     ("gemma3_text", "fsdp:t2c2"),
     ("minimax_m2", "fsdp:d4"),
     ("minimax_m2", "fsdp:d2c2"),  # Ulysses: q/k norms over the whole projection per token
-    ("qwen3_next", "fsdp:d4"),  # gated delta net: data parallel only (no TP, no Ulysses)
+    ("qwen3_next", "fsdp:d4"),  # gated delta net: no Ulysses
     ("qwen3_5_text", "fsdp:d4"),
     ("qwen3_5_moe_text", "hsdp:d4r2"),
     ("qwen3_next", "fsdp:d4+pack"),  # packed rows: each sequence's linear attention alone
     ("qwen3_5_moe_text", "hsdp:d4r2+pack"),
+    ("qwen3_next", "fsdp:d2t2"),  # linear attention by key-head group (fused projections)
+    ("qwen3_5_moe_text", "fsdp:d2t2"),  # [q; k; v] on each rank's rows
+    ("qwen3_next", "fsdp:d2t2+pack"),  # packed rows under tp
     ("deepseek_v32", "fsdp:d4"),  # the indexer runs without gradient (transformers)
     ("deepseek_v32", "fsdp:d2t2"),  # indexer replicated beside column-wise MLA
     ("glm_moe_dsa", "fsdp:d2t2"),

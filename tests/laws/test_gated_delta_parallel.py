@@ -1,6 +1,7 @@
 """The gated-delta-net families under parallelism: what runs and what is refused.
 
-FSDP2 layouts split them over data-parallel ranks (HSDP included); tensor parallelism,
+FSDP2 layouts split them over data-parallel ranks (HSDP included) and tensor-parallel
+ranks (each rank's key-head groups: ``tests/oracles/test_gated_delta_tp.py``);
 Ulysses / context parallelism and every Megatron layout are refused with the reason, on
 every path (layouts, ``check_strategy``, the advisor's rules). Packed rows train: a fact
 of transformers' modules pinned here is that a linear-attention layer does not restart
@@ -37,12 +38,8 @@ FAMILIES = {
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_fsdp2_data_parallel_layouts_and_refusals(name: str) -> None:
     spec = model_from_hf_config(FAMILIES[name])
-    for ok in ("fsdp:d4", "fsdp:d2"):
-        assert fsdp2_layout(spec, ok).world_size == int(ok[-1])
-    with pytest.raises(
-        LayoutError, match=rf"tp=2: {name}'s linear-attention layers split their fused projections"
-    ):
-        fsdp2_layout(spec, "fsdp:d2t2")
+    for ok, world in (("fsdp:d4", 4), ("fsdp:d2", 2), ("fsdp:d2t2", 4)):
+        assert fsdp2_layout(spec, ok).world_size == world
     with pytest.raises(
         LayoutError,
         match=rf"cp=2: {name}'s linear-attention layers carry a recurrent state that must see",
@@ -57,9 +54,10 @@ def test_fsdp2_data_parallel_layouts_and_refusals(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
-def test_inference_tp_splits_full_attention_and_keeps_linear_attention_whole(name: str) -> None:
+def test_inference_tp_splits_full_attention_by_heads(name: str) -> None:
     """Inference layouts under TP: gated q_proj by heads (``[q_h; gate_h]`` rows stay
-    together), every linear-attention tensor whole on every rank."""
+    together); linear attention's ``[q; k; v]`` tensors and its norm whole on every rank,
+    its other tensors split."""
     spec = model_from_hf_config(FAMILIES[name])
     layout = inference_layout(spec, "sglang:d1t2")
     for rank in (0, 1):
@@ -70,8 +68,9 @@ def test_inference_tp_splits_full_attention_and_keeps_linear_attention_whole(nam
         (piece,) = q.pieces
         assert piece.canonical_box.ranges[0] == (rank * full[0] // 2, (rank + 1) * full[0] // 2)
         for t in spec.layer_tensors(0):
+            whole = t.name.endswith(("conv1d.weight", "in_proj_qkv.weight", "norm.weight"))
             if ".linear_attn." in t.name:
-                assert local[t.name].shape == t.shape
+                assert (local[t.name].shape == t.shape) == whole, t.name
 
 
 def test_other_families_pack() -> None:
