@@ -14,10 +14,11 @@ each computes ``T/cp`` of their tokens. ``pp``, ``ep``, ``etp`` and ``vpp`` must
 TP plan by each tensor's role in its family's table
 (:class:`~areal_fn.model.families.tp_role.TpRole`, like AReaL's plan by module):
 column roles (q/k/v, gate/up, multi-latent attention's up projections) ``Shard(0)``,
-head roles (gpt-oss's attention sinks) ``Shard(0)``, row roles (o/down) ``Shard(1)``
-(their biases replicated), the vocabulary tensors ``Shard(0)`` (``tp_embeddings=False``
-replicates them); routed experts (per-expert or stacked) and every other role
-replicated. FSDP2 then shards dim 0 of
+head roles (gpt-oss's attention sinks, a gated delta net's ``A_log`` / ``dt_bias``)
+``Shard(0)``, row roles (o/down) ``Shard(1)`` (their biases replicated), the vocabulary
+tensors ``Shard(0)`` (``tp_embeddings=False`` replicates them); routed experts (per-expert
+or stacked) and every other role replicated (a gated delta net's ``[q; k; v]`` tensors
+among them: each rank computes on its rows, :mod:`areal_fn.model.linear_tp`). FSDP2 then shards dim 0 of
 every parameter over ``dp_shard``; on a dim that TP already shards it produces
 ``StridedShard(0, split_factor=tp)`` (right-to-left sharding), elsewhere ``Shard(0)``.
 """
@@ -43,6 +44,7 @@ _BY_ROLE: dict[TpRole, Placement] = {
     TpRole.COLUMN: Shard(dim=0),
     TpRole.KV: Shard(dim=0),
     TpRole.HEAD: Shard(dim=0),
+    TpRole.DELTA_HEAD: Shard(dim=0),
     TpRole.ROW: Shard(dim=1),
 }
 

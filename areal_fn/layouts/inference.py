@@ -127,7 +127,7 @@ def _tp_placement(model: ModelSpec, spec: TensorSpec, *, vocab: bool) -> Placeme
     rec = tp_record(model.family, spec.name)
     if rec is None:
         return Replicate()
-    if rec.tp in (TpRole.COLUMN, TpRole.KV, TpRole.HEAD):
+    if rec.tp in (TpRole.COLUMN, TpRole.KV, TpRole.HEAD, TpRole.DELTA_HEAD):
         return Shard(dim=len(spec.shape) - 1) if rec.stacked else Shard(dim=0)
     if rec.tp is TpRole.ROW:
         return Shard(dim=1)

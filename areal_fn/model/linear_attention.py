@@ -26,6 +26,7 @@ import attrs
 from areal_fn.errors import LayoutError, SpecError, UnsupportedConfigError
 from areal_fn.model.families import TEXT_CONFIG_TYPES, Family
 from areal_fn.model.families.mapping import Dim
+from areal_fn.model.families.mixer import Mixer
 
 #: The ``layer_types`` entries of a family with linear attention.
 LINEAR_KINDS = ("full_attention", "linear_attention")
@@ -256,7 +257,36 @@ def check_linear(spec: Any) -> None:
 
 def check_packing(spec: Any) -> None:
     """Refuse packed rows (several sequences in one row) for a family whose layers carry
-    a state along the sequence (:attr:`~areal_fn.model.families.Family.sequence_refusal`)."""
+    a state along the sequence (:attr:`~areal_fn.model.families.Family.sequence_refusal`),
+    unless that state is linear attention's: the FSDP2 engine runs each linear-attention
+    layer on every sequence of a packed row alone
+    (:mod:`~areal_fn.runtime.engines.linear_packed`), so its state and conv window
+    start afresh at each sequence."""
     why = spec.family.sequence_refusal
-    if why:
+    if why and not spec.family.linear_attention:
         raise LayoutError(f"packed sequences are refused: {why}")
+
+
+def linear_mixers(spec: Any) -> tuple[tuple[str, str], ...]:
+    """``(decoder layer, its linear-attention module)`` module names of every
+    linear-attention layer of ``spec``, in layer order (the module: the common prefix of
+    the family's linear-attention tensors, e.g. ``model.layers.0`` and
+    ``model.layers.0.linear_attn``); empty without linear attention."""
+    la: LinearAttention | None = spec.linear_attention
+    rows = [r.name for r in spec.family.canonical if r.mixer is Mixer.LINEAR]
+    if la is None or not rows:
+        return ()
+    parts = [name.split(".") for name in rows]
+    common = []
+    for column in zip(*parts, strict=False):
+        if len(set(column)) > 1:
+            break
+        common.append(column[0])
+    module = ".".join(common)
+    out = []
+    for i, linear in enumerate(la.layers):
+        if linear:
+            full = next(t.name for t in spec.layer_tensors(i) if t.name.endswith("." + rows[0]))
+            layer = full.removesuffix("." + rows[0])
+            out.append((layer, f"{layer}.{module}"))
+    return tuple(out)

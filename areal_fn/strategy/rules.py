@@ -66,7 +66,7 @@ from areal_fn.strategy.rules_fixed import (
     _Options,
     _Rule,
 )
-from areal_fn.strategy.rules_fsdp2 import FSDP2_RULES
+from areal_fn.strategy.rules_fsdp2 import FSDP2_RULES, linear_key_heads
 from areal_fn.typecheck import beartype
 
 __all__ = ["KINDS", "Kind", "Problem", "check_dims", "dims_problems", "valid_degrees"]
@@ -304,6 +304,7 @@ _INFERENCE: tuple[_Rule, ...] = (
     *_fixed(_INFERENCE_FIXED),
     _heads,
     _kv_engines,
+    linear_key_heads,
     _channels,
     _expert_channels,
     _engine_vocab,

@@ -97,6 +97,21 @@ def _fsdp2_family_tp(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | No
     return Problem(field="tp", reads=("tp",), text=f"tp={d.tp}: {why}")
 
 
+def linear_key_heads(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
+    """Gated-delta-net layers split by key-head group (:mod:`areal_fn.model.linear_tp`):
+    ``tp`` must divide ``linear_num_key_heads`` (the FSDP2 engine and the inference engines)."""
+    la = m.linear_attention
+    if la is None or la.key_heads % d.tp == 0:
+        return None
+    return Problem(
+        field="tp",
+        reads=("tp",),
+        text=f"tp={d.tp} does not divide linear_num_key_heads={la.key_heads} ({m.model_type}); "
+        "each tp rank runs whole key-head groups of the linear-attention layers, as "
+        "Megatron-Core and vLLM split them",
+    )
+
+
 def _fsdp2_family_sequence(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
     """A family whose layers carry a state along the sequence (its ``sequence_refusal``):
     no Ulysses split."""
@@ -109,6 +124,7 @@ def _fsdp2_family_sequence(m: ModelSpec, d: ParallelDims, o: _Options) -> Proble
 #: In the order ``check_dims`` applies them, after the rules FSDP2 shares.
 FSDP2_RULES: tuple[_Rule, ...] = (
     _fsdp2_family_tp,
+    linear_key_heads,
     _fsdp2_family_sequence,
     _ulysses_heads,
     _ulysses_kv,

@@ -265,9 +265,12 @@ LAYOUT_CASES: tuple[tuple[str, str], ...] = (
     ("gemma3_text", "d4"),
     ("gemma3_text", "d2t2"),
     ("minimax_m2", "d4"),  # no TP: q/k norms over the whole projections, as olmo3
-    ("qwen3_next", "d4"),  # no TP: linear attention's fused projections (fsdp2_layout refuses)
+    ("qwen3_next", "d4"),
+    ("qwen3_next", "d2t2"),  # linear attention by key-head group (model/linear_tp.py)
     ("qwen3_5_text", "hsdp2x2"),
+    ("qwen3_5_text", "d2t2"),
     ("qwen3_5_moe_text", "d4"),
+    ("qwen3_5_moe_text", "d2t2"),
     ("deepseek_v32", "d2t2"),
     ("glm_moe_dsa", "d4"),
 )
@@ -279,6 +282,10 @@ RUN_OPTIONS: dict[str, tuple[Fsdp2RunOptions, float, float]] = {
     # order may move them as far (measured 1.7e-5 under d2t2)
     "fp32_wide": (Fsdp2RunOptions(), 5e-5, 2.5e-7),
     "ac": (Fsdp2RunOptions(activation_checkpointing=True), 1e-6, 2.5e-7),
+    # qwen3_5_text under tp (delta rule on each rank's key-head groups): float32 itself
+    # moves the unsharded model's gradients by 4.6e-5 from float64; measured 4.1e-5
+    # (weights after the step 4.0e-7)
+    "ac_wide": (Fsdp2RunOptions(activation_checkpointing=True), 5e-5, 5e-7),
     "offload": (Fsdp2RunOptions(cpu_offload=True), 1e-6, 2.5e-7),
     "bf16": (Fsdp2RunOptions(param_dtype="bfloat16", reduce_dtype="float32"), 5e-2, 5e-4),
 }
@@ -296,6 +303,7 @@ TRAIN_CASES: tuple[tuple[str, str, str], ...] = (
     ("minimax_m2", "d4", "fp32"),
     ("qwen3_next", "d4", "fp32"),
     ("qwen3_5_moe_text", "d4", "fp32"),
+    ("qwen3_5_text", "d2t2", "ac_wide"),  # each rank's key-head groups, recomputed
     ("llama_tied", "d2t2_rep_emb", "fp32"),
     ("qwen3", "d2t2", "ac"),
     ("qwen3", "d2t2", "offload"),
@@ -303,6 +311,12 @@ TRAIN_CASES: tuple[tuple[str, str, str], ...] = (
 )
 
 LOGITS_ATOL = 1e-5
+#: The gated-delta-net families under tp (each rank's key-head groups: other GEMM shapes,
+#: out_proj summed over tp) differ by 1.3e-5 (qwen3_next d2t2) and 2.3e-5
+#: (qwen3_5_moe_text d2t2) at logits up to 2.6; float32 itself moves the unsharded
+#: model's logits by 4.0e-6 to 2.2e-5 from float64 (tests/oracles/test_gated_delta_tp.py
+#: checks the split exact in float64)
+LOGITS_ATOL_OF = {"qwen3_next": 5e-5, "qwen3_5_text": 5e-5, "qwen3_5_moe_text": 5e-5}
 TRAIN_LR = 1e-2
 BATCH, SEQ = 4, 8
 
@@ -531,7 +545,8 @@ def section_layout(rec: Recorder, config: str, strategy: str, dms: dict[Mesh, An
     diff = float((got_logits - want_logits).abs().max())
     rec.measured.setdefault("logits_max_abs_diff", {})[case] = diff
     rec.check(
-        tuple(got_logits.shape) == (2, SEQ, spec.vocab_size) and diff <= LOGITS_ATOL,
+        tuple(got_logits.shape) == (2, SEQ, spec.vocab_size)
+        and diff <= LOGITS_ATOL_OF.get(config, LOGITS_ATOL),
         "forward.logits",
         case=case,
         diff=diff,

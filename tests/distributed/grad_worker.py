@@ -51,7 +51,7 @@ from areal_fn.runtime.engines.common import AdamWConfig, split_rows  # noqa: E40
 from areal_fn.runtime.engines.fsdp2 import Fsdp2Engine, build_hf_model  # noqa: E402
 from areal_fn.runtime.engines.fsdp2_apply import Fsdp2RunOptions  # noqa: E402
 from areal_fn.runtime.engines.megatron import MegatronEngine  # noqa: E402
-from areal_fn.runtime.engines.packed import TokenSequence  # noqa: E402
+from areal_fn.runtime.engines.packed import TokenSequence, pack_rows  # noqa: E402
 from areal_fn.strategy.parse import parse_allocation  # noqa: E402
 from tests.distributed import (  # noqa: E402
     dsa_configs,
@@ -275,6 +275,9 @@ MASKED = "+mask"
 PACKED = "+pack"
 PACKED_LENGTHS = (16, 5, 9, 12, 3, 16, 7, 10)
 PACKED_BUDGET = 16
+#: Per model, a budget that packs two sequences into every row of a 4-share split (the
+#: gated-delta-net families: their linear-attention layers run each sequence alone).
+PACKED_BUDGET_OF = {"qwen3_next": 32, "qwen3_5_moe_text": 32}
 #: A label ending in this runs fp16 with a dynamic loss scale for several steps
 #: (``fp16_cases.py``).
 FP16 = fp16_cases.FP16
@@ -323,9 +326,14 @@ CASES: tuple[tuple[str, str], ...] = (
     ("gemma3_text", "fsdp:t2c2"),
     ("minimax_m2", "fsdp:d4"),
     ("minimax_m2", "fsdp:d2c2"),  # Ulysses: q/k norms over the whole projection per token
-    ("qwen3_next", "fsdp:d4"),  # gated delta net: data parallel only (no TP, no Ulysses)
+    ("qwen3_next", "fsdp:d4"),  # gated delta net: no Ulysses
     ("qwen3_5_text", "fsdp:d4"),
     ("qwen3_5_moe_text", "hsdp:d4r2"),
+    ("qwen3_next", "fsdp:d4+pack"),  # packed rows: each sequence's linear attention alone
+    ("qwen3_5_moe_text", "hsdp:d4r2+pack"),
+    ("qwen3_next", "fsdp:d2t2"),  # linear attention by key-head group (fused projections)
+    ("qwen3_5_moe_text", "fsdp:d2t2"),  # [q; k; v] on each rank's rows
+    ("qwen3_next", "fsdp:d2t2+pack"),  # packed rows under tp
     ("deepseek_v32", "fsdp:d4"),  # the indexer runs without gradient (transformers)
     ("deepseek_v32", "fsdp:d2t2"),  # indexer replicated beside column-wise MLA
     ("glm_moe_dsa", "fsdp:d2t2"),
@@ -498,16 +506,22 @@ def megatron_token_hooks(engine: MegatronEngine) -> list[int]:
     return seen
 
 
+def packed_share(engine: Any, ref: dict[str, Any]) -> tuple[list[TokenSequence], int]:
+    """This share's packed sequences (dealt round-robin) and the row budget."""
+    seqs = [
+        TokenSequence(input_ids=ids, loss_mask=mask, weights=w)
+        for i, (ids, mask, w) in enumerate(ref["data"])
+        if i % engine.dp_size == engine.dp_rank
+    ]
+    return seqs, PACKED_BUDGET_OF.get(ref["spec"].model_type, PACKED_BUDGET)
+
+
 def train_and_logprobs(engine: Any, label: str, ref: dict[str, Any]) -> tuple[Any, float]:
     """The engine's step on its share and the largest log-prob difference after it."""
     if label.endswith(PACKED):
-        seqs = [
-            TokenSequence(input_ids=ids, loss_mask=mask, weights=w)
-            for i, (ids, mask, w) in enumerate(ref["data"])
-            if i % engine.dp_size == engine.dp_rank
-        ]
-        stats = engine.train_step_packed(seqs, max_tokens_per_micro_batch=PACKED_BUDGET)
-        logp = engine.forward_logprobs_packed(seqs, max_tokens_per_micro_batch=PACKED_BUDGET)
+        seqs, budget = packed_share(engine, ref)
+        stats = engine.train_step_packed(seqs, max_tokens_per_micro_batch=budget)
+        logp = engine.forward_logprobs_packed(seqs, max_tokens_per_micro_batch=budget)
         want = [lp for i, lp in enumerate(ref["logp"]) if i % engine.dp_size == engine.dp_rank]
         diff = max(float((a - b).abs().max()) for a, b in zip(logp, want, strict=True))
         return stats, diff
@@ -574,6 +588,14 @@ def run_case(config: str, label: str, ref: dict[str, Any]) -> dict[str, Any]:
         dist.all_gather_object(gathered_seen, seen)
         out["tokens_seen"] = gathered_seen  # per rank: embedding, layer-0 attention, ...
         out["dp_size"], out["sp"] = engine.dp_size, getattr(engine, "sp", 1)
+        if label.endswith(PACKED) and isinstance(engine, Fsdp2Engine):  # sequences per row
+            seqs, budget = packed_share(engine, ref)
+            rows = [
+                len(r.sequences) for r in pack_rows(seqs, max_tokens=budget, multiple_of=engine.sp)
+            ]
+            gathered_rows: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered_rows, rows)
+            out["sequences_per_row"] = gathered_rows
         if isinstance(engine, Fsdp2Engine) and engine.sp > 1:  # refused before any collective
             try:
                 engine.train_step(ref.get("ids", torch.zeros(1, SEQ, dtype=torch.long))[:1, :-1])

@@ -169,7 +169,7 @@ def test_logits_match_unsharded_model(records: list[dict[str, Any]]) -> None:
         diffs = rec["measured"]["logits_max_abs_diff"]
         assert len(diffs) == len(worker.LAYOUT_CASES)
         for case, diff in diffs.items():
-            assert diff <= worker.LOGITS_ATOL, case
+            assert diff <= worker.LOGITS_ATOL_OF.get(case.split("/")[0], worker.LOGITS_ATOL), case
             if "/d4" in case or "/hsdp" in case:
                 assert diff == 0.0, case  # no TP: the same arithmetic in the same order
 

@@ -21,7 +21,10 @@ the first attention layer record that each rank ran ``T/cp`` tokens; mixtral und
 ``t2c2`` has one KV head per TP rank, repeated for ``cp=2``. The ``+pack`` case trains
 on sequences of 3 to 16 tokens (2 prompt tokens that are not targets, per-token
 weights) packed into rows of at most 16 tokens, against the plain model run on each
-sequence alone: packed equals one by one, log-probs included.
+sequence alone: packed equals one by one, log-probs included. The gated-delta-net
+families pack too (``qwen3_next/fsdp:d4+pack``, ``qwen3_5_moe_text/hsdp:d4r2+pack``, rows
+of at most 32 tokens: two sequences of different lengths in every row of every rank),
+their linear-attention layers run on each sequence alone.
 
 Megatron context parallelism (``megatron:d2c2``, ``t2c2``, ``p2c2`` on packed sequences,
 and ``d2c2e2`` for deepseek_v3: multi-latent attention with experts): each CP rank holds
@@ -89,8 +92,10 @@ LOGPROB_ATOL = 1e-5  # log-probs after the step: <= 9.5e-7
 # is 9.9e-8): its log-probs after the step differ by up to 1.4e-4 (fsdp:d2t2, t2c2);
 # before the step (the loss) by 1.9e-7
 # qwen3_next (gated delta net, (1 + w) norms, gated shared expert): up to 1.03e-5 after
-# the step (fsdp:d4), its loss before the step by 7.0e-7
-LOGPROB_ATOL_OF = {"gemma3_text": 5e-4, "qwen3_next": 5e-5}
+# the step (fsdp:d4; 3.3e-6 packed), its loss before the step by 7.0e-7
+# qwen3_5_moe_text under fsdp:d2t2 (its linear-attention layers on each rank's key-head
+# groups): 2.6e-5 after the step, its loss before the step by 9.5e-8
+LOGPROB_ATOL_OF = {"gemma3_text": 5e-4, "qwen3_next": 5e-5, "qwen3_5_moe_text": 5e-5}
 
 
 @pytest.fixture(scope="module")
@@ -204,6 +209,25 @@ def test_cp_cases_are_in_the_launch() -> None:
         "qwen2/megatron:p2c2+pack",
         "deepseek_v3/megatron:d2c2e2",
     }
+
+
+#: The gated-delta-net families' packed cases (``linear_packed``).
+_LINEAR_PACKED = ["qwen3_next/fsdp:d4+pack", "qwen3_5_moe_text/hsdp:d4r2+pack"]
+
+
+def test_linear_attention_packed_cases_are_in_the_launch() -> None:
+    assert set(_LINEAR_PACKED) <= set(_case_ids())
+
+
+@pytest.mark.parametrize("case", _LINEAR_PACKED)
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.xdist_group("grad_equivalence")
+def test_linear_attention_rows_pack_several_sequences(results: dict[str, Any], case: str) -> None:
+    """Every row of every rank holds two sequences, so the law above is about packing."""
+    rec = results["cases"][case]
+    assert rec["error"] is None, rec["error"]
+    assert rec["sequences_per_row"] == [[2]] * worker.WORLD, rec["sequences_per_row"]
 
 
 def test_sp_cases_are_in_the_launch() -> None:

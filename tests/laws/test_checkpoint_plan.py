@@ -111,6 +111,9 @@ def test_every_element_is_written_once_by_a_holder_real_models(data):
                     and model.num_attention_heads % d == 0
                     and model.intermediate_size % d == 0
                     and (d == 1 or not model.family.fsdp2_tp_refusal)  # olmo3: no FSDP2 TP
+                    and (
+                        model.linear_attention is None or model.linear_attention.key_heads % d == 0
+                    )
                 ]
             )
         )

@@ -71,6 +71,7 @@ def test_fsdp2_and_inference_round_trips_are_bitwise(data):
                 and model.num_attention_heads % d == 0
                 and model.intermediate_size % d == 0
                 and (d == 1 or not model.family.fsdp2_tp_refusal)  # olmo3: no FSDP2 TP
+                and (model.linear_attention is None or model.linear_attention.key_heads % d == 0)
                 # FSDP2 over more than two shards cannot describe a row split unevenly over tp
                 and (dp <= 2 or model.num_shared_experts * model.moe_intermediate_size % d == 0)
             ]
@@ -86,6 +87,7 @@ def test_fsdp2_and_inference_round_trips_are_bitwise(data):
                 for d in (1, 2, 4)
                 if model.num_attention_heads % d == 0
                 and (model.num_key_value_heads % d == 0 or d % model.num_key_value_heads == 0)
+                and (model.linear_attention is None or model.linear_attention.key_heads % d == 0)
                 and (model.moe_intermediate_size or 2) % d == 0
                 and model.intermediate_size % d == 0
             ]

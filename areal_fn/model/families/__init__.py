@@ -204,7 +204,9 @@ class Family:
     - ``linear_attention``: some layers are gated-delta-net linear attention, as
       ``layer_types`` / ``full_attention_interval`` say (:mod:`areal_fn.model.linear_attention`).
     - ``sequence_refusal``: why the engines cannot split a sequence over ranks (Ulysses,
-      context parallelism) or pack sequences into one row for the family, or empty.
+      context parallelism) or pack sequences into one row for the family, or empty; a
+      ``linear_attention`` family packs all the same (the FSDP2 engine runs its
+      linear-attention layers per sequence: ``check_packing``).
     - ``ignored_rope_keys``: ``rope_parameters`` keys that change nothing for text input
       (Qwen3.5's multimodal ``mrope_section``: with one position per token it is plain rope).
     - ``serving``: what the serving and building paths need beyond the tables

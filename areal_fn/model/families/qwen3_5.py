@@ -28,21 +28,21 @@ from areal_fn.model.families.qwen3_next import (
     LINEAR_TAIL_HF,
     MEGATRON_REFUSAL,
     SEQUENCE_REFUSAL,
-    TP_REFUSAL,
     linear_params_hf,
 )
+from areal_fn.model.families.tp_role import TpRole
 
 #: Qwen3.5's gated delta net: the projections split (``in_proj_qkv``, ``_z``, ``_b``, ``_a``).
 SPLIT_GATED_DELTA_NET_HF: tuple[HfTensor, ...] = (
     *linear_params_hf(),
     *LINEAR_TAIL_HF,
     *(
-        HfTensor(name=f"linear_attn.{n}.weight", shape=(d, Dim.HIDDEN), mixer=Mixer.LINEAR)
-        for n, d in (
-            ("in_proj_qkv", Dim.LIN_QKV),
-            ("in_proj_z", Dim.LIN_V),
-            ("in_proj_b", Dim.LIN_V_HEADS),
-            ("in_proj_a", Dim.LIN_V_HEADS),
+        HfTensor(name=f"linear_attn.{n}.weight", shape=(d, Dim.HIDDEN), mixer=Mixer.LINEAR, tp=tp)
+        for n, d, tp in (
+            ("in_proj_qkv", Dim.LIN_QKV, TpRole.DELTA_QKV),
+            ("in_proj_z", Dim.LIN_V, TpRole.COLUMN),  # by value head
+            ("in_proj_b", Dim.LIN_V_HEADS, TpRole.COLUMN),
+            ("in_proj_a", Dim.LIN_V_HEADS, TpRole.COLUMN),
         )
     ),
 )
@@ -68,7 +68,6 @@ FAMILY = Family(
     must_be=(("attention_bias", False),),
     ignored_rope_keys=_MROPE,
     megatron_refusal=MEGATRON_REFUSAL.format(mt="qwen3_5_text"),
-    fsdp2_tp_refusal=TP_REFUSAL.format(mt="qwen3_5_text"),
     sequence_refusal=SEQUENCE_REFUSAL.format(mt="qwen3_5_text"),
 )
 
@@ -109,6 +108,5 @@ MOE_FAMILY = Family(
     must_be=(("attention_bias", False),),
     ignored_rope_keys=_MROPE,
     megatron_refusal=MEGATRON_REFUSAL.format(mt="qwen3_5_moe_text"),
-    fsdp2_tp_refusal=TP_REFUSAL.format(mt="qwen3_5_moe_text"),
     sequence_refusal=SEQUENCE_REFUSAL.format(mt="qwen3_5_moe_text"),
 )

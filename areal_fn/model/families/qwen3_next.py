@@ -16,9 +16,12 @@ by ``sigmoid(mlp.shared_expert_gate(x))``. Layers in ``mlp_only_layers`` (or off
 ``decoder_sparse_step``) have a dense MLP of ``intermediate_size``. The published
 checkpoint's ``mtp.*`` tensors are not part of the model transformers builds.
 
-Where it runs: specs, FSDP2 layouts (data parallel), inference layouts, weight sync,
-checkpoints and HF export. Refused, with the reason: Megatron layouts, the FSDP2
-engine under ``tp > 1``, and splitting or packing sequences (Ulysses, CP, packed rows).
+Where it runs: specs, FSDP2 layouts (data and tensor parallel), inference layouts,
+weight sync, checkpoints and HF export. Under ``tp`` a linear-attention layer splits by
+key-head group (:mod:`areal_fn.model.linear_tp`; ``tp`` must divide
+``linear_num_key_heads``), the full-attention layers by heads as Qwen3's. Refused, with
+the reason: Megatron layouts and splitting a sequence over ranks (Ulysses, CP). Packed
+rows train: the engine runs each linear-attention layer on every packed sequence alone.
 """
 
 import attrs
@@ -37,6 +40,7 @@ from areal_fn.model.families.mixer import Mixer
 from areal_fn.model.families.tp_role import TpRole
 
 _FULL, _LINEAR = Mixer.ATTENTION, Mixer.LINEAR
+_HEAD, _COL = TpRole.DELTA_HEAD, TpRole.COLUMN
 
 #: Gated full attention: Qwen3's attention whose q_proj also gives the output gate.
 GATED_ATTENTION_HF: tuple[HfTensor, ...] = tuple(
@@ -51,29 +55,42 @@ GATED_ATTENTION_HF: tuple[HfTensor, ...] = tuple(
 def linear_params_hf() -> tuple[HfTensor, ...]:
     """The per-value-head parameters and the conv, first in a linear-attention layer."""
     return (
-        HfTensor(name="linear_attn.dt_bias", shape=(Dim.LIN_V_HEADS,), mixer=_LINEAR),
-        HfTensor(name="linear_attn.A_log", shape=(Dim.LIN_V_HEADS,), mixer=_LINEAR),
+        *(
+            HfTensor(name=f"linear_attn.{n}", shape=(Dim.LIN_V_HEADS,), mixer=_LINEAR, tp=_HEAD)
+            for n in ("dt_bias", "A_log")
+        ),
         HfTensor(
             name="linear_attn.conv1d.weight",
             shape=(Dim.LIN_QKV, Dim.ONE, Dim.LIN_CONV),
             mixer=_LINEAR,
+            tp=TpRole.DELTA_QKV,
         ),
     )
 
 
 #: The gated RMSNorm and the output projection of a linear-attention layer.
 LINEAR_TAIL_HF: tuple[HfTensor, ...] = (
-    HfTensor(name="linear_attn.norm.weight", shape=(Dim.LIN_V_HEAD_DIM,), mixer=_LINEAR),
-    HfTensor(name="linear_attn.out_proj.weight", shape=(Dim.HIDDEN, Dim.LIN_V), mixer=_LINEAR),
+    HfTensor(
+        name="linear_attn.norm.weight",
+        shape=(Dim.LIN_V_HEAD_DIM,),
+        mixer=_LINEAR,
+        tp=TpRole.HEAD_NORM,
+    ),
+    HfTensor(
+        name="linear_attn.out_proj.weight",
+        shape=(Dim.HIDDEN, Dim.LIN_V),
+        mixer=_LINEAR,
+        tp=TpRole.ROW,
+    ),
 )
 
 #: Qwen3-Next's gated delta net: fused per-group projections ``in_proj_qkvz``, ``in_proj_ba``.
 FUSED_GATED_DELTA_NET_HF: tuple[HfTensor, ...] = (
     *linear_params_hf(),
-    HfTensor(
-        name="linear_attn.in_proj_qkvz.weight", shape=(Dim.LIN_QKVZ, Dim.HIDDEN), mixer=_LINEAR
+    *(  # per key-head group: a contiguous split of the rows is a split by groups
+        HfTensor(name=f"linear_attn.{n}.weight", shape=(d, Dim.HIDDEN), mixer=_LINEAR, tp=_COL)
+        for n, d in (("in_proj_qkvz", Dim.LIN_QKVZ), ("in_proj_ba", Dim.LIN_BA))
     ),
-    HfTensor(name="linear_attn.in_proj_ba.weight", shape=(Dim.LIN_BA, Dim.HIDDEN), mixer=_LINEAR),
     *LINEAR_TAIL_HF,
 )
 
@@ -102,19 +119,11 @@ MEGATRON_REFUSAL = (
     "output and no (1 + w) RMSNorm on CPU; use the fsdp backend"
 )
 
-#: Why the FSDP2 engine refuses ``tp > 1`` (shared by the Qwen3.5 families).
-TP_REFUSAL = (
-    "{mt}'s linear-attention layers split their fused projections and conv by key-head "
-    "group, which transformers' module does not do under TP (it reshapes by the model's "
-    "global head counts)"
-)
-
-#: Why Ulysses, context parallelism and packed rows are refused (shared by Qwen3.5).
+#: Why Ulysses and context parallelism are refused (shared by Qwen3.5).
 SEQUENCE_REFUSAL = (
-    "{mt}'s linear-attention layers carry a recurrent state along the sequence: Ulysses "
-    "and context parallelism would run it over part of a sequence, and transformers' "
-    "torch delta rule and conv do not reset the state at packed-sequence boundaries "
-    "(position_ids); train one sequence per row with c=1"
+    "{mt}'s linear-attention layers carry a recurrent state that must see the whole "
+    "sequence in order, and Ulysses and context parallelism would run it over one rank's "
+    "part of each sequence; use c=1"
 )
 
 #: The defaults the Qwen3-Next and Qwen3.5 config classes share.
@@ -174,6 +183,5 @@ FAMILY = Family(
     must_be=(("attention_bias", False),),
     foreign_keys=(("num_local_experts", "num_experts"),),
     megatron_refusal=MEGATRON_REFUSAL.format(mt="qwen3_next"),
-    fsdp2_tp_refusal=TP_REFUSAL.format(mt="qwen3_next"),
     sequence_refusal=SEQUENCE_REFUSAL.format(mt="qwen3_next"),
 )

@@ -33,6 +33,15 @@ class TpRole(enum.Enum):
     #: Multi-latent attention's replicated ``kv_a_proj_with_mqa``: its last columns (the rope
     #: key shared by every head) get part of their gradient on each ``tp`` rank.
     SHARED_ROPE_KEY = "shared_rope_key"
+    #: A gated delta net's per-value-head parameters (``A_log``, ``dt_bias``), split with
+    #: the key-head groups: each ``tp`` rank holds ``linear_num_key_heads / tp`` key heads
+    #: and their value heads, as Megatron-Core's ``GatedDeltaNet`` and vLLM split them. The
+    #: module holding them (the linear-attention mixer) runs on its rank's head counts.
+    DELTA_HEAD = "delta_head"
+    #: A gated delta net's ``[q; k; v]`` channels (``conv1d``, Qwen3.5's ``in_proj_qkv``):
+    #: all key heads' queries, then their keys, then all value heads' values, so a rank's
+    #: key-head groups hold three row ranges, not one (:mod:`areal_fn.model.linear_tp`).
+    DELTA_QKV = "delta_qkv"
 
     def __repr__(self) -> str:
         return f"TpRole.{self.name}"

@@ -21,7 +21,8 @@ pass the same rows; each computes targets on the full row, then runs the model o
 ``T/cp`` consecutive tokens (their global ``position_ids``), attention all-to-all over
 the share. ``dp_size`` counts data parallelism only. The model always runs our
 attention function (eager math; with ``cp = 1`` it only builds the mask), so packed
-sequences never attend across a boundary.
+sequences never attend across a boundary; a linear-attention layer (Qwen3-Next, Qwen3.5)
+runs each sequence of a packed row alone (:mod:`~areal_fn.runtime.engines.linear_packed`).
 
 A training step: forward on this rank's tokens, token losses summed and scaled by
 ``F / global token count``, where ``F = dp * cp`` is the FSDP group's size (FSDP2
@@ -53,7 +54,7 @@ from areal_fn.model.spec import ModelSpec
 from areal_fn.plans.convert import Reader, to_megatron_into
 from areal_fn.plans.memory import PrecisionPolicy
 from areal_fn.runtime.engines import fsdp2_apply as fsdp2
-from areal_fn.runtime.engines import ulysses
+from areal_fn.runtime.engines import linear_packed, ulysses
 from areal_fn.runtime.engines.common import (
     AdamWConfig,
     DynamicLossScaler,
@@ -178,6 +179,7 @@ class Fsdp2Engine(OptimizerSteps):
             inject_lora(model, model_spec, lora, seed=seed)
         if not model_spec.family.indexer:  # DSA: transformers' eager mask carries the top-k
             ulysses.install(model, self.sp_group)
+        linear_packed.install(model, model_spec)  # packed rows: each sequence alone
         self.model = fsdp2.apply_fsdp2(model, self.layout, self.device_mesh, options=run_options)
         # what the optimizer steps: every parameter, or under LoRA the adapters alone
         self._params: dict[str, nn.Parameter] = (

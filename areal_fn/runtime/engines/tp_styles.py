@@ -7,7 +7,9 @@ is ``RowwiseParallel``, ``Shard(1)`` ``ColwiseParallel``, and a module whose par
 are all ``Replicate()`` gets :class:`ReplicateParallel` (with partial gradients for a
 per-head norm, ``TpRole.HEAD_NORM``, and the summed rope-key columns of
 ``TpRole.SHARED_ROPE_KEY``: each module's role in its family's table), a module of
-head-split parameters (``TpRole.HEAD``) :class:`HeadShardParallel`. Used by
+head-split parameters (``TpRole.HEAD``) :class:`HeadShardParallel`, and a gated delta
+net (its ``TpRole.DELTA_HEAD`` parameters) one
+:class:`~areal_fn.runtime.engines.delta_tp.GatedDeltaNetParallel` for it and its children. Used by
 :func:`~areal_fn.runtime.engines.fsdp2_apply.apply_fsdp2` (which re-exports these names)
 and by the TP stand-in inference engine (:mod:`areal_fn.runtime.engines.tp`).
 """
@@ -31,6 +33,7 @@ from areal_fn.model.families import FAMILIES
 from areal_fn.model.families.roles import tp_role
 from areal_fn.model.families.tp_role import TpRole
 from areal_fn.model.spec import layer_of
+from areal_fn.runtime.engines.delta_tp import GatedDeltaNetParallel, delta_heads_of
 from areal_fn.runtime.engines.fsdp2_mesh import TP, layout_mesh
 from areal_fn.runtime.engines.lora import lora_tp_plan
 from areal_fn.sharding.mesh import Mesh
@@ -262,10 +265,31 @@ def tp_plan(model: nn.Module, layout: Layout) -> dict[str, ParallelStyle]:
         remedy="build the layout from this model's config (model_from_hf_config(model.config.to_dict()))",
     )
     plan: dict[str, ParallelStyle] = {}
+    config = getattr(model, "config", None)
+    inside = None  # a gated delta net's children: its own style runs them
     for mname, module in model.named_modules():
-        if mname in grouped:
-            plan[mname] = _style(mname, module, grouped[mname], getattr(model, "config", None))
+        if inside is not None and mname.startswith(inside):
+            continue
+        if mname in grouped and _module_role(config, mname, grouped[mname]) is TpRole.DELTA_HEAD:
+            plan[mname], inside = _delta_style(config, mname, module, grouped), mname + "."
+        elif mname in grouped:
+            plan[mname] = _style(mname, module, grouped[mname], config)
     return lora_tp_plan(model, plan)
+
+
+def _delta_style(
+    config: Any, mname: str, module: nn.Module, grouped: Mapping[str, Mapping[str, Placement]]
+) -> GatedDeltaNetParallel:
+    """The style of a linear-attention module: its parameters and its children's (module
+    role ``TpRole.DELTA_HEAD``; ``TpRole.DELTA_QKV`` ones on the rank's ``[q; k; v]`` rows)."""
+    family = FAMILIES[config.model_type]
+    placements: dict[str, Placement] = {}
+    for sub, _m in module.named_modules():  # LoRA targets no linear-attention module
+        full = f"{mname}.{sub}" if sub else mname
+        for pname, placement in grouped.get(full, {}).items():
+            placements[f"{sub}.{pname}" if sub else pname] = placement
+    rows = frozenset(n for n in placements if tp_role(family, f"{mname}.{n}") is TpRole.DELTA_QKV)
+    return GatedDeltaNetParallel(placements=placements, qkv_rows=rows, heads=delta_heads_of(config))
 
 
 def retie(model: nn.Module, names: Mapping[tuple[str, str], str]) -> None:
