@@ -617,6 +617,9 @@ def run_case(config: str, label: str, ref: dict[str, Any]) -> dict[str, Any]:
             grad_max_abs_diff=max_abs(grads, ref["grads"]),
             grad_scale=grad_scale,
             grad_rel_diff=max_abs(grads, ref["grads"]) / grad_scale,
+            grad_worst=max(
+                ref["grads"], key=lambda k: float((grads[k] - ref["grads"][k]).abs().max())
+            ),
             weight_max_abs_diff=max_abs(w1, ref["w1"]),
             weight_unexplained=unexplained_weight_diff(
                 w1, ref["w1"], ref["grads"], max_abs(grads, ref["grads"])

@@ -35,11 +35,16 @@ class Serving:
       fused parameters for the family (proven against vLLM's model classes);
     - ``megatron_yarn``: the Megatron builder gives ``GPTModel`` the family's yarn rope
       (logits parity with transformers proven for it);
+    - ``megatron_gated_delta``: the Megatron builder builds the family's gated-delta-net
+      layers (Megatron-Core's ``GatedDeltaNet`` where ``ModelSpec.linear_attention`` says),
+      the sigmoid gate of its attention output and its ``(1 + w)`` norms
+      (:mod:`areal_fn.runtime.megatron.gated_delta`; logits parity proven for it);
     - ``tied_refusals``: engines that cannot serve the family's tied models.
     """
 
     vllm_layout: bool = False
     megatron_yarn: bool = False
+    megatron_gated_delta: bool = False
     tied_refusals: tuple[TiedRefusal, ...] = attrs.field(default=(), converter=_refusals)
 
 
