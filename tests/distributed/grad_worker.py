@@ -322,7 +322,9 @@ CASES: tuple[tuple[str, str], ...] = (
     ("minimax_m2", "fsdp:d4"),
     ("minimax_m2", "fsdp:d2c2"),  # Ulysses: q/k norms over the whole projection per token
     ("qwen3_next", "fsdp:d4"),  # gated delta net: data parallel only (no TP, no Ulysses)
+    ("qwen3_next", "megatron:d2p2"),  # Megatron-Core's GatedDeltaNet (MoE: no TP training)
     ("qwen3_5_text", "fsdp:d4"),
+    ("qwen3_5_text", "megatron:d2t2"),  # in_proj and conv1d split by key-head group
     ("qwen3_5_moe_text", "hsdp:d4r2"),
     ("deepseek_v32", "fsdp:d4"),  # the indexer runs without gradient (transformers)
     ("deepseek_v32", "fsdp:d2t2"),  # indexer replicated beside column-wise MLA
