@@ -318,6 +318,7 @@ CASES += [
     ("qwen3_next", "p2"),
     ("qwen3_next", "e2"),
     ("qwen3_next", "t2p2-moe"),
+    ("qwen3_next", "p2v2"),  # one layer a chunk: linear, linear | linear, full
     ("qwen3_5_text", "t1"),
     ("qwen3_5_text", "t2"),
     ("qwen3_5_text", "p2"),

@@ -5,7 +5,7 @@ family (qwen2, qwen3, llama tied and untied, qwen3_moe with dense layers 0 and 2
 strategy (t1 = d4, t2, p2; MoE: e2, t2 in eval, p2; plus llama tied t2p2 and qwen2
 p2v2), and for mistral, mixtral, glm4_moe, deepseek_v3 and gpt_oss at t1, t2, p2, e2
 (MoE) and one mixed case (t2p2, p2e2), and for the gated-delta-net families (qwen3_next
-at t1, t2, p2, e2, t2p2; qwen3_5_text at t1, t2, p2; qwen3_5_moe_text at t2, p2e2): a
+at t1, t2, p2, e2, t2p2, p2v2; qwen3_5_text at t1, t2, p2; qwen3_5_moe_text at t2, p2e2): a
 transformers model and a Megatron-Core ``GPTModel`` loaded with
 ``to_megatron`` give the same logits; ``to_hf`` of the loaded parameters is bitwise
 the original; after seeded noise on every Megatron parameter, ``to_hf`` ->
