@@ -37,6 +37,7 @@ from typing import Literal
 import attrs
 
 from areal_fn.errors import LayoutError
+from areal_fn.layouts.gated_delta import gated_qkv_fusion, gdn_conv_fusion, gdn_in_proj_fusion
 from areal_fn.layouts.layout import FusionPiece, Layout, LayoutKind, LogicalTensor
 from areal_fn.layouts.vocab import padded_vocab_size
 from areal_fn.model.families.mapping import (
@@ -46,6 +47,7 @@ from areal_fn.model.families.mapping import (
     select,
 )
 from areal_fn.model.families.serving import MtpBlock
+from areal_fn.model.linear_attention import is_linear_layer
 from areal_fn.model.mtp import moe_at
 from areal_fn.model.spec import ModelSpec, condition_flags
 from areal_fn.pipeline.partition import StagePlan
@@ -181,6 +183,14 @@ def megatron_layout(
     """
     dims = as_dims(dims, caller="megatron_layout", backends=(Backend.MEGATRON,))
     check_dims(model, "megatron", dims)
+    if naming == "te" and model.linear_attention is not None:
+        raise LayoutError(
+            f"naming='te' for {model.model_type}: the Transformer-Engine spec's GatedDeltaNet "
+            "out_norm is zero-centred ((1 + w), as every norm of the model), while the "
+            "checkpoint's linear_attn.norm.weight is the plain w of a gated RMSNorm: the values "
+            "differ by 1, no piece of the canonical tensor; use naming='local' (the spec this "
+            "project builds)"
+        )
     plan = stages if stages is not None else default_stages(model, dims)
     if plan.num_layers != model.num_layers or plan.num_stages != dims.pp or plan.vpp != dims.vpp:
         raise LayoutError(
@@ -309,10 +319,11 @@ def _fusion(
     fusion: Fusion,
     sources: tuple[str, ...],
     expert: int = 0,
+    tp: int = 1,
 ) -> tuple[tuple[int, ...], tuple[FusionPiece, ...]]:
     """Shape and fusion map of one table record whose canonical sources are ``sources``
     (``shapes``: the model's canonical shapes by name; ``expert``: the expert a stacked
-    fusion takes)."""
+    fusion takes; ``tp``: the TP degree the gated-delta-net fusions are laid for)."""
     missing = [s for s in sources if s not in shapes]
     if missing:
         raise LayoutError(
@@ -329,6 +340,12 @@ def _fusion(
         return stacked_expert_fusion(sources[0], first, expert, glu=fusion is Fusion.EXPERT_GLU)
     if fusion in (Fusion.MLA_Q, Fusion.MLA_KV_A):
         return first, mla_rope_fusion(model, sources[0], first, per_head=fusion is Fusion.MLA_Q)
+    if fusion is Fusion.GATED_QKV:
+        return gated_qkv_fusion(model, sources, first[1:])
+    if fusion in (Fusion.GDN_IN_PROJ, Fusion.GDN_IN_PROJ_SPLIT):
+        return gdn_in_proj_fusion(model, sources, first[1:], tp=tp)
+    if fusion is Fusion.GDN_CONV:
+        return gdn_conv_fusion(model, sources[0], first[1:], tp=tp)
     return gate_up_fusion(sources[0], sources[1], first[0], first[1:])
 
 
@@ -344,7 +361,8 @@ def layer_parameters(
     if not shapes:
         model.layer_tensors(layer)  # the spec's error for a layer it does not have
     out = []
-    for r in select(model.family.megatron, moe=moe_at(model, layer), flags=flags):
+    linear = is_linear_layer(model, layer)
+    for r in select(model.family.megatron, moe=moe_at(model, layer), flags=flags, linear=linear):
         sources = tuple(hp + h.format(e=0) for h in r.hf)
         shape, _fusion_map = _fusion(model, shapes, r.fusion, sources)
         out.append((r, shape))
@@ -461,13 +479,15 @@ class _Builder:
         model = self.model
         hp = f"model.layers.{layer}."
         flags = condition_flags(model)
-        rows = select(model.family.megatron, moe=moe_at(model, layer), flags=flags)
+        linear = is_linear_layer(model, layer)
+        rows = select(model.family.megatron, moe=moe_at(model, layer), flags=flags, linear=linear)
         for run in expert_runs(rows):
             if run[0].expert:
                 self._experts(run, mp, hp, stage)
                 continue
             r = run[0]
-            fused = _fusion(model, self.shapes, r.fusion, tuple(hp + h for h in r.hf))
+            sources = tuple(hp + h for h in r.hf)
+            fused = _fusion(model, self.shapes, r.fusion, sources, tp=self.dims.tp)
             self.add(mp + r.name(self.naming), fused, r.placement(self.naming), ((Axis.PP, stage),))
 
     def _experts(self, rows: list[MegatronTensor], mp: str, hp: str, stage: int) -> None:

@@ -28,6 +28,9 @@ Rules by kind (``fsdp2``, ``megatron``, ``inference``, and the engines ``sglang`
   divides the heads of a TP rank, and the KV heads of a TP rank and ``cp`` divide one
   another (KV heads repeated when ``cp`` is a multiple), as the FSDP2 engine's
   attention all-to-all needs;
+- Megatron, gated-delta-net families: ``cp`` is 1 (Megatron-Core's ``GatedDeltaNet`` has no
+  context parallelism), ``tp`` divides ``linear_num_key_heads`` and the gated shared
+  expert's width;
 - Megatron: ``tp`` divides the shared experts' width and, for multi-latent attention,
   ``q_lora_rank`` and ``kv_lora_rank + qk_rope_head_dim`` (the local spec shards the
   down projections); ``ep`` divides ``num_experts``, ``etp`` divides ``moe_intermediate_size``,
@@ -216,6 +219,31 @@ def _shared_channels(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | No
     )
 
 
+def _gated_delta(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
+    """Megatron-Core's ``GatedDeltaNet`` and gated shared expert (Qwen3-Next, Qwen3.5)."""
+    la = m.linear_attention
+    if la is not None and d.cp > 1:
+        text = (
+            f"cp={d.cp}: Megatron-Core 0.16's GatedDeltaNet has no context parallelism "
+            f"({m.model_type}'s linear-attention layers; its TransformerConfig asserts "
+            "'Gated delta net does not support context parallel for now'); use cp=1"
+        )
+        return Problem(field="cp", reads=("cp",), text=text, fixed=True)
+    if la is not None and la.key_heads % d.tp:
+        text = (
+            f"tp={d.tp} does not divide linear_num_key_heads={la.key_heads} ({m.model_type}); "
+            "Megatron-Core's GatedDeltaNet gives every TP rank whole key heads and their value heads"
+        )
+        return Problem(field="tp", reads=("tp",), text=text)
+    if m.shared_expert_size % d.tp:
+        text = (
+            f"tp={d.tp} does not divide shared_expert_intermediate_size={m.shared_expert_size} "
+            f"({m.model_type}); Megatron shards the gated shared expert's channels over TP"
+        )
+        return Problem(field="tp", reads=("tp",), text=text)
+    return None
+
+
 def _mtp_projection(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
     if not m.mtp_layers or m.hidden_size % d.tp == 0:
         return None
@@ -328,6 +356,7 @@ _RULES: dict[str, tuple[_Rule, ...]] = {
         _channels,
         _latents,
         _shared_channels,
+        _gated_delta,
         _mtp_projection,
         _experts,
         _expert_tp,

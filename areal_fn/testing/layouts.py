@@ -126,9 +126,9 @@ def _divisors(n: int) -> list[int]:
 def megatron_dims_for(
     draw: st.DrawFn, model: "ModelSpec", *, max_world: int = 16
 ) -> "ParallelDims":
-    """Megatron degrees valid for ``model`` (TP divides heads/KV/channels, and the
-    hidden size with MTP layers, EP the experts, PP x VPP at most the layers, expert TP 1
-    for biased experts)."""
+    """Megatron degrees valid for ``model`` (TP divides heads/KV/channels, the linear
+    key heads and the gated shared expert, and the hidden size with MTP layers, EP the
+    experts, PP x VPP at most the layers, expert TP 1 for biased experts)."""
     import math
 
     from areal_fn.strategy.allocation import ParallelDims
@@ -137,7 +137,11 @@ def megatron_dims_for(
     shared = model.num_shared_experts * model.moe_intermediate_size
     latents = [model.q_lora_rank, model.kv_lora_rank + model.qk_rope_head_dim, shared]
     mtp = [model.hidden_size] if model.mtp_layers else []  # eh_proj's rows
-    g = math.gcd(model.num_attention_heads, model.num_key_value_heads, *dense, *latents, *mtp)
+    la = model.linear_attention  # GatedDeltaNet: whole key heads; the gated shared expert
+    gated = [model.shared_expert_size, *([la.key_heads] if la is not None else [])]
+    g = math.gcd(
+        model.num_attention_heads, model.num_key_value_heads, *dense, *latents, *mtp, *gated
+    )
     tp = draw(st.sampled_from([d for d in _divisors(g) if d <= max_world]))
     pp = draw(st.integers(1, min(model.num_layers, max(1, max_world // tp), 4)))
     vpp = draw(st.integers(1, max(1, model.num_layers // pp))) if pp > 1 else 1
@@ -190,7 +194,8 @@ def megatron_layouts_for(draw: st.DrawFn, model: "ModelSpec", *, max_world: int 
     return megatron_layout(
         model,
         dims,
-        naming=draw(st.sampled_from(["local", "te"])),
+        # the Transformer-Engine naming is refused for gated-delta-net models
+        naming=draw(st.sampled_from(["local"] if model.linear_attention else ["local", "te"])),
         stages=stages,
         grouped_gemm=draw(st.booleans()),
     )

@@ -74,6 +74,22 @@ _BASE: dict[str, Any] = {
     "torch_dtype": "float32",
 }
 
+#: gated delta net: two key heads of 16, four value heads of 8, a conv of 4 taps
+_LINEAR: dict[str, Any] = {
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 8,
+    "linear_conv_kernel_dim": 4,
+}
+#: routed experts and the gated shared expert
+_GATED_MOE: dict[str, Any] = {
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 48,
+}
+
 FAMILIES: dict[str, dict[str, Any]] = {
     "qwen2": {**_BASE, "model_type": "qwen2"},  # qkv bias
     # head_dim 32 != hidden_size / heads = 16; q_norm / k_norm
@@ -211,6 +227,24 @@ FAMILIES: dict[str, dict[str, Any]] = {
             "original_max_position_embeddings": 4096,
         },
     },
+    # gated delta net on layers 0-2 (two key heads of 16, four value heads of 8), gated
+    # full attention on layer 3 (a quarter of each head rotated); routed experts and the
+    # gated shared expert, a dense MLP on layer 1; (1 + w) norms
+    "qwen3_next": {
+        **_BASE,
+        "model_type": "qwen3_next",
+        **_LINEAR,
+        **_GATED_MOE,
+        "mlp_only_layers": [1],
+    },
+    # Qwen3.5: the same layers with the linear attention's projections split
+    "qwen3_5_text": {**_BASE, "model_type": "qwen3_5_text", **_LINEAR},
+    "qwen3_5_moe_text": {
+        **{k: v for k, v in _BASE.items() if k != "intermediate_size"},
+        "model_type": "qwen3_5_moe_text",
+        **_LINEAR,
+        **_GATED_MOE,
+    },
     # MoE on layers 1 and 3, dense MLP on layers 0 and 2
     "qwen3_moe": {
         **_BASE,
@@ -279,6 +313,17 @@ CASES += [
     ("gpt_oss", "p2e2"),
     ("deepseek_v3_rope_halves", "t1"),
     ("deepseek_v3_rope_halves", "t2-moe"),
+    ("qwen3_next", "t1"),
+    ("qwen3_next", "t2-moe"),
+    ("qwen3_next", "p2"),
+    ("qwen3_next", "e2"),
+    ("qwen3_next", "t2p2-moe"),
+    ("qwen3_next", "p2v2"),  # one layer a chunk: linear, linear | linear, full
+    ("qwen3_5_text", "t1"),
+    ("qwen3_5_text", "t2"),
+    ("qwen3_5_text", "p2"),
+    ("qwen3_5_moe_text", "t2-moe"),
+    ("qwen3_5_moe_text", "p2e2"),
 ]
 
 SEQ = 8
@@ -332,6 +377,9 @@ def arch_of(spec: ModelSpec) -> dict[str, Any]:
         "sliding_layers": spec.sliding_layers,
         "swiglu_alpha": spec.swiglu_alpha,
         "swiglu_limit": spec.swiglu_limit,
+        "gated_delta": spec.family.serving.megatron_gated_delta,
+        "linear_attention": spec.linear_attention,
+        "shared_expert_size": spec.shared_expert_size,
     }
 
 
@@ -365,7 +413,9 @@ def _hf_model(spec: ModelSpec, seed: int) -> Any:
     with torch.no_grad():
         # non-trivial values everywhere: norm weights near 1, biases non-zero
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight") or "layernorm" in name:
+            if spec.linear_attention is not None and _zero_centred(name):
+                param.copy_(0.1 * torch.randn_like(param))  # (1 + w) norms: w near 0
+            elif name.endswith("norm.weight") or "layernorm" in name:
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
             else:
                 param.copy_(0.05 * torch.randn_like(param))
@@ -373,6 +423,12 @@ def _hf_model(spec: ModelSpec, seed: int) -> Any:
             if name.endswith("e_score_correction_bias"):  # a non-zero score correction
                 buf.copy_(0.05 * torch.randn_like(buf))
     return model.eval()
+
+
+def _zero_centred(name: str) -> bool:
+    """A ``(1 + w)`` norm of the gated-delta-net families: every norm but the linear
+    attention's gated ``linear_attn.norm`` (a plain ``w``)."""
+    return name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight")
 
 
 def _hf_logits(model: Any, input_ids: torch.Tensor) -> torch.Tensor:

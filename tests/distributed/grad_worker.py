@@ -327,7 +327,9 @@ CASES: tuple[tuple[str, str], ...] = (
     ("minimax_m2", "fsdp:d4"),
     ("minimax_m2", "fsdp:d2c2"),  # Ulysses: q/k norms over the whole projection per token
     ("qwen3_next", "fsdp:d4"),  # gated delta net: no Ulysses
+    ("qwen3_next", "megatron:d2p2"),  # Megatron-Core's GatedDeltaNet (MoE: no TP training)
     ("qwen3_5_text", "fsdp:d4"),
+    ("qwen3_5_text", "megatron:d2t2"),  # in_proj and conv1d split by key-head group
     ("qwen3_5_moe_text", "hsdp:d4r2"),
     ("qwen3_next", "fsdp:d4+pack"),  # packed rows: each sequence's linear attention alone
     ("qwen3_5_moe_text", "hsdp:d4r2+pack"),
@@ -641,6 +643,9 @@ def run_case(config: str, label: str, ref: dict[str, Any]) -> dict[str, Any]:
             grad_max_abs_diff=max_abs(grads, ref["grads"]),
             grad_scale=grad_scale,
             grad_rel_diff=max_abs(grads, ref["grads"]) / grad_scale,
+            grad_worst=max(
+                ref["grads"], key=lambda k: float((grads[k] - ref["grads"][k]).abs().max())
+            ),
             weight_max_abs_diff=max_abs(w1, ref["w1"]),
             weight_unexplained=unexplained_weight_diff(
                 w1, ref["w1"], ref["grads"], max_abs(grads, ref["grads"])

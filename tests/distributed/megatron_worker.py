@@ -176,6 +176,29 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "norm_topk_prob": True,
         "moe_layer_pattern": [0, 1, 0, 1],
     },
+    # gated delta net on layers 0-2, gated attention on layer 3 (a quarter of each head
+    # rotated), (1 + w) norms; routed experts and the gated shared expert, dense layer 1
+    "qwen3_next": {
+        **_BASE,
+        "hf": "qwen3_next",
+        "qk_norm": True,
+        "rotary_fraction": 0.25,
+        "num_experts": 4,
+        "moe_intermediate_size": 32,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "moe_layer_pattern": [1, 0, 1, 1],
+        "gated_delta": True,
+        "linear_attention": {
+            "key_heads": 2,
+            "value_heads": 4,
+            "key_head_dim": 16,
+            "value_head_dim": 8,
+            "conv_kernel": 4,
+            "layers": [True, True, True, False],
+        },
+        "shared_expert_size": 48,
+    },
 }
 # one multi-token-prediction layer (Megatron-Core's MTP block on the last stage)
 FAMILIES["deepseek_v3_mtp"] = {**FAMILIES["deepseek_v3"], "mtp_layers": 1}
@@ -249,6 +272,9 @@ CASES += [
     ),
     _case("deepseek_v3_mtp-p2e2", "deepseek_v3_mtp", {"pp": 2, "ep": 2}, mode="structure"),
     _case("glm4_moe_mtp-t2p2v2", "glm4_moe_mtp", {"tp": 2, "pp": 2, "vpp": 2}, mode="structure"),
+    # Megatron-Core's GatedDeltaNet (our local block); logits: conversion_worker.py
+    _case("qwen3_next-t2e2x1", "qwen3_next", {"tp": 2, "ep": 2, "etp": 1}, mode="structure"),
+    _case("qwen3_next-p2e2", "qwen3_next", {"pp": 2, "ep": 2}, mode="structure"),
     # the MTP layer and the loss alone in the last chunk, the final norm in chunk 2
     _case(
         "glm4_moe_mtp-p2v2-layout",

@@ -4,7 +4,9 @@ One ``torchrun --nproc-per-node 4`` launch (``conversion_worker.py``, gloo). For
 family (qwen2, qwen3, llama tied and untied, qwen3_moe with dense layers 0 and 2) and
 strategy (t1 = d4, t2, p2; MoE: e2, t2 in eval, p2; plus llama tied t2p2 and qwen2
 p2v2), and for mistral, mixtral, glm4_moe, deepseek_v3 and gpt_oss at t1, t2, p2, e2
-(MoE) and one mixed case (t2p2, p2e2): a transformers model and a Megatron-Core ``GPTModel`` loaded with
+(MoE) and one mixed case (t2p2, p2e2), and for the gated-delta-net families (qwen3_next
+at t1, t2, p2, e2, t2p2, p2v2; qwen3_5_text at t1, t2, p2; qwen3_5_moe_text at t2, p2e2): a
+transformers model and a Megatron-Core ``GPTModel`` loaded with
 ``to_megatron`` give the same logits; ``to_hf`` of the loaded parameters is bitwise
 the original; after seeded noise on every Megatron parameter, ``to_hf`` ->
 ``write_hf_checkpoint`` -> ``from_pretrained`` gives the perturbed Megatron model's
@@ -33,6 +35,11 @@ REPO = Path(__file__).resolve().parents[2]
 #: fp32, |logits| ~ 1.2-1.5. Observed: 0 or <= 3.6e-7 without tensor parallelism,
 #: <= 7.2e-7 with it (reduction order of the sharded matmuls / MoE combine).
 LOGITS_ATOL = 1.5e-6
+#: The gated-delta-net families (|logits| ~ 1.5): up to 1.5e-6 observed. Their delta rule
+#: is two implementations (transformers' chunked rule solves its triangular system with
+#: ``torch.linalg.solve_triangular``, Megatron-Core's copy by forward substitution),
+#: whose outputs differ by about an ulp, and the difference grows over the layers.
+LOGITS_ATOL_OF = dict.fromkeys(("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"), 3e-6)
 #: the perturbation must move the logits far more than the tolerance
 MIN_SHIFT = 0.1
 
@@ -42,6 +49,10 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> Any:
     out = tmp_path_factory.mktemp("conversion_parity")
     run_torchrun(WORKER, ["--out", str(out)], nproc=4, timeout_s=1200, cwd=REPO)
     return json.loads((out / "report.json").read_text())
+
+
+def _atol(case: dict[str, Any]) -> float:
+    return LOGITS_ATOL_OF.get(case["family"], LOGITS_ATOL)
 
 
 def _by_case(report: Any) -> dict[str, dict[str, Any]]:
@@ -72,7 +83,7 @@ def test_megatron_sessions_leave_no_process_groups_or_threads_behind(report: Any
 
 def test_megatron_loaded_with_to_megatron_matches_transformers(report: Any) -> None:
     for case in report["cases"]:
-        assert case["forward_max_abs_diff"] <= LOGITS_ATOL, case
+        assert case["forward_max_abs_diff"] <= _atol(case), case
         assert case["hf_logits_max_abs"] > 0.5, case  # logits are not trivially small
 
 
@@ -96,7 +107,7 @@ def test_perturbed_megatron_exported_with_to_hf_matches_transformers(report: Any
         assert case["perturbed_tensors"] == case["roundtrip_tensors"], case
         assert case["replica_mismatches"] == [], case
         assert case["perturbation_logit_shift"] > MIN_SHIFT, case
-        assert case["reverse_max_abs_diff"] <= LOGITS_ATOL, case
+        assert case["reverse_max_abs_diff"] <= _atol(case), case
 
 
 @pytest.mark.parametrize(

@@ -93,6 +93,23 @@ def _hf_config(arch: dict[str, Any]) -> dict[str, Any]:
             swiglu_limit=arch["swiglu_limit"],
             rope_scaling=arch["rope_scaling"],
         )
+    elif arch["hf"] == "qwen3_next":
+        la = arch["linear_attention"]
+        cfg.update(
+            linear_num_key_heads=la["key_heads"],
+            linear_num_value_heads=la["value_heads"],
+            linear_key_head_dim=la["key_head_dim"],
+            linear_value_head_dim=la["value_head_dim"],
+            linear_conv_kernel_dim=la["conv_kernel"],
+            layer_types=["linear_attention" if x else "full_attention" for x in la["layers"]],
+            partial_rotary_factor=arch["rotary_fraction"],
+            num_experts=arch["num_experts"],
+            moe_intermediate_size=arch["moe_intermediate_size"],
+            num_experts_per_tok=arch["num_experts_per_tok"],
+            norm_topk_prob=arch["norm_topk_prob"],
+            shared_expert_intermediate_size=arch["shared_expert_size"],
+            mlp_only_layers=[i for i, m in enumerate(arch["moe_layer_pattern"]) if not m],
+        )
     elif arch["hf"] == "mixtral":
         cfg.update(
             num_local_experts=arch["num_experts"], num_experts_per_tok=arch["num_experts_per_tok"]

@@ -2,14 +2,16 @@
 
 FSDP2 layouts split them over data-parallel ranks (HSDP included) and tensor-parallel
 ranks (each rank's key-head groups: ``tests/oracles/test_gated_delta_tp.py``);
-Ulysses / context parallelism and every Megatron layout are refused with the reason, on
-every path (layouts, ``check_strategy``, the advisor's rules). Packed rows train: a fact
-of transformers' modules pinned here is that a linear-attention layer does not restart
-its state where ``position_ids`` restart (a packed row's second sequence sees the first;
-full attention alone would not), so the FSDP2 engine runs each linear-attention layer on
-every sequence of a packed row alone (``runtime/engines/linear_packed``); here that
-wrapper on transformers' model against the same model run on each sequence alone (the
-engine's own law, under FSDP2, is ``grad_worker.py``'s ``+pack`` cases).
+Ulysses / context parallelism are refused with the reason, on every path (layouts,
+``check_strategy``, the advisor's rules). Megatron layouts hold them (Megatron-Core's
+``GatedDeltaNet``) but for context parallelism, a ``tp`` that does not divide the linear
+key heads, and the Transformer-Engine naming. Packed rows train in the FSDP2 engine: a
+fact of transformers' modules pinned here is that a linear-attention layer does not
+restart its state where ``position_ids`` restart (a packed row's second sequence sees the
+first; full attention alone would not), so the FSDP2 engine runs each linear-attention
+layer on every sequence of a packed row alone (``runtime/engines/linear_packed``); here
+that wrapper on transformers' model against the same model run on each sequence alone
+(the engine's own law, under FSDP2, is ``grad_worker.py``'s ``+pack`` cases).
 """
 
 import json
@@ -45,11 +47,23 @@ def test_fsdp2_data_parallel_layouts_and_refusals(name: str) -> None:
         match=rf"cp=2: {name}'s linear-attention layers carry a recurrent state that must see",
     ):
         fsdp2_layout(spec, "fsdp:d2c2")
+    assert megatron_layout(spec, "megatron:d2t2").world_size == 4
     with pytest.raises(
         LayoutError,
-        match=rf"Megatron-Core 0.16's GPTModel cannot express {name}: .*use the fsdp backend",
+        match=rf"^cp=2: Megatron-Core 0.16's GatedDeltaNet has no context parallelism \({name}'s",
     ):
-        megatron_layout(spec, "megatron:d4")
+        megatron_layout(spec, "megatron:d2c2")
+    with pytest.raises(
+        LayoutError,
+        match=rf"^tp=4 does not divide linear_num_key_heads=2 \({name}\); Megatron-Core's "
+        r"GatedDeltaNet gives every TP rank whole key heads and their value heads; use tp in "
+        r"\{1, 2\}$",
+    ):
+        # four KV heads, so that tp=4 breaks the linear key heads alone
+        four_kv = model_from_hf_config({**FAMILIES[name], "num_key_value_heads": 4})
+        megatron_layout(four_kv, "megatron:t4")
+    with pytest.raises(LayoutError, match=rf"^naming='te' for {name}: the Transformer-Engine"):
+        megatron_layout(spec, "megatron:d4", naming="te")
     check_packing(spec)  # packed rows run (each sequence's linear-attention layers alone)
 
 
@@ -189,7 +203,7 @@ def test_plan_on_the_published_configs(capsys: pytest.CaptureFixture[str]) -> No
     """``areal-fn plan`` on Qwen3-Next-80B-A3B: the inference component's cache holds 12
     full-attention layers of tokens and 36 linear-attention states (each 32 value heads
     of 128 x 128 plus 3 conv inputs of 2 * 16 * 128 + 32 * 128 channels, split 4 ways);
-    Megatron and Ulysses refused with the reason."""
+    Megatron layouts held (context parallelism refused), Ulysses refused, with the reason."""
     from areal_fn.cli import main
 
     assert main(["plan", "Qwen3-Next-80B-A3B-Instruct", "fsdp:d8+sglang:d1t4", "--json"]) == 0
@@ -200,6 +214,8 @@ def test_plan_on_the_published_configs(capsys: pytest.CaptureFixture[str]) -> No
     assert kv["linear_state_elements"] == (32 * 128 * 128 + 3 * (2 * 16 * 128 + 32 * 128)) // 4
     full = 12 * kv["context_len"] * 2 * (2 // 2) * 256 * 2  # K and V, 1 KV head a rank, bf16
     assert kv["max_bytes"] == full + 36 * kv["linear_state_elements"] * 2
-    for alloc, why in (("megatron:d8", "cannot express qwen3_next"), ("fsdp:d4c2", "cp=2")):
+    assert main(["plan", "Qwen3-Next-80B-A3B-Instruct", "megatron:d4t2"]) == 0
+    capsys.readouterr()
+    for alloc, why in (("megatron:d4c2", "GatedDeltaNet has no context"), ("fsdp:d4c2", "cp=2")):
         assert main(["plan", "Qwen3-Next-80B-A3B-Instruct", alloc]) == 2
         assert why in capsys.readouterr().err

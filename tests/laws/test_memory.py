@@ -58,6 +58,8 @@ def megatron_cases(draw: st.DrawFn) -> tuple[ModelSpec, ParallelDims]:
         model.q_lora_rank,  # multi-latent attention's sharded down projections
         model.kv_lora_rank + model.qk_rope_head_dim,
         model.num_shared_experts * model.moe_intermediate_size,
+        model.shared_expert_size,  # the gated shared expert (Qwen3-Next, Qwen3.5)
+        model.linear_attention.key_heads if model.linear_attention else 0,  # GatedDeltaNet
     )
     tp = draw(st.sampled_from([t for t in divisors(kv) if all(n % t == 0 for n in sizes)]))
     pp = draw(st.integers(1, model.num_layers))

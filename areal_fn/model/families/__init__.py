@@ -17,6 +17,7 @@ import attrs
 
 from areal_fn.errors import SpecError
 from areal_fn.model.families.mapping import HfTensor, LayerKind, MegatronTensor
+from areal_fn.model.families.mixer import Mixer
 from areal_fn.model.families.serving import MtpBlock, OuterTensors, Serving
 from areal_fn.typecheck import beartype
 
@@ -95,12 +96,13 @@ def _canonical_tuple(value: Iterable[HfTensor]) -> tuple[HfTensor, ...]:
 
 
 def _check_unique(family: str, table: tuple[HfTensor | MegatronTensor, ...], what: str) -> None:
-    """No name twice for overlapping layer kinds (``ALL`` overlaps both)."""
+    """No name twice for overlapping layer kinds and mixers (``ALL``, ``ANY`` overlap both)."""
     names = [r.name if isinstance(r, HfTensor) else r.local for r in table]
     for i, rec in enumerate(table):
         for j, other in enumerate(table[:i]):
             overlap = LayerKind.ALL in (rec.layers, other.layers) or rec.layers is other.layers
-            if names[j] == names[i] and overlap:
+            mixers = Mixer.ANY in (rec.mixer, other.mixer) or rec.mixer is other.mixer
+            if names[j] == names[i] and overlap and mixers:
                 raise SpecError(
                     f"family {family!r}: its {what} table lists {names[i]!r} twice "
                     f"for the same layers ({other.layers!r} and {rec.layers!r})"

@@ -64,21 +64,20 @@ class Fusion(enum.Enum):
     #: or with ``rope_interleave=false`` their rope rows interleaved (``mla_rope_fusion``).
     MLA_Q = "mla_q"
     MLA_KV_A = "mla_kv_a"
+    #: Gated attention: per query group ``[q heads of g; their gates; k_g; v_g]``.
+    GATED_QKV = "gated_qkv"
+    #: GatedDeltaNet's in_proj (Qwen3-Next's, Qwen3.5's sources), conv1d: per TP rank.
+    GDN_IN_PROJ = "gdn_in_proj"
+    GDN_IN_PROJ_SPLIT = "gdn_in_proj_split"
+    GDN_CONV = "gdn_conv"
 
     def __repr__(self) -> str:
         return f"Fusion.{self.name}"
 
 
 #: Number of canonical sources each fusion takes.
-FUSION_SOURCES = {
-    Fusion.WHOLE: 1,
-    Fusion.QKV: 3,
-    Fusion.GATE_UP: 2,
-    Fusion.EXPERT: 1,
-    Fusion.EXPERT_GLU: 1,
-    Fusion.MLA_Q: 1,
-    Fusion.MLA_KV_A: 1,
-}
+FUSION_SOURCES = {f: 1 for f in Fusion} | {Fusion.QKV: 3, Fusion.GATED_QKV: 3, Fusion.GATE_UP: 2}
+FUSION_SOURCES |= {Fusion.GDN_IN_PROJ: 2, Fusion.GDN_IN_PROJ_SPLIT: 4}
 
 #: Fusions that take expert ``e`` out of one stacked tensor of every expert.
 STACKED_FUSIONS = (Fusion.EXPERT, Fusion.EXPERT_GLU)

@@ -19,15 +19,25 @@ gated shared expert in every layer. Where it runs: as Qwen3-Next.
 """
 
 from areal_fn.model.families import SOFTMAX_ROUTING, STACKED_SWIGLU_EXPERTS, Family
-from areal_fn.model.families.mapping import LAYER_NORMS_HF, SWIGLU_MLP_HF, Dim, HfTensor
+from areal_fn.model.families.mapping import (
+    LAYER_NORMS_HF,
+    SWIGLU_MLP,
+    SWIGLU_MLP_HF,
+    Dim,
+    Fusion,
+    HfTensor,
+)
 from areal_fn.model.families.mixer import Mixer
 from areal_fn.model.families.qwen3_next import (
+    GATED_ATTENTION,
     GATED_ATTENTION_HF,
     GATED_SHARED_MOE_HF,
     LINEAR_DEFAULTS,
+    LINEAR_MOE_MLP,
     LINEAR_TAIL_HF,
-    MEGATRON_REFUSAL,
+    MEGATRON_GATED_DELTA,
     SEQUENCE_REFUSAL,
+    gated_delta_net,
     linear_params_hf,
 )
 from areal_fn.model.families.tp_role import TpRole
@@ -47,6 +57,11 @@ SPLIT_GATED_DELTA_NET_HF: tuple[HfTensor, ...] = (
     ),
 )
 
+#: Megatron-Core's GatedDeltaNet from the split projections (``Fusion.GDN_IN_PROJ_SPLIT``).
+SPLIT_GATED_DELTA_NET = gated_delta_net(
+    tuple(f"in_proj_{n}.weight" for n in ("qkv", "z", "b", "a")), Fusion.GDN_IN_PROJ_SPLIT
+)
+
 _MROPE = ("mrope_section", "mrope_interleaved")
 _FIXED = (("qkv_bias", False), ("o_bias", False), ("mlp_bias", False), ("qk_norm", True))
 _REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
@@ -55,7 +70,7 @@ FAMILY = Family(
     model_type="qwen3_5_text",
     architecture="Qwen3_5ForCausalLM",
     canonical=(*GATED_ATTENTION_HF, *SPLIT_GATED_DELTA_NET_HF, *SWIGLU_MLP_HF, *LAYER_NORMS_HF),
-    megatron=(),
+    megatron=(*GATED_ATTENTION, *SPLIT_GATED_DELTA_NET, *SWIGLU_MLP),
     required=_REQUIRED,
     defaults=(
         *((k, 4 if k == "num_key_value_heads" else v) for k, v in LINEAR_DEFAULTS),
@@ -67,7 +82,7 @@ FAMILY = Family(
     linear_attention=True,
     must_be=(("attention_bias", False),),
     ignored_rope_keys=_MROPE,
-    megatron_refusal=MEGATRON_REFUSAL.format(mt="qwen3_5_text"),
+    serving=MEGATRON_GATED_DELTA,
     sequence_refusal=SEQUENCE_REFUSAL.format(mt="qwen3_5_text"),
 )
 
@@ -80,7 +95,7 @@ MOE_FAMILY = Family(
         *GATED_SHARED_MOE_HF,
         *LAYER_NORMS_HF,
     ),
-    megatron=(),
+    megatron=(*GATED_ATTENTION, *SPLIT_GATED_DELTA_NET, *LINEAR_MOE_MLP),
     required=_REQUIRED,
     defaults=(
         *LINEAR_DEFAULTS,
@@ -107,6 +122,6 @@ MOE_FAMILY = Family(
     ),
     must_be=(("attention_bias", False),),
     ignored_rope_keys=_MROPE,
-    megatron_refusal=MEGATRON_REFUSAL.format(mt="qwen3_5_moe_text"),
+    serving=MEGATRON_GATED_DELTA,
     sequence_refusal=SEQUENCE_REFUSAL.format(mt="qwen3_5_moe_text"),
 )

@@ -17,27 +17,38 @@ by ``sigmoid(mlp.shared_expert_gate(x))``. Layers in ``mlp_only_layers`` (or off
 checkpoint's ``mtp.*`` tensors are not part of the model transformers builds.
 
 Where it runs: specs, FSDP2 layouts (data and tensor parallel), inference layouts,
-weight sync, checkpoints and HF export. Under ``tp`` a linear-attention layer splits by
-key-head group (:mod:`areal_fn.model.linear_tp`; ``tp`` must divide
-``linear_num_key_heads``), the full-attention layers by heads as Qwen3's. Refused, with
-the reason: Megatron layouts and splitting a sequence over ranks (Ulysses, CP). Packed
-rows train: the engine runs each linear-attention layer on every packed sequence alone.
+Megatron layouts (Megatron-Core's ``GatedDeltaNet`` and gated attention:
+:data:`GATED_ATTENTION`, :func:`gated_delta_net`; built by
+:mod:`areal_fn.runtime.megatron.gated_delta`), weight sync, checkpoints and HF export.
+Under ``tp`` in the FSDP2 engine a linear-attention layer splits by key-head group
+(:mod:`areal_fn.model.linear_tp`; ``tp`` must divide ``linear_num_key_heads``), the
+full-attention layers by heads as Qwen3's. Refused, with the reason: splitting a
+sequence over ranks (Ulysses, CP) and packed rows in the Megatron engine. Packed rows
+train in the FSDP2 engine: it runs each linear-attention layer on every packed
+sequence alone.
 """
 
 import attrs
 
 from areal_fn.model.families import SOFTMAX_ROUTING, STACKED_SWIGLU_EXPERTS, Family
 from areal_fn.model.families.mapping import (
+    GQA_ATTENTION,
     GQA_ATTENTION_HF,
     LAYER_NORMS_HF,
+    ROUTED_EXPERTS,
     ROUTED_EXPERTS_HF,
+    SWIGLU_MLP,
     SWIGLU_MLP_HF,
     Dim,
+    Fusion,
     HfTensor,
     LayerKind,
+    MegatronTensor,
 )
 from areal_fn.model.families.mixer import Mixer
 from areal_fn.model.families.tp_role import TpRole
+from areal_fn.model.families.serving import Serving
+from areal_fn.sharding.placement import Placement, Replicate, Shard, StridedShard
 
 _FULL, _LINEAR = Mixer.ATTENTION, Mixer.LINEAR
 _HEAD, _COL = TpRole.DELTA_HEAD, TpRole.COLUMN
@@ -111,13 +122,84 @@ GATED_SHARED_MOE_HF: tuple[HfTensor, ...] = (
     ),
 )
 
-#: Why Megatron layouts are refused (shared by the Qwen3.5 families).
-MEGATRON_REFUSAL = (
-    "Megatron-Core 0.16's GPTModel cannot express {mt}: its layers are all one kind of "
-    "attention, with no gated-delta-net linear-attention layers (Megatron-Core has them only "
-    "in its hybrid Mamba model, outside our conversion), no sigmoid gate on the attention "
-    "output and no (1 + w) RMSNorm on CPU; use the fsdp backend"
+#: Megatron-Core's gated attention (``attention_output_gate``): GQA with the gates in
+#: ``linear_qkv`` (``Fusion.GATED_QKV``), full-attention layers only.
+GATED_ATTENTION: tuple[MegatronTensor, ...] = tuple(
+    MegatronTensor(
+        local=r.local,
+        te=r.te,
+        hf=r.hf,
+        tp=r.tp,
+        fusion=Fusion.GATED_QKV if r.fusion is Fusion.QKV else r.fusion,
+        when=r.when,
+        mixer=_FULL,
+    )
+    for r in GQA_ATTENTION
+    if r.when not in ("qkv_bias", "o_bias")
 )
+
+
+def gated_delta_net(in_proj: tuple[str, ...], fusion: Fusion) -> tuple[MegatronTensor, ...]:
+    """Megatron-Core's ``GatedDeltaNet`` (linear-attention layers) with the input norm before
+    it: ``in_proj`` from the canonical ``in_proj`` sources by ``fusion`` and ``conv1d``, both
+    laid per TP rank (:mod:`areal_fn.layouts.gated_delta`); the per-value-head ``dt_bias``,
+    ``A_log`` and ``out_proj`` columns split over TP; ``out_norm`` replicated."""
+    la = "linear_attn."
+
+    def rec(
+        local: str,
+        hf: str | tuple[str, ...],
+        tp: Placement,
+        fusion: Fusion = Fusion.WHOLE,
+        te: str | None = None,
+    ) -> MegatronTensor:
+        return MegatronTensor(local=local, hf=hf, tp=tp, fusion=fusion, te=te, mixer=_LINEAR)
+
+    return (
+        rec(
+            "input_layernorm.weight",
+            "input_layernorm.weight",
+            Replicate(),
+            te="self_attention.in_proj.layer_norm_weight",
+        ),
+        rec("self_attention.dt_bias", la + "dt_bias", Shard(dim=0)),
+        rec("self_attention.A_log", la + "A_log", Shard(dim=0)),
+        rec("self_attention.in_proj.weight", tuple(la + n for n in in_proj), Shard(0), fusion),
+        rec("self_attention.conv1d.weight", la + "conv1d.weight", Shard(0), Fusion.GDN_CONV),
+        rec("self_attention.out_norm.weight", la + "norm.weight", Replicate()),
+        rec("self_attention.out_proj.weight", la + "out_proj.weight", Shard(dim=1)),
+    )
+
+
+#: The gated shared expert: ``linear_fc1 = [gate; up]`` strided over TP, ``linear_fc2`` by
+#: columns, the scalar gate ``gate_weight`` replicated (``moe_shared_expert_gate``).
+GATED_SHARED_EXPERT: tuple[MegatronTensor, ...] = (
+    MegatronTensor(
+        local="mlp.shared_experts.gate_weight",
+        hf="mlp.shared_expert_gate.weight",
+        tp=Replicate(),
+        layers=LayerKind.MOE,
+    ),
+    MegatronTensor(
+        local="mlp.shared_experts.linear_fc1.weight",
+        hf=("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"),
+        fusion=Fusion.GATE_UP,
+        tp=StridedShard(dim=0, split_factor=2),
+        layers=LayerKind.MOE,
+    ),
+    MegatronTensor(
+        local="mlp.shared_experts.linear_fc2.weight",
+        hf="mlp.shared_expert.down_proj.weight",
+        tp=Shard(dim=1),
+        layers=LayerKind.MOE,
+    ),
+)
+
+#: The Megatron-Core parameters after the attention: dense MLP or experts, the shared expert.
+LINEAR_MOE_MLP: tuple[MegatronTensor, ...] = (*SWIGLU_MLP, *ROUTED_EXPERTS, *GATED_SHARED_EXPERT)
+
+#: How the Megatron builder builds these families (:mod:`areal_fn.runtime.megatron.gated_delta`).
+MEGATRON_GATED_DELTA = Serving(megatron_gated_delta=True)
 
 #: Why Ulysses and context parallelism are refused (shared by Qwen3.5).
 SEQUENCE_REFUSAL = (
@@ -155,7 +237,11 @@ FAMILY = Family(
         *GATED_SHARED_MOE_HF,
         *LAYER_NORMS_HF,
     ),
-    megatron=(),
+    megatron=(
+        *GATED_ATTENTION,
+        *gated_delta_net(("in_proj_qkvz.weight", "in_proj_ba.weight"), Fusion.GDN_IN_PROJ),
+        *LINEAR_MOE_MLP,
+    ),
     required=("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"),
     defaults=(
         *LINEAR_DEFAULTS,
@@ -182,6 +268,6 @@ FAMILY = Family(
     linear_attention=True,
     must_be=(("attention_bias", False),),
     foreign_keys=(("num_local_experts", "num_experts"),),
-    megatron_refusal=MEGATRON_REFUSAL.format(mt="qwen3_next"),
+    serving=MEGATRON_GATED_DELTA,
     sequence_refusal=SEQUENCE_REFUSAL.format(mt="qwen3_next"),
 )

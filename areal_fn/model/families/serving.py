@@ -81,6 +81,10 @@ class Serving:
       Qwen3-MoE's naming by default);
     - ``megatron_yarn``: the Megatron builder gives ``GPTModel`` the family's yarn rope
       (logits parity with transformers proven for it);
+    - ``megatron_gated_delta``: the Megatron builder builds the family's gated-delta-net
+      layers (Megatron-Core's ``GatedDeltaNet`` where ``ModelSpec.linear_attention`` says),
+      the sigmoid gate of its attention output and its ``(1 + w)`` norms
+      (:mod:`areal_fn.runtime.megatron.gated_delta`; logits parity proven for it);
     - ``tied_refusals``: engines that cannot serve the family's tied models.
     """
 
@@ -88,6 +92,7 @@ class Serving:
     vllm_fused: tuple[VllmFused, ...] = attrs.field(default=LLAMA_VLLM_FUSED, converter=_fused)
     vllm_experts: VllmExperts = attrs.field(factory=VllmExperts)
     megatron_yarn: bool = False
+    megatron_gated_delta: bool = False
     tied_refusals: tuple[TiedRefusal, ...] = attrs.field(default=(), converter=_refusals)
 
 

@@ -36,6 +36,7 @@ from areal_fn.layouts.megatron import (
 )
 from areal_fn.layouts.vocab import padded_vocab_size, vocab_tensors
 from areal_fn.model.hf_memory import hf_memory_view
+from areal_fn.model.linear_attention import is_linear_layer
 from areal_fn.model.spec import ModelSpec, layer_of
 from areal_fn.pipeline.partition import StagePlan
 from areal_fn.plans.advisor.census_groups import LayerGroup as LayerGroup
@@ -207,12 +208,10 @@ def megatron_census(
     h = model.hidden_size
     vpad = padded_vocab_size(model.vocab_size, tp=dims.tp, divisible_by=vocab_divisible_by)
     per_rank = model.num_experts // dims.ep if model.is_moe else 0
-    # the family's table, once per layer kind (every layer of a kind has the same parameters)
-    kinds = {
-        moe: layer_parameters(model, model.moe_layers.index(moe))
-        for moe in (False, True)
-        if moe in model.moe_layers
-    }
+    # the family's table, once per layer kind (every layer of a kind has the same
+    # parameters): dense or MoE, full or linear attention
+    kind_of = [(model.moe_layers[i], is_linear_layer(model, i)) for i in range(model.num_layers)]
+    kinds = {k: layer_parameters(model, kind_of.index(k)) for k in dict.fromkeys(kind_of)}
     for chunk in range(plan.num_chunks):
         pres: Presence = (("pp", chunk % dims.pp),)
         layers = list(plan.chunk_layers(chunk))
@@ -220,8 +219,8 @@ def megatron_census(
             b.add((vpad, h), s0, pres)
         if layers:
             b.add_layers(dense_id, pres, layers)
-        for moe, rows in kinds.items():
-            n = sum(model.moe_layers[i] == moe for i in layers)
+        for (moe, linear), rows in kinds.items():
+            n = sum(kind_of[i] == (moe, linear) for i in layers)
             if not n:
                 continue
             for rec, shape in rows:

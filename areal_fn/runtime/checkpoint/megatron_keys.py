@@ -80,6 +80,13 @@ def mcore_layout(model: ModelSpec, spec: LayerSpec = "te") -> Layout:
     from areal_fn.layouts.megatron import megatron_layout
     from areal_fn.strategy.allocation import ParallelDims
 
+    if model.linear_attention is not None:
+        raise CheckpointError(
+            f"{model.model_type}: Megatron-Core's dist_checkpointing stores each GatedDeltaNet's "
+            "in_proj and conv1d cut into query/key/value/z/beta/alpha sub-tensors, keys this "
+            "interop does not map, and its Transformer-Engine out_norm holds w - 1; use the "
+            "per-rank files (areal-fn convert --format rank-files) or HF checkpoints instead"
+        )
     return megatron_layout(model, ParallelDims(), naming=spec, vocab_divisible_by=1)
 
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from areal_fn.errors import LayoutError
+from areal_fn.model.spec import ModelSpec
 from areal_fn.plans.context import check_context_split
 from areal_fn.runtime.engines.common import (
     OptimizerSteps,
@@ -67,8 +68,9 @@ class _Micro(NamedTuple):
 
 class MegatronSteps(OptimizerSteps):
     """Training and evaluation steps over the engine's chunks (set by the engine:
-    ``chunks``, ``dims``, ``device``, ``micro_batch_size``, ``_pad_cols``, ``_te_cp``)."""
+    ``spec``, ``chunks``, ``dims``, ``device``, ``micro_batch_size``, ``_pad_cols``, ``_te_cp``)."""
 
+    spec: ModelSpec
     chunks: list[Any]
     dims: ParallelDims
     device: torch.device
@@ -192,6 +194,13 @@ class MegatronSteps(OptimizerSteps):
     def _packed(
         self, sequences: list[TokenSequence], max_tokens: int
     ) -> tuple[list[_Micro], tuple[PackedRow, ...]]:
+        if self.spec.linear_attention is not None:
+            raise LayoutError(
+                f"packed sequences for {self.spec.model_type}: Megatron-Core 0.16's "
+                "GatedDeltaNet ignores the attention mask and refuses PackedSeqParams ('GDN "
+                "does not support packed sequence for now'), so its recurrence would run from "
+                "one sequence into the next; pass one sequence per row (train_step)"
+            )
         if self._te_cp:
             raise LayoutError(
                 f"packed sequences under cp={self.dims.cp} with Transformer Engine's attention: "

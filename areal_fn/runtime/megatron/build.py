@@ -73,7 +73,9 @@ def layer_spec(arch: Mapping[str, Any], config: Any, *, vp_stage: int | None = N
     Dense models: the single layer spec ``get_gpt_layer_local_spec`` (every layer the
     same). MoE models: ``get_gpt_decoder_block_spec`` with ``use_transformer_engine=False``,
     the per-layer specs of this pipeline stage (chunk ``vp_stage``), which is what honours
-    ``moe_layer_freq``; the single MoE layer spec would make every layer MoE.
+    ``moe_layer_freq``; the single MoE layer spec would make every layer MoE. Gated-delta-net
+    families (``arch["gated_delta"]``): :func:`~areal_fn.runtime.megatron.gated_delta.
+    gated_delta_block_spec`.
     """
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_decoder_block_spec,
@@ -81,6 +83,10 @@ def layer_spec(arch: Mapping[str, Any], config: Any, *, vp_stage: int | None = N
     )
 
     mla = bool(arch_field(arch, "kv_lora_rank", 0))
+    if arch.get("gated_delta"):
+        from areal_fn.runtime.megatron.gated_delta import gated_delta_block_spec
+
+        return gated_delta_block_spec(config, vp_stage=vp_stage)
     if arch.get("num_experts"):
         spec = get_gpt_decoder_block_spec(
             config, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage

@@ -17,7 +17,14 @@ from areal_fn.errors import LayoutError, SpecError
 from areal_fn.runtime.megatron.parallel import MegatronSizes
 from areal_fn.typecheck import beartype
 
-__all__ = ["ARCH_FIELDS", "arch_field", "arch_of", "mla_fields", "transformer_config"]
+__all__ = [
+    "ARCH_FIELDS",
+    "arch_field",
+    "arch_of",
+    "gated_delta_fields",
+    "mla_fields",
+    "transformer_config",
+]
 
 #: The architecture fields read from the ``arch`` mapping (``None`` = optional).
 ARCH_FIELDS: Mapping[str, str] = {
@@ -59,6 +66,9 @@ ARCH_FIELDS: Mapping[str, str] = {
     "swiglu_alpha": "float or None (gpt-oss clamped SwiGLU: 1.702, Megatron's quick_gelu)",
     "swiglu_limit": "float or None (gpt-oss clamped SwiGLU: the clamp of gate and up)",
     "mtp_layers": "int or None (multi-token-prediction layers: mtp_num_layers, last stage)",
+    "gated_delta": "bool or None (gated-delta-net family: Family.serving.megatron_gated_delta)",
+    "linear_attention": "LinearAttention, its attrs.asdict mapping, or None (which layers)",
+    "shared_expert_size": "int or None (the gated shared expert's width)",
 }
 
 
@@ -70,6 +80,7 @@ def arch_of(spec: Any) -> dict[str, Any]:
     arch = attrs.asdict(spec)
     arch["moe_layer_pattern"] = [int(m) for m in spec.moe_layers] if spec.is_moe else None
     arch["attention_sinks"] = spec.has_sinks
+    arch["gated_delta"] = spec.family.serving.megatron_gated_delta
     return arch
 
 
@@ -120,6 +131,7 @@ def transformer_config(
         **_moe_fields(arch, moe_grouped_gemm=moe_grouped_gemm),
     )
     fields.update(_gpt_oss_fields(arch))
+    fields.update(gated_delta_fields(arch))
     if arch_field(arch, "kv_lora_rank", 0):
         fields.update(mla_fields(arch))
         fields.update(overrides or {})
@@ -171,6 +183,33 @@ def _gpt_oss_fields(arch: Mapping[str, Any]) -> dict[str, Any]:
             glu_linear_offset=1.0,
             activation_func_clamp_value=float(limit),
         )
+    return out
+
+
+def gated_delta_fields(arch: Mapping[str, Any]) -> dict[str, Any]:
+    """A gated-delta-net family's fields (none for others): Megatron-Core's
+    ``GatedDeltaNet`` on the layers ``linear_attention`` marks (``linear_attention_freq``,
+    1 = linear), its head counts and sizes, the sigmoid gate of the full-attention output
+    (``attention_output_gate``), ``(1 + w)`` norms (``layernorm_zero_centered_gamma``),
+    and for MoE models the gated shared expert (``moe_shared_expert_gate``)."""
+    if not arch.get("gated_delta"):
+        return {}
+    la = arch["linear_attention"]
+    get = la.__getitem__ if isinstance(la, Mapping) else la.__getattribute__
+    out: dict[str, Any] = {
+        "experimental_attention_variant": "gated_delta_net",
+        "linear_attention_freq": [int(bool(x)) for x in get("layers")],
+        "linear_conv_kernel_dim": get("conv_kernel"),
+        "linear_key_head_dim": get("key_head_dim"),
+        "linear_value_head_dim": get("value_head_dim"),
+        "linear_num_key_heads": get("key_heads"),
+        "linear_num_value_heads": get("value_heads"),
+        "attention_output_gate": True,
+        "layernorm_zero_centered_gamma": True,
+    }
+    if arch.get("num_experts"):
+        out["moe_shared_expert_intermediate_size"] = arch["shared_expert_size"]
+        out["moe_shared_expert_gate"] = True
     return out
 
 

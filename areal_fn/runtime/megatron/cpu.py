@@ -96,6 +96,15 @@ The redirections (``REDIRECTIONS`` lists them by name, in the order applied):
     ``torch`` global becomes a thin proxy of ``torch`` whose ``zeros`` maps
     ``device="cuda"`` to the CPU; every other attribute is ``torch``'s own.
 
+``megatron.core.ssm.gated_delta_net.HAVE_FLA`` / ``chunk_gated_delta_rule`` / ``l2norm``
+    (only when flash-linear-attention, ``fla``, is not installed). ``GatedDeltaNet``
+    refuses to be built without ``fla`` (``ImportError: FLA is not installed``) and its
+    forward calls ``fla``'s ``l2norm`` and Triton ``chunk_gated_delta_rule`` (GPU only).
+    Redirected: ``HAVE_FLA = True``, the delta rule is the module's own pure-torch
+    ``torch_chunk_gated_delta_rule`` (what it runs in ``deterministic_mode``), and
+    ``l2norm`` is ``fla``'s formula ``x * rsqrt(sum(x**2) + 1e-6)`` over the last dim.
+    ``causal_conv1d`` absent, its conv is already ``nn.Conv1d``.
+
 What this does not make work (choose other options instead): TransformerEngine
 specs and modules (TE is not installed; use ``get_gpt_layer_local_spec``), fused
 kernels (keep every ``*_fusion`` flag and ``persist_layer_norm`` off), the legacy
@@ -136,6 +145,9 @@ REDIRECTIONS: tuple[str, ...] = (
     "megatron.core.tensor_parallel.random._set_cuda_rng_state",
     "megatron.core.tensor_parallel.random.CheckpointWithoutOutput.__init__",
     "megatron.core.pipeline_parallel.schedules.torch",
+    "megatron.core.ssm.gated_delta_net.HAVE_FLA",
+    "megatron.core.ssm.gated_delta_net.chunk_gated_delta_rule",
+    "megatron.core.ssm.gated_delta_net.l2norm",
 )
 
 _MISSING = object()
@@ -203,6 +215,12 @@ def enable() -> None:
         without = mcore_random.CheckpointWithoutOutput
         patches.append((without, "__init__", _without_fp8(vars(without)["__init__"])))
     patches.append((schedules, "torch", _CpuZerosTorch()))
+    if importlib.util.find_spec("fla") is None:
+        from megatron.core.ssm import gated_delta_net as gdn
+
+        patches.append((gdn, "HAVE_FLA", True))
+        patches.append((gdn, "chunk_gated_delta_rule", gdn.torch_chunk_gated_delta_rule))
+        patches.append((gdn, "l2norm", _l2norm))
     for owner, name, value in patches:
         _saved.append((owner, name, vars(owner).get(name, _MISSING)))
         setattr(owner, name, value)
@@ -233,6 +251,10 @@ def cpu_megatron() -> Iterator[None]:
 
 
 # ---------------------------------------------------------------- replacements
+
+
+def _l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
 
 
 def _cpu_current_device() -> torch.device:
