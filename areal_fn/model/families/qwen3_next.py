@@ -46,8 +46,8 @@ from areal_fn.model.families.mapping import (
     MegatronTensor,
 )
 from areal_fn.model.families.mixer import Mixer
-from areal_fn.model.families.tp_role import TpRole
 from areal_fn.model.families.serving import Serving
+from areal_fn.model.families.tp_role import TpRole
 from areal_fn.sharding.placement import Placement, Replicate, Shard, StridedShard
 
 _FULL, _LINEAR = Mixer.ATTENTION, Mixer.LINEAR
