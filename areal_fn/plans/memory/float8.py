@@ -27,6 +27,8 @@ with the rowwise recipes) are not counted.
 import attrs
 
 from areal_fn.errors import SpecError
+from areal_fn.model.families.mapping import Dim
+from areal_fn.model.families.roles import tp_record
 from areal_fn.model.spec import ModelSpec
 from areal_fn.model.tensor_spec import TensorSpec
 from areal_fn.plans.memory.estimate import MemoryReport
@@ -37,10 +39,6 @@ __all__ = ["FLOAT8_RECIPES", "Float8Copies", "float8_copies", "float8_linears", 
 #: torchao's ``Float8LinearRecipeName`` values.
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
-#: The routers transformers builds as parameters of their own module, not ``nn.Linear``.
-_ROUTERS = (".mlp.gate.weight", ".block_sparse_moe.gate.weight", ".mlp.router.weight")
-
-
 def _linear_weights(model: ModelSpec) -> tuple[TensorSpec, ...]:
     """The weights of the ``nn.Linear`` layers transformers builds in the decoder layers:
     their 2-D ``.weight`` tensors but routed experts (fused parameters) and routers."""
@@ -49,10 +47,12 @@ def _linear_weights(model: ModelSpec) -> tuple[TensorSpec, ...]:
         parts = t.name.split(".")
         if len(t.shape) != 2 or parts[:2] != ["model", "layers"] or parts[-1] != "weight":
             continue
-        if int(parts[2]) >= model.num_layers or ".experts." in t.name:
-            continue  # multi-token prediction layers (not built) and routed experts
-        if not t.name.endswith(_ROUTERS):
-            out.append(t)
+        if int(parts[2]) >= model.num_layers:
+            continue  # multi-token prediction layers (not built)
+        rec = tp_record(model.family, t.name)
+        if rec is not None and (rec.expert or rec.stacked or rec.shape[:1] == (Dim.EXPERTS,)):
+            continue  # routed experts (fused parameters) and routers (their own modules)
+        out.append(t)
     return tuple(out)
 
 
