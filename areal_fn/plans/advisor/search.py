@@ -345,8 +345,8 @@ def suggest_strategy(
     the fit rule and the score).
 
     ``policy``: counted for each backend as its engine runs it
-    (:func:`~areal_fn.plans.precision.engine_policy`: FSDP2 runs fp16 parameters with
-    masters as fp32 parameters without one). ``global_batch_size``: sequences per
+    (:func:`~areal_fn.plans.precision.engine_policy`: FSDP2 keeps fp32 parameters,
+    gradients and Adam states, no master copy). ``global_batch_size``: sequences per
     optimizer step (sets the micro-batches per replica, hence the bubble and the per-step
     communication). ``memory_margin``: the
     fraction of device memory kept free for what the estimate leaves out (CUDA context,
