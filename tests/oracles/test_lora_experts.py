@@ -12,7 +12,8 @@ For a tiny qwen3_moe and a tiny mixtral (transformers 5 holds their experts as f
 - an adapter checkpoint (``fsdp:d2`` adapter layout, saved offline): ``checkpoint
   inspect --json`` lists the expert adapters, ``convert --to-hf`` writes a directory
   ``peft.PeftModel.from_pretrained`` loads with the same logits, ``--merge BASE`` an HF
-  checkpoint transformers loads with them; Megatron ``d2e2``'s per-expert adapters
+  checkpoint transformers loads with them; other FSDP2 strategies' adapter layouts load
+  it (bitwise back); Megatron ``d2e2``'s per-expert adapters
   convert to and from its tensors bitwise, and loading it into them is refused.
 """
 
@@ -215,6 +216,25 @@ def test_inspect_json_lists_the_expert_adapters(
         "r=2, alpha=6.0, dropout=0.0, targets ['o_proj'], routed experts "
         "['mlp.experts.gate_up_proj', 'mlp.experts.down_proj']; export with"
     ) in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("allocation", ["fsdp:d4", "fsdp:d2t2", "fsdp:d1"])
+def test_the_checkpoint_loads_under_other_fsdp_strategies(
+    saved: dict[str, Any], allocation: str
+) -> None:
+    """Offline, one process holding every rank: the ``fsdp:d2`` adapter checkpoint loads
+    into another strategy's adapter layout and converts back to it bitwise."""
+    spec, config = saved["spec"], saved["config"]
+    layout = adapter_layout(layout_for(spec, allocation), spec, config)
+    states = {
+        r: RankState(params={lt.name: torch.zeros(lt.shape) for lt in layout.local_tensors(r)})
+        for r in range(layout.world_size)
+    }
+    load_checkpoint(saved["ckpt"], layout=layout, states=states, restore_rng_state=False)
+    back = to_hf({r: s.params for r, s in states.items()}, layout)
+    reader = CheckpointReader(saved["ckpt"])
+    assert set(back) == {t.name for t in reader.manifest.tensors}
+    assert all(torch.equal(back[k], reader.read(k)) for k in back)
 
 
 def test_megatron_expert_adapters_convert_and_their_checkpoints_are_refused(
