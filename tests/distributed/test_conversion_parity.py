@@ -35,11 +35,11 @@ REPO = Path(__file__).resolve().parents[2]
 #: fp32, |logits| ~ 1.2-1.5. Observed: 0 or <= 3.6e-7 without tensor parallelism,
 #: <= 7.2e-7 with it (reduction order of the sharded matmuls / MoE combine).
 LOGITS_ATOL = 1.5e-6
-#: The gated-delta-net families (|logits| ~ 1.5): up to 1.5e-6 observed. Their delta rule
+#: The gated-delta-net families (|logits| ~ 1.5): up to 2.3e-6 observed. Their delta rule
 #: is two implementations (transformers' chunked rule solves its triangular system with
 #: ``torch.linalg.solve_triangular``, Megatron-Core's copy by forward substitution),
 #: whose outputs differ by about an ulp, and the difference grows over the layers.
-LOGITS_ATOL_OF = dict.fromkeys(("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"), 3e-6)
+LOGITS_ATOL_OF = dict.fromkeys(("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"), 5e-6)
 #: the perturbation must move the logits far more than the tolerance
 MIN_SHIFT = 0.1
 

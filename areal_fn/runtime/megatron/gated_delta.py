@@ -19,6 +19,12 @@ honours ``moe_layer_freq``), with three changes per layer:
 - full-attention layers keep the local ``SelfAttention``; ``attention_output_gate`` in
   the config makes it compute the sigmoid gate.
 
+Megatron-Core decorates the output gate of both attentions (``_apply_output_gate``,
+``GatedDeltaNet._apply_gated_norm``) with its ``jit_fuser``, which is ``torch.compile``:
+on a CPU, inductor would compile them into C++ kernels (a compiler and its worker
+threads, per shape). The block's modules (:func:`eager_modules`) compute the same
+products eagerly.
+
 ``GatedOutputNorm`` keeps the checkpoint's plain weight (transformers' gated RMSNorm
 multiplies by ``w``), so the conversion copies ``linear_attn.norm.weight`` as it is.
 Transformer Engine's spec would make this norm zero-centred too (its values ``w - 1``),
@@ -33,7 +39,12 @@ import torch
 
 from areal_fn.typecheck import beartype
 
-__all__ = ["GatedOutputNorm", "ZeroCentredRMSNorm", "gated_delta_block_spec"]
+__all__ = [
+    "GatedOutputNorm",
+    "ZeroCentredRMSNorm",
+    "eager_modules",
+    "gated_delta_block_spec",
+]
 
 
 def _normalise(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -89,6 +100,27 @@ class GatedOutputNorm(torch.nn.Module):
         return weight * _normalise(x, self.eps).to(x.dtype)
 
 
+def eager_modules() -> tuple[type, type]:
+    """Megatron-Core's ``SelfAttention`` and ``GatedDeltaNet`` with their output gates
+    computed eagerly: ``x * sigmoid(gate)`` and ``out_norm(x) * act(gate)``, in float32
+    and cast back to ``x``'s dtype, as Megatron's compiled functions compute them."""
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+    from megatron.core.transformer.attention import SelfAttention
+
+    class GatedSelfAttention(SelfAttention):  # type: ignore[misc]
+        def _apply_output_gate(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+            gate = gate.contiguous().view(*x.shape)
+            return (x * torch.sigmoid(gate.float())).to(x.dtype)
+
+    class EagerGatedDeltaNet(GatedDeltaNet):  # type: ignore[misc]
+        def _apply_gated_norm(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+            y = self.out_norm(x.reshape(-1, x.shape[-1]))
+            y = y * self.act_fn(gate.reshape(-1, gate.shape[-1]).float())
+            return y.to(x.dtype)
+
+    return GatedSelfAttention, EagerGatedDeltaNet
+
+
 def _layer_ids(config: Any, vp_stage: int | None) -> list[int]:
     """The global decoder layers this pipeline chunk builds (as Megatron's block specs)."""
     from megatron.core.transformer.enums import LayerType
@@ -109,14 +141,15 @@ def gated_delta_block_spec(config: Any, *, vp_stage: int | None = None) -> Any:
     ``config.moe_layer_freq`` says, every norm zero-centred but the linear layers'
     output norm."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs
-    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
+    attention, delta_net = eager_modules()
     linear = list(config.linear_attention_freq)
     gdn = ModuleSpec(
-        module=GatedDeltaNet,
+        module=delta_net,
         submodules=GatedDeltaNetSubmodules(
             in_proj=ColumnParallelLinear, out_norm=GatedOutputNorm, out_proj=RowParallelLinear
         ),
@@ -129,6 +162,7 @@ def gated_delta_block_spec(config: Any, *, vp_stage: int | None = None) -> Any:
         if linear[i]:
             sub.self_attention = gdn
         else:
+            sub.self_attention.module = attention
             attn = sub.self_attention.submodules
             attn.q_layernorm = attn.k_layernorm = ZeroCentredRMSNorm
         layers.append(layer)
