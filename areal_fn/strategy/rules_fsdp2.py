@@ -42,7 +42,8 @@ def _fsdp2_vocab(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
 
 
 def _fsdp2_shared(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
-    width = m.num_shared_experts * m.moe_intermediate_size
+    # DeepSeek's shared experts, or Qwen's gated shared expert (one of them is 0)
+    width = m.num_shared_experts * m.moe_intermediate_size + m.shared_expert_size
     if not width:
         return None
     first = next(i for i, moe in enumerate(m.moe_layers) if moe)
@@ -51,7 +52,7 @@ def _fsdp2_shared(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
         for t in m.layer_tensors(first)
         if (r := tp_record(m.family, t.name)) is not None
         and r.tp is TpRole.COLUMN
-        and Dim.SHARED_INTER in r.shape
+        and {Dim.SHARED_INTER, Dim.SHARED_EXPERT} & set(r.shape)
     )
     remedy = f"use a tp that divides the shared experts' width {width} ({m.model_type})"
     return _uneven_rows(name, width, d, o, remedy)
