@@ -23,6 +23,14 @@ names. Each tensor is placed by its role in the family's table
   alternating, as vLLM's and SGLang's gpt-oss loaders slice it), ``gate_up_proj_bias``
   likewise (``Shard(1)``), ``down_proj [E, I, H]`` by rows (``Shard(1)``);
   ``down_proj_bias`` and the router (weight and bias) replicated.
+- gated delta nets (Qwen3-Next, Qwen3.5; vLLM's ``qwen_gdn_linear_attn``): each rank
+  holds ``linear_num_key_heads / tp`` key heads and their value heads
+  (:mod:`areal_fn.model.linear_tp`): ``in_proj_qkvz`` / ``in_proj_ba`` (rows grouped per
+  key head), ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a``, ``A_log`` and ``dt_bias``
+  ``Shard(0)``; ``out_proj`` row-wise; ``norm`` replicated; ``conv1d`` and
+  ``in_proj_qkv`` (``[q; k; v]``) one tensor whose rows are reordered rank by rank
+  (each rank's queries, keys, values: vLLM's ``mamba_v2_sharded_weight_loader`` for
+  ``conv1d``, its merged ``in_proj_qkvz`` shards 0-2 for ``in_proj_qkv``), then ``Shard(0)``.
 - norms, q/k norms and the MoE router are replicated.
 - multi-token-prediction layers (:mod:`areal_fn.model.mtp`) on the last stage: their
   decoder layer by the rules above, ``embed_tokens`` and ``shared_head.head`` like the
@@ -49,6 +57,7 @@ from areal_fn.layouts.layout import FusionPiece, Layout, LayoutKind, LogicalTens
 from areal_fn.layouts.vocab import vocab_tensors
 from areal_fn.model.families.roles import tp_record, tp_role
 from areal_fn.model.families.tp_role import TpRole
+from areal_fn.model.linear_tp import delta_qkv_rows
 from areal_fn.model.spec import ModelSpec, layer_of
 from areal_fn.model.tensor_spec import TensorSpec
 from areal_fn.sharding.box import Box
@@ -140,12 +149,14 @@ def _logical_tensor(
     """The engines' tensor of canonical ``spec``: one fusion piece, vocab rows padded to
     ``vpad``, KV weights on ``kv_mesh`` (``tp`` split into ``tp_kv`` x ``tp_rep``)."""
     name, shape = spec.name, spec.shape
-    fusion = (
+    fusion: tuple[FusionPiece, ...] = (
         FusionPiece(canonical=name, canonical_box=Box.full(shape), logical_box=Box.full(shape)),
     )
     vocab = name in vocab_tensors(model)
     lshape = (vpad, shape[1]) if vocab else shape
     placement = _tp_placement(model, spec, vocab=vocab)
+    if tp_role(model.family, name) is TpRole.DELTA_QKV and dims.tp > 1:
+        fusion, placement = _delta_qkv_fusion(spec, model, dims.tp), Shard(dim=0)
     placements: tuple[Placement, ...]
     if tp_role(model.family, name) is TpRole.KV:
         m = kv_mesh
@@ -161,6 +172,27 @@ def _logical_tensor(
         sharding=Sharding(mesh=m, placements=placements),
         present=((Axis.PP, _stage(name, model, dims.pp)),),
     )
+
+
+def _delta_qkv_fusion(spec: TensorSpec, model: ModelSpec, tp: int) -> tuple[FusionPiece, ...]:
+    """A gated delta net's ``[q; k; v]`` tensor as the engines hold it: rows reordered
+    rank by rank, each rank's queries, keys and values (:func:`delta_qkv_rows`), so that
+    ``Shard(0)`` gives every rank its own."""
+    la = model.linear_attention
+    assert la is not None  # a DELTA_QKV tensor is a linear-attention family's
+    rest = tuple((0, d) for d in spec.shape[1:])
+    pieces, at = [], 0
+    for r in range(tp):
+        for start, stop in delta_qkv_rows(la, tp, r):
+            pieces.append(
+                FusionPiece(
+                    canonical=spec.name,
+                    canonical_box=Box(ranges=((start, stop), *rest)),
+                    logical_box=Box(ranges=((at, at + stop - start), *rest)),
+                )
+            )
+            at += stop - start
+    return tuple(pieces)
 
 
 def _tied_output_layer(

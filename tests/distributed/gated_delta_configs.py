@@ -2,7 +2,10 @@
 gradient workers: three linear-attention layers and one gated full-attention layer
 (``layer_types`` explicit, the full layer second), float32; Qwen3-Next and Qwen3.5-MoE
 with routed experts and the gated shared expert (expert widths of 8 floats: transformers'
-grouped GEMM wants 16-byte strides)."""
+grouped GEMM wants 16-byte strides). :func:`rank_parts`: what each tensor-parallel rank
+holds of a linear-attention layer, from the head counts alone."""
+
+from collections.abc import Mapping
 
 _BASE: dict[str, object] = {
     "hidden_size": 16,
@@ -42,3 +45,32 @@ def qwen3_5_moe_text() -> dict[str, object]:
     out = {**_BASE, **_MOE, "model_type": "qwen3_5_moe_text"}
     del out["intermediate_size"]
     return out
+
+
+def rank_parts(
+    cfg: Mapping[str, object], tp: int, r: int
+) -> dict[str, tuple[int, int] | list[int]]:
+    """Rows (or, for ``out_proj``, columns) of each linear-attention parameter that rank
+    ``r`` of ``tp`` holds, from the config's head counts alone (a range, or a list of
+    rows in the rank's order): key heads ``r*k .. (r+1)*k``, their value heads."""
+    nk, nv = int(cfg["linear_num_key_heads"]), int(cfg["linear_num_value_heads"])  # type: ignore[call-overload]
+    dk, dv = int(cfg["linear_key_head_dim"]), int(cfg["linear_value_head_dim"])  # type: ignore[call-overload]
+    k, v = nk // tp, nv // tp
+    group_qkvz = 2 * dk + 2 * dv * nv // nk
+    qkv = [
+        *range(r * k * dk, (r + 1) * k * dk),
+        *range(nk * dk + r * k * dk, nk * dk + (r + 1) * k * dk),
+        *range(2 * nk * dk + r * v * dv, 2 * nk * dk + (r + 1) * v * dv),
+    ]
+    return {
+        "in_proj_qkvz.weight": (r * k * group_qkvz, (r + 1) * k * group_qkvz),
+        "in_proj_ba.weight": (r * 2 * v, (r + 1) * 2 * v),
+        "in_proj_qkv.weight": qkv,
+        "conv1d.weight": qkv,
+        "in_proj_z.weight": (r * v * dv, (r + 1) * v * dv),
+        "in_proj_b.weight": (r * v, (r + 1) * v),
+        "in_proj_a.weight": (r * v, (r + 1) * v),
+        "A_log": (r * v, (r + 1) * v),
+        "dt_bias": (r * v, (r + 1) * v),
+        "out_proj.weight": (r * v * dv, (r + 1) * v * dv),
+    }

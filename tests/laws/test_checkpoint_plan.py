@@ -114,6 +114,8 @@ def test_every_element_is_written_once_by_a_holder_real_models(data):
                     and (
                         model.linear_attention is None or model.linear_attention.key_heads % d == 0
                     )
+                    # FSDP2 over more than two shards cannot describe a row split unevenly
+                    and (dp <= 2 or model.num_shared_experts * model.moe_intermediate_size % d == 0)
                 ]
             )
         )

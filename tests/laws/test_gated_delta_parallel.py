@@ -29,6 +29,7 @@ from areal_fn.runtime.engines import linear_packed, ulysses
 from areal_fn.runtime.engines.fsdp2 import build_hf_model
 from areal_fn.runtime.engines.packed import TokenSequence, pack_rows
 from tests.distributed import gated_delta_configs
+from tests.distributed.gated_delta_configs import rank_parts
 
 FAMILIES = {
     "qwen3_next": gated_delta_configs.qwen3_next(),
@@ -70,8 +71,7 @@ def test_fsdp2_data_parallel_layouts_and_refusals(name: str) -> None:
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_inference_tp_splits_full_attention_by_heads(name: str) -> None:
     """Inference layouts under TP: gated q_proj by heads (``[q_h; gate_h]`` rows stay
-    together); linear attention's ``[q; k; v]`` tensors and its norm whole on every rank,
-    its other tensors split."""
+    together)."""
     spec = model_from_hf_config(FAMILIES[name])
     layout = inference_layout(spec, "sglang:d1t2")
     for rank in (0, 1):
@@ -81,10 +81,58 @@ def test_inference_tp_splits_full_attention_by_heads(name: str) -> None:
         assert q.shape == (full[0] // 2, full[1])
         (piece,) = q.pieces
         assert piece.canonical_box.ranges[0] == (rank * full[0] // 2, (rank + 1) * full[0] // 2)
-        for t in spec.layer_tensors(0):
-            whole = t.name.endswith(("conv1d.weight", "in_proj_qkv.weight", "norm.weight"))
-            if ".linear_attn." in t.name:
-                assert (local[t.name].shape == t.shape) == whole, t.name
+
+
+#: (model, tp): the tiny configs and the published ones, up to one key head per rank
+SPLITS = [
+    *((n, tp) for n in sorted(FAMILIES) for tp in (1, 2)),
+    ("specs/models/Qwen3-Next-80B-A3B-Instruct.json", 16),
+    ("specs/models/Qwen3.5-27B.json", 8),
+    ("specs/models/Qwen3.5-35B-A3B.json", 16),
+]
+
+
+@pytest.mark.parametrize(("name", "tp"), SPLITS)
+def test_inference_tp_holds_each_ranks_key_head_groups(name: str, tp: int) -> None:
+    """Every rank's boxes of every linear-attention tensor, in its local order, are the
+    rows (``out_proj``: columns) vLLM's gated delta net loads on that rank
+    (``qwen_gdn_linear_attn``: ``MergedColumnParallelLinear`` ``in_proj_qkvz`` /
+    ``in_proj_ba``, ``conv1d`` by ``mamba_v2_sharded_weight_loader`` over ``[q; k; v]``,
+    ``A_log`` / ``dt_bias`` by ``sharded_weight_loader(0)``, ``out_proj`` row-parallel,
+    ``norm`` whole), computed here from the head counts (``rank_parts``)."""
+    spec = model_from_hf_config(FAMILIES.get(name, name))
+    la = spec.linear_attention
+    assert la is not None
+    heads = {
+        "linear_num_key_heads": la.key_heads,
+        "linear_num_value_heads": la.value_heads,
+        "linear_key_head_dim": la.key_head_dim,
+        "linear_value_head_dim": la.value_head_dim,
+    }
+    layer = la.layers.index(True)
+    layout = inference_layout(spec, f"vllm:t{tp}")
+    prefix = f"model.layers.{layer}.linear_attn."
+    for rank in range(tp):
+        want = rank_parts(heads, tp, rank)
+        local = {
+            t.name: lt
+            for t in layout.tensors
+            if t.name.startswith(prefix) and (lt := t.local(rank)) is not None
+        }
+        assert {n[len(prefix) :] for n in local} == {*want, "norm.weight"} & {
+            t.name[len(prefix) :] for t in spec.layer_tensors(layer)
+        }
+        for name_, lt in local.items():
+            rel, full = name_[len(prefix) :], spec.tensor(name_).shape
+            dim = 1 if rel == "out_proj.weight" else 0
+            pieces = sorted(lt.pieces, key=lambda p: p.local_box.ranges[dim][0])
+            got = [i for p in pieces for i in range(*p.canonical_box.ranges[dim])]
+            sel = want.get(rel, (0, full[0]))
+            assert got == (list(range(*sel)) if isinstance(sel, tuple) else sel), (rel, rank)
+            for p in pieces:  # every other dim whole
+                for d, (lo, hi) in enumerate(p.canonical_box.ranges):
+                    assert d == dim or (lo, hi) == (0, full[d]), (rel, rank)
+            assert lt.shape[dim] == len(got)
 
 
 def test_other_families_pack() -> None:

@@ -238,7 +238,8 @@ def test_linear_attention_flops_match_torch_flop_counter() -> None:
 @pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5_text-tied-half-rotary"])
 def test_files_to_layouts_and_back_to_a_loadable_checkpoint(tmp_path: Path, name: str) -> None:
     """A tiny model saved by ``save_pretrained``, read from its files into an FSDP2
-    (d2) and an inference (sglang t2) layout, gathered back, exported with
+    (d2t2, or d2 with one key head) and an inference (sglang t2, or d2) layout, gathered
+    back, exported with
     ``write_hf_checkpoint`` and loaded by ``from_pretrained``: the same tensors bitwise
     and the same logits; ``hf_config()`` alone builds the same computation."""
     import transformers
@@ -259,7 +260,12 @@ def test_files_to_layouts_and_back_to_a_loadable_checkpoint(tmp_path: Path, name
     canon = hf_state_to_canonical(ref, spec)
     with HfCheckpoint(tmp_path / "hf") as ckpt:
         ckpt.check(spec)
-        for layout in (fsdp2_layout(spec, "fsdp:d2"), inference_layout(spec, "sglang:t2")):
+        # tp splits whole key-head groups: one key head (the tied case) serves replicas
+        t = 2 if spec.linear_attention.key_heads % 2 == 0 else 1  # type: ignore[union-attr]
+        for layout in (
+            fsdp2_layout(spec, f"fsdp:d2t{t}"),
+            inference_layout(spec, f"sglang:d{3 - t}t{t}"),
+        ):
             states = {r: to_megatron(ckpt.read, layout, r) for r in range(layout.world_size)}
             back = to_hf(states, layout, check_replicas=True)
             assert back.keys() == canon.keys()

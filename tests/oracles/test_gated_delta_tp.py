@@ -30,6 +30,7 @@ from areal_fn.model.linear_tp import delta_local_heads, delta_qkv_rows
 from areal_fn.model.spec import model_from_hf_config
 from areal_fn.runtime.engines.fsdp2 import build_hf_model
 from tests.distributed import gated_delta_configs
+from tests.distributed.gated_delta_configs import rank_parts
 
 #: key heads 4, value heads 8: tp 2 and 4 split them
 CONFIG = {"linear_num_key_heads": 4, "linear_num_value_heads": 8, "num_hidden_layers": 1}
@@ -45,36 +46,11 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
     return float((got - want).abs().max()) <= 1e-6 * float(want.abs().max())
 
 
-def _parts(cfg: dict[str, object], tp: int, r: int) -> dict[str, tuple[int, int] | list[int]]:
-    """Rows (or, for ``out_proj``, columns) rank ``r`` of ``tp`` holds, per parameter."""
-    nk, nv = int(cfg["linear_num_key_heads"]), int(cfg["linear_num_value_heads"])  # type: ignore[call-overload]
-    dk, dv = int(cfg["linear_key_head_dim"]), int(cfg["linear_value_head_dim"])  # type: ignore[call-overload]
-    k, v = nk // tp, nv // tp
-    group_qkvz = 2 * dk + 2 * dv * nv // nk
-    qkv = [
-        *range(r * k * dk, (r + 1) * k * dk),
-        *range(nk * dk + r * k * dk, nk * dk + (r + 1) * k * dk),
-        *range(2 * nk * dk + r * v * dv, 2 * nk * dk + (r + 1) * v * dv),
-    ]
-    return {
-        "in_proj_qkvz.weight": (r * k * group_qkvz, (r + 1) * k * group_qkvz),
-        "in_proj_ba.weight": (r * 2 * v, (r + 1) * 2 * v),
-        "in_proj_qkv.weight": qkv,
-        "conv1d.weight": qkv,
-        "in_proj_z.weight": (r * v * dv, (r + 1) * v * dv),
-        "in_proj_b.weight": (r * v, (r + 1) * v),
-        "in_proj_a.weight": (r * v, (r + 1) * v),
-        "A_log": (r * v, (r + 1) * v),
-        "dt_bias": (r * v, (r + 1) * v),
-        "out_proj.weight": (r * v * dv, (r + 1) * v * dv),
-    }
-
-
 def _rank_module(whole: nn.Module, cfg: dict[str, object], tp: int, r: int) -> nn.Module:
     part = copy.deepcopy(whole)
     nk, nv = int(cfg["linear_num_key_heads"]), int(cfg["linear_num_value_heads"])  # type: ignore[call-overload]
     dk, dv = int(cfg["linear_key_head_dim"]), int(cfg["linear_value_head_dim"])  # type: ignore[call-overload]
-    cut = _parts(cfg, tp, r)
+    cut = rank_parts(cfg, tp, r)
     for name, p in whole.named_parameters():
         owner, _, attr = name.rpartition(".")
         mod = part.get_submodule(owner)
@@ -118,7 +94,7 @@ def test_key_head_groups_summed_equal_the_whole_module(name: str, tp: int) -> No
     assert isinstance(norm_sum, torch.Tensor) and grads["norm.weight"] is not None
     assert _close(norm_sum, grads["norm.weight"])
     for r, part in enumerate(parts):
-        sel = _parts(cfg, tp, r)
+        sel = rank_parts(cfg, tp, r)
         for n, p in part.named_parameters():
             if n not in sel or n not in grads:
                 continue
@@ -136,4 +112,29 @@ def test_qkv_rows_are_each_ranks_queries_keys_values(tp: int) -> None:
     assert delta_local_heads(la, tp) == (4 // tp, 8 // tp)
     for r in range(tp):
         ranges = delta_qkv_rows(la, tp, r)
-        assert [i for a, b in ranges for i in range(a, b)] == _parts(cfg, tp, r)["conv1d.weight"]
+        assert [i for a, b in ranges for i in range(a, b)] == rank_parts(cfg, tp, r)[
+            "conv1d.weight"
+        ]
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5_moe_text"])
+def test_tp_plan_gives_each_linear_attention_module_one_style(name: str) -> None:
+    from areal_fn.layouts.fsdp2 import fsdp2_layout
+    from areal_fn.runtime.engines.delta_tp import GatedDeltaNetParallel
+    from areal_fn.runtime.engines.tp_styles import tp_plan
+
+    spec = model_from_hf_config(getattr(gated_delta_configs, name)())
+    plan = tp_plan(build_hf_model(spec, seed=0), fsdp2_layout(spec, "fsdp:d2t2"))
+    la = spec.linear_attention
+    assert la is not None
+    for i, linear in enumerate(la.layers):
+        mixer = f"model.layers.{i}.linear_attn"
+        style = plan.get(mixer)
+        assert isinstance(style, GatedDeltaNetParallel) == linear, mixer
+        assert not any(n.startswith(mixer + ".") for n in plan), mixer  # children: its style
+        if isinstance(style, GatedDeltaNetParallel):
+            rows = {"conv1d.weight"} | ({"in_proj_qkv.weight"} if "3_5" in name else set())
+            assert style.qkv_rows == rows
+            assert str(style.placements["A_log"]) == "S(0)"
+            assert str(style.placements["out_proj.weight"]) == "S(1)"
+            assert str(style.placements["norm.weight"]) == "R"
