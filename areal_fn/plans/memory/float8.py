@@ -39,6 +39,7 @@ __all__ = ["FLOAT8_RECIPES", "Float8Copies", "float8_copies", "float8_linears", 
 #: torchao's ``Float8LinearRecipeName`` values.
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
+
 def _linear_weights(model: ModelSpec) -> tuple[TensorSpec, ...]:
     """The weights of the ``nn.Linear`` layers transformers builds in the decoder layers:
     their 2-D ``.weight`` tensors but routed experts (fused parameters) and routers."""
