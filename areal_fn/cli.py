@@ -286,6 +286,12 @@ def _add_convert_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser
         action="store_true",
         help="leave out the checkpoint's multi-token-prediction layers (listed as not carried)",
     )
+    conv.add_argument(
+        "--text-only",
+        action="store_true",
+        help="a multimodal checkpoint (Qwen3.5), read as its text model: leave out its "
+        "other tensors (vision encoder, mtp.*; listed as not carried)",
+    )
     _add_merge_flag(conv)
     _add_fp8_flag(conv)
     conv.add_argument("--json", action="store_true", help="print one JSON document (docs/cli.md)")
@@ -341,6 +347,13 @@ CLI_WORDS = (
         "with --drop-mtp",
     ),
     ("pass drop_mtp=True", "pass --drop-mtp"),
+    (
+        "pass text_only=True (HfCheckpoint.check, load_into, convert_to_local, "
+        "convert_to_torch_dist)",
+        "pass --text-only",
+    ),
+    ("drop text_only=True", "drop --text-only"),
+    ("text_only=True: ", "--text-only: "),
     ("drop drop_mtp=True", "drop --drop-mtp"),
     ("drop_mtp=True: ", "--drop-mtp: "),
     ("multi-token-prediction layers (drop_mtp=True)", "multi-token-prediction layers (--drop-mtp)"),

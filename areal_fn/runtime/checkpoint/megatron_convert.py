@@ -127,6 +127,7 @@ def convert_to_torch_dist(
     overwrite: bool = False,
     progress: Callable[[str], None] | None = None,
     drop_mtp: bool = False,
+    text_only: bool = False,
 ) -> tuple[ConvertSummary, dict[str, object]]:
     """Write the HF checkpoint in ``src_hf_dir`` as a Megatron-Core ``torch_dist``
     checkpoint for ``allocation`` (one megatron component) in ``dst_dir``, atomically:
@@ -140,7 +141,8 @@ def convert_to_torch_dist(
     :func:`~areal_fn.runtime.checkpoint.megatron.export_megatron_checkpoint`. Returns
     the summary and the options written (``vocab_size_padded``, ``layer_spec``,
     ``layer_keys``). ``drop_mtp=True`` leaves out the checkpoint's multi-token-prediction
-    layers (Megatron's layout holds none), listed as not carried.
+    layers (Megatron's layout holds none), listed as not carried; ``text_only=True``
+    a multimodal checkpoint's tensors that are not its text model.
     """
     src, dst = Path(src_hf_dir), Path(dst_dir)
     start = time.perf_counter()
@@ -158,7 +160,8 @@ def convert_to_torch_dist(
             progress(name)
 
     with HfCheckpoint(src) as ckpt:
-        dropped = ckpt.check(model, drop_mtp=drop_mtp)
+        dropped = ckpt.check(model, drop_mtp=drop_mtp, text_only=text_only)
+        parts = ckpt.text.described(dropped)
         hf = read_hf_files(src, weights=ckpt.files)
         _check_dst(src, dst, hf.names, overwrite)
         dtypes = _dtypes(ckpt)
@@ -194,7 +197,7 @@ def convert_to_torch_dist(
         tensors=counted[0],
         bytes=counted[1],
         seconds=round(time.perf_counter() - start, 4),
-        **carried_fields(hf, dropped),
+        **carried_fields(hf, dropped, parts),
     )
     return summary, {"vocab_size_padded": rows, "layer_spec": layer_spec, "layer_keys": keys}
 
