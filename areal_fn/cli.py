@@ -275,6 +275,16 @@ def _add_convert_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser
         help="--to-hf of a torch_dist checkpoint holding optimizer state: convert the "
         "parameters alone (optimizer state is not carried)",
     )
+    _add_mtp_flags(conv)
+    _add_merge_flag(conv)
+    _add_fp8_flag(conv)
+    conv.add_argument("--json", action="store_true", help="print one JSON document (docs/cli.md)")
+    conv.set_defaults(func=cmd_convert)
+
+
+def _add_mtp_flags(conv: argparse.ArgumentParser) -> None:
+    """``--mtp``, ``--drop-mtp`` and ``--text-only``: what to do with the tensors of an HF
+    checkpoint that the model read does not hold."""
     conv.add_argument(
         "--mtp",
         action="store_true",
@@ -292,10 +302,6 @@ def _add_convert_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser
         help="a multimodal checkpoint (Qwen3.5), read as its text model: leave out its "
         "other tensors (vision encoder, mtp.*; listed as not carried)",
     )
-    _add_merge_flag(conv)
-    _add_fp8_flag(conv)
-    conv.add_argument("--json", action="store_true", help="print one JSON document (docs/cli.md)")
-    conv.set_defaults(func=cmd_convert)
 
 
 def _add_merge_flag(conv: argparse.ArgumentParser) -> None:

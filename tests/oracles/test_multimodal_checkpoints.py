@@ -188,3 +188,6 @@ def test_convert_text_only_lists_what_it_left_out_and_round_trips(
         assert sorted(hf.stored) == sorted(text)  # canonical names, as the text model saves
         for name, t in text.items():
             assert torch.equal(hf.read_full(name), t), name
+    cls = getattr(transformers, spec.family.architecture)  # the text model loads it whole
+    _, info = cls.from_pretrained(back, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]

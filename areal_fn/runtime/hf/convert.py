@@ -191,11 +191,9 @@ def convert_to_local(
     ``dst_dir`` appears whole or not at all; an existing one (``overwrite=True``, holding
     only rank files, ``config.json`` and the files carried: ``check_overwrite``) is
     replaced whole in one step (``replace_dir``); ``ranks`` naming some ranks write into
-    an existing directory of the same allocation, file by file. ``config.json`` and the
-    other non-weight files are copied unchanged; the summary lists them and what was not
-    carried. ``progress(name)`` per tensor written; ``mtp=True``: the model holds the
-    config's multi-token-prediction layers; ``drop_mtp=True``: they are left out;
-    ``text_only=True``: a multimodal checkpoint's tensors that are not its text model too.
+    an existing directory of the same allocation, file by file. Non-weight files are
+    copied unchanged, listed in the summary with what was not carried; ``progress(name)``
+    per tensor; ``mtp=True`` holds MTP layers; ``drop_mtp``, ``text_only``: HfCheckpoint.check.
     """
     src, dst = Path(src_hf_dir), Path(dst_dir)
     start = time.perf_counter()
