@@ -134,3 +134,27 @@ def test_wrapped_names_without_the_published_config_are_unexpected(tmp_path) -> 
         ),
     ):
         ckpt.check(SPEC, text_only=False)
+
+
+DROP_MTP = (
+    r"is a qwen3_5 checkpoint, read as its text model, whose multi-token-prediction layers "
+    r"\(mtp.\*\) are not decoder layers but a part that is not the text model: pass "
+)
+
+
+def test_drop_mtp_points_to_text_only(published, tmp_path, capsys) -> None:
+    with (
+        HfCheckpoint(published) as ckpt,
+        pytest.raises(
+            ConversionError,
+            match=r"^drop_mtp=True: .*"
+            + DROP_MTP
+            + LIBRARY.removesuffix(r" \(listed as not carried\)$")
+            + r", and drop drop_mtp=True$",
+        ),
+    ):
+        ckpt.check(SPEC, drop_mtp=True, text_only=True)
+    err = _err(capsys, ["convert", str(published), "fsdp:d2", str(tmp_path / "o"), "--drop-mtp"])
+    assert re.search(
+        r"--drop-mtp: .*" + DROP_MTP + r"--text-only to leave them out, and drop --drop-mtp$", err
+    ), err

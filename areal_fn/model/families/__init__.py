@@ -307,10 +307,12 @@ MODEL_TYPE_ALIASES: tuple[tuple[str, str], ...] = (("kimi_k2", "deepseek_v3"),)
 @attrs.frozen(kw_only=True)
 class OtherPart:
     """Tensors of a multimodal checkpoint that are not its text model: those whose names
-    start with ``prefix``, and what they are (``what``, said in messages)."""
+    start with ``prefix``, what they are (``what``, said in messages), and whether they
+    are its multi-token-prediction layers (``mtp``)."""
 
     prefix: str
     what: str
+    mtp: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -331,7 +333,7 @@ class TextConfigType:
 _QWEN3_5_RENAMED = (("model.language_model.", "model."),)
 _QWEN3_5_OTHERS = (
     OtherPart(prefix="model.visual.", what="the vision encoder"),
-    OtherPart(prefix="mtp.", what="the multi-token-prediction layers"),
+    OtherPart(prefix="mtp.", what="the multi-token-prediction layers", mtp=True),
 )
 
 #: Published multimodal configs whose text model is a family: the config's

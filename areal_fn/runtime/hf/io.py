@@ -272,9 +272,8 @@ class HfCheckpoint:
         are refused as unexpected. ``text_only=True`` leaves out the tensors of a multimodal
         checkpoint that are not its text model (:mod:`~areal_fn.runtime.hf.text_model`),
         refused without it, and returns them too."""
-        dropped = (mtp_names(self.names, model) if drop_mtp else ()) + self.text.left_out(
-            text_only=text_only
-        )
+        left = self.text.left_out(text_only=text_only, drop_mtp=drop_mtp)
+        dropped = (mtp_names(self.names, model) if drop_mtp else ()) + left
         fake = {
             n: torch.empty(self.shape(n), device="meta") for n in self.names if n not in dropped
         }

@@ -66,12 +66,22 @@ class TextView:
         """The stored name of the tensor read as ``name``."""
         return self._stored.get(name, name)
 
-    def left_out(self, *, text_only: bool) -> tuple[str, ...]:
+    def left_out(self, *, text_only: bool, drop_mtp: bool = False) -> tuple[str, ...]:
         """The stored names left out: :attr:`others` with ``text_only=True``.
 
         ``ConversionError`` listing them, with the remedy, when there are some and
-        ``text_only`` is False; and for ``text_only=True`` on a checkpoint that is not
-        read as a multimodal model's text model."""
+        ``text_only`` is False; for ``text_only=True`` on a checkpoint that is not read as
+        a multimodal model's text model; and for ``drop_mtp=True`` on one that is (its
+        multi-token-prediction layers are one of its other parts)."""
+        mtp = [p.prefix for p in self.kind.others if p.mtp] if self.kind else []
+        if drop_mtp and mtp:
+            assert self.kind is not None
+            raise ConversionError(
+                f"drop_mtp=True: {self.path} is a {self.kind.model_type} checkpoint, read as "
+                f"its text model, whose multi-token-prediction layers ({', '.join(mtp)}*) are "
+                "not decoder layers but a part that is not the text model: pass "
+                f"{_OPTION} to leave them out, and drop drop_mtp=True"
+            )
         if not text_only:
             if self.others:
                 raise self._refusal()
