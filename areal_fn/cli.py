@@ -359,6 +359,7 @@ CLI_WORDS = (
         "pass --text-only",
     ),
     ("drop text_only=True", "drop --text-only"),
+    ("convert it with text_only=True to rank files", "convert it with --text-only to rank files"),
     ("text_only=True: ", "--text-only: "),
     ("drop drop_mtp=True", "drop --drop-mtp"),
     ("drop_mtp=True: ", "--drop-mtp: "),

@@ -158,3 +158,45 @@ def test_drop_mtp_points_to_text_only(published, tmp_path, capsys) -> None:
     assert re.search(
         r"--drop-mtp: .*" + DROP_MTP + r"--text-only to leave them out, and drop --drop-mtp$", err
     ), err
+
+
+def test_merging_adapters_into_a_multimodal_base_refuses_its_other_parts(
+    published, tmp_path, capsys
+):
+    """``export_merged`` writes the text model alone: a base's vision encoder and ``mtp.*``
+    are refused, never left out unsaid."""
+    from areal_fn.layouts.fsdp2 import fsdp2_layout
+    from areal_fn.layouts.lora import adapter_layout
+    from areal_fn.model.lora import LoraConfig, lora_tensors
+    from areal_fn.plans.convert import to_megatron
+    from areal_fn.runtime.checkpoint import RankState, save_checkpoint
+    from areal_fn.runtime.checkpoint.lora import export_merged, lora_hf_files
+    from areal_fn.strategy.allocation import ParallelDims
+
+    lora = LoraConfig(rank=2, alpha=4.0, target_modules=("up_proj",))
+    adapters = {s.name: torch.ones(s.shape) for s in lora_tensors(SPEC, lora)}
+    layout = adapter_layout(fsdp2_layout(SPEC, ParallelDims(dp=1)), SPEC, lora)
+    ckpt = save_checkpoint(
+        tmp_path / "ckpt",
+        layout=layout,
+        states={0: RankState(params=to_megatron(adapters, layout, 0))},
+        model=SPEC,
+        allocation="fsdp:d1",
+        step=1,
+        save_rng=False,
+        hf=lora_hf_files(SPEC, lora),
+    )
+    with pytest.raises(
+        ConversionError,
+        match=REFUSED.removesuffix("pass ") + r"the merged checkpoint is the text model alone: "
+        r"write the base as the text model's checkpoint first \(convert it with text_only=True "
+        r"to rank files, and those back to HF\), then merge into that$",
+    ):
+        export_merged(ckpt, published, tmp_path / "merged")
+    err = _err(
+        capsys, ["convert", str(ckpt), str(tmp_path / "m"), "--to-hf", "--merge", str(published)]
+    )
+    assert err.endswith(
+        "(convert it with --text-only to rank files, and those back to HF), then merge into that"
+    ), err
+    assert not (tmp_path / "merged").exists()

@@ -66,11 +66,13 @@ class TextView:
         """The stored name of the tensor read as ``name``."""
         return self._stored.get(name, name)
 
-    def left_out(self, *, text_only: bool, drop_mtp: bool = False) -> tuple[str, ...]:
+    def left_out(
+        self, *, text_only: bool, drop_mtp: bool = False, remedy: str | None = None
+    ) -> tuple[str, ...]:
         """The stored names left out: :attr:`others` with ``text_only=True``.
 
-        ``ConversionError`` listing them, with the remedy, when there are some and
-        ``text_only`` is False; for ``text_only=True`` on a checkpoint that is not read as
+        ``ConversionError`` listing them, with the remedy (``remedy``, else passing
+        ``text_only=True``), when there are some and ``text_only`` is False; for ``text_only=True`` on a checkpoint that is not read as
         a multimodal model's text model; and for ``drop_mtp=True`` on one that is (its
         multi-token-prediction layers are one of its other parts)."""
         mtp = [p.prefix for p in self.kind.others if p.mtp] if self.kind else []
@@ -84,7 +86,8 @@ class TextView:
             )
         if not text_only:
             if self.others:
-                raise self._refusal()
+                default = f"pass {_OPTION} to leave them out (listed as not carried)"
+                raise self._refusal(remedy or default)
             return ()
         if self.kind is None:
             types = ", ".join(t.model_type for t in TEXT_CONFIG_TYPES)
@@ -110,7 +113,7 @@ class TextView:
                 )
         return tuple(out)
 
-    def _refusal(self) -> ConversionError:
+    def _refusal(self, remedy: str) -> ConversionError:
         assert self.kind is not None
         k = self.kind
         parts = ", ".join(
@@ -123,8 +126,7 @@ class TextView:
             f"{self.path} is a {k.model_type} checkpoint (its config.json's model_type), read "
             f"as its text model {k.text_model_type} ({renamed}), and it holds "
             f"{len(self.others)} tensors that are not the text model: {parts}: "
-            f"{listing(self.others)}; the model read has no place for them: pass {_OPTION} "
-            "to leave them out (listed as not carried)"
+            f"{listing(self.others)}; the model read has no place for them: {remedy}"
         )
 
 
