@@ -39,21 +39,24 @@ class TextView:
         self.kind = kind
         self._canonical: dict[str, str] = {}
         self._stored: dict[str, str] = {}
-        names = tuple(stored)
+        self.others: tuple[str, ...] = ()
+        if kind is not None:
+            self._rename(kind, tuple(stored))
+
+    def _rename(self, kind: TextConfigType, names: tuple[str, ...]) -> None:
         held = set(names)
         others: list[str] = []
         for n in names:
-            if kind is not None and any(n.startswith(p.prefix) for p in kind.others):
+            if any(n.startswith(p.prefix) for p in kind.others):
                 others.append(n)
                 continue
             c = _renamed(n, kind)
             if c != n:
                 if c in held:
                     raise ConversionError(
-                        f"{path} holds both {n!r} and {c!r}, the same tensor of the text model "
-                        f"(a {kind.model_type if kind else ''} checkpoint stores it under the "
-                        f"first name); the checkpoint is inconsistent: save it again with one "
-                        "of them"
+                        f"{self.path} holds both {n!r} and {c!r}, the same tensor of the text "
+                        f"model (a {kind.model_type} checkpoint stores it under the first "
+                        "name); the checkpoint is inconsistent: save it again with one of them"
                     )
                 self._canonical[n], self._stored[c] = c, n
         self.others = tuple(others)
@@ -130,11 +133,10 @@ class TextView:
         )
 
 
-def _renamed(name: str, kind: TextConfigType | None) -> str:
-    if kind is not None:
-        for old, new in kind.renamed:
-            if name.startswith(old):
-                return new + name[len(old) :]
+def _renamed(name: str, kind: TextConfigType) -> str:
+    for old, new in kind.renamed:
+        if name.startswith(old):
+            return new + name[len(old) :]
     return name
 
 
