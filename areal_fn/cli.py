@@ -275,6 +275,16 @@ def _add_convert_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser
         help="--to-hf of a torch_dist checkpoint holding optimizer state: convert the "
         "parameters alone (optimizer state is not carried)",
     )
+    _add_mtp_flags(conv)
+    _add_merge_flag(conv)
+    _add_fp8_flag(conv)
+    conv.add_argument("--json", action="store_true", help="print one JSON document (docs/cli.md)")
+    conv.set_defaults(func=cmd_convert)
+
+
+def _add_mtp_flags(conv: argparse.ArgumentParser) -> None:
+    """``--mtp``, ``--drop-mtp`` and ``--text-only``: what to do with the tensors of an HF
+    checkpoint that the model read does not hold."""
     conv.add_argument(
         "--mtp",
         action="store_true",
@@ -286,10 +296,12 @@ def _add_convert_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser
         action="store_true",
         help="leave out the checkpoint's multi-token-prediction layers (listed as not carried)",
     )
-    _add_merge_flag(conv)
-    _add_fp8_flag(conv)
-    conv.add_argument("--json", action="store_true", help="print one JSON document (docs/cli.md)")
-    conv.set_defaults(func=cmd_convert)
+    conv.add_argument(
+        "--text-only",
+        action="store_true",
+        help="a multimodal checkpoint (Qwen3.5), read as its text model: leave out its "
+        "other tensors (vision encoder, mtp.*; listed as not carried)",
+    )
 
 
 def _add_merge_flag(conv: argparse.ArgumentParser) -> None:
@@ -341,6 +353,14 @@ CLI_WORDS = (
         "with --drop-mtp",
     ),
     ("pass drop_mtp=True", "pass --drop-mtp"),
+    (
+        "pass text_only=True (HfCheckpoint.check, load_into, convert_to_local, "
+        "convert_to_torch_dist)",
+        "pass --text-only",
+    ),
+    ("drop text_only=True", "drop --text-only"),
+    ("convert it with text_only=True to rank files", "convert it with --text-only to rank files"),
+    ("text_only=True: ", "--text-only: "),
     ("drop drop_mtp=True", "drop --drop-mtp"),
     ("drop_mtp=True: ", "--drop-mtp: "),
     ("multi-token-prediction layers (drop_mtp=True)", "multi-token-prediction layers (--drop-mtp)"),

@@ -192,7 +192,7 @@ def text_config(raw: Mapping[str, object], model_type: str) -> tuple[Mapping[str
     """The text model's config of a multimodal config (:data:`TEXT_CONFIG_TYPES`), with its
     ``model_type``; any other config unchanged. The text model's ``tie_word_embeddings``
     is the top level's when the nested config gives none (they must agree otherwise)."""
-    want = dict(TEXT_CONFIG_TYPES).get(model_type)
+    want = {t.model_type: t.text_model_type for t in TEXT_CONFIG_TYPES}.get(model_type)
     if want is None:
         return raw, model_type
     text = raw.get("text_config")

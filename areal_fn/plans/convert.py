@@ -14,6 +14,7 @@ from torch import Tensor
 
 from areal_fn.errors import ConversionError
 from areal_fn.layouts.layout import Layout, LocalTensor, Piece
+from areal_fn.model.families import TEXT_CONFIG_TYPES
 from areal_fn.model.tensor_spec import TensorSpec, torch_dtype
 from areal_fn.plans.tensor_check import check_local_tensors, diff_shapes, listing
 from areal_fn.sharding.box import Box
@@ -74,6 +75,7 @@ def _unexpected_hint(unexpected: Sequence[str], specs: tuple[TensorSpec, ...]) -
             "quantization_config says quant_method mxfp4 (put the config.json published with "
             "the weights beside them)"
         )
+    hints.append(_wrapped_hint(unexpected))
     layers = {n.split(".")[2] for n in (s.name for s in specs) if n.startswith("model.layers.")}
     extra = sorted(
         {n.split(".")[2] for n in unexpected if n.startswith("model.layers.")} - layers, key=int
@@ -87,6 +89,25 @@ def _unexpected_hint(unexpected: Sequence[str], specs: tuple[TensorSpec, ...]) -
             "drop_mtp=True (HfCheckpoint.check, convert_to_local, convert_to_torch_dist)"
         )
     return "".join(hints)
+
+
+def _wrapped_hint(unexpected: Sequence[str]) -> str:
+    """What names of a multimodal checkpoint's text model (``TEXT_CONFIG_TYPES``) mean."""
+    kinds = [
+        (t, old)
+        for t in TEXT_CONFIG_TYPES
+        for old, _ in t.renamed
+        if any(n.startswith(old) for n in unexpected)
+    ]
+    if not kinds:
+        return ""
+    prefixes = ", ".join(sorted({repr(old) for _, old in kinds}))
+    types = ", ".join(dict.fromkeys(t.model_type for t, _ in kinds))
+    return (
+        f"; the checkpoint names its tensors as a multimodal model stores its text model "
+        f"({prefixes}), read as that text model when config.json is the published one "
+        f"(model_type {types}): put it beside the weights"
+    )
 
 
 def _taken(src: Tensor, p: Piece, origin: tuple[int, ...]) -> Tensor:

@@ -307,11 +307,55 @@ def _registry() -> dict[str, Family]:
 #: ``DeepseekV3ForCausalLM``).
 MODEL_TYPE_ALIASES: tuple[tuple[str, str], ...] = (("kimi_k2", "deepseek_v3"),)
 
-#: ``model_type`` values of published multimodal configs whose text model is a family:
-#: the config's ``text_config`` is read (Qwen3.5's ``qwen3_5`` holds a ``qwen3_5_text``).
-TEXT_CONFIG_TYPES: tuple[tuple[str, str], ...] = (
-    ("qwen3_5", "qwen3_5_text"),
-    ("qwen3_5_moe", "qwen3_5_moe_text"),
+
+@attrs.frozen(kw_only=True)
+class OtherPart:
+    """Tensors of a multimodal checkpoint that are not its text model: those whose names
+    start with ``prefix``, what they are (``what``, said in messages), and whether they
+    are its multi-token-prediction layers (``mtp``)."""
+
+    prefix: str
+    what: str
+    mtp: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class TextConfigType:
+    """A published multimodal ``model_type`` whose text model is a family: its config's
+    ``text_config`` (of ``text_model_type``) is read, and its checkpoint stores the text
+    model's tensors under other names: a stored name starting with the first prefix of a
+    ``renamed`` pair is the canonical name with the second prefix instead (names under
+    no such prefix are canonical as stored); ``others`` are the parts that are not the
+    text model."""
+
+    model_type: str
+    text_model_type: str
+    renamed: tuple[tuple[str, str], ...]
+    others: tuple[OtherPart, ...]
+
+
+_QWEN3_5_RENAMED = (("model.language_model.", "model."),)
+_QWEN3_5_OTHERS = (
+    OtherPart(prefix="model.visual.", what="the vision encoder"),
+    OtherPart(prefix="mtp.", what="the multi-token-prediction layers", mtp=True),
+)
+
+#: Published multimodal configs whose text model is a family: the config's
+#: ``text_config`` is read (Qwen3.5's ``qwen3_5`` holds a ``qwen3_5_text``), and the
+#: checkpoint read as the text model (``model.language_model.*`` as ``model.*``).
+TEXT_CONFIG_TYPES: tuple[TextConfigType, ...] = (
+    TextConfigType(
+        model_type="qwen3_5",
+        text_model_type="qwen3_5_text",
+        renamed=_QWEN3_5_RENAMED,
+        others=_QWEN3_5_OTHERS,
+    ),
+    TextConfigType(
+        model_type="qwen3_5_moe",
+        text_model_type="qwen3_5_moe_text",
+        renamed=_QWEN3_5_RENAMED,
+        others=_QWEN3_5_OTHERS,
+    ),
 )
 
 #: Every supported family, keyed by ``model_type`` (sorted).

@@ -121,6 +121,15 @@ def export_peft(
     )
 
 
+#: What to do with a multimodal base (its vision encoder, ``mtp.*``): the merge writes
+#: the text model alone.
+_TEXT_ONLY_BASE = (
+    "the merged checkpoint is the text model alone: write the base as the text model's "
+    "checkpoint first (convert it with text_only=True to rank files, and those back to HF), "
+    "then merge into that"
+)
+
+
 @beartype
 def export_merged(
     path: "str | os.PathLike[str]",
@@ -138,6 +147,7 @@ def export_merged(
 
     reader, model, config = _adapter_checkpoint(path, hmac_key)
     with HfCheckpoint(base) as ckpt:
+        ckpt.text.left_out(text_only=False, remedy=_TEXT_ONLY_BASE)  # refused, listed
         weights = {s.name: ckpt.read_full(s.name) for s in model.tensors if s.name in ckpt.names}
     adapters = {s.name: reader.read(s.name) for s in lora_tensors(model, config)}
     return write_merged_hf(

@@ -13,6 +13,7 @@ one Megatron-LM saved, or of a dist checkpoint directory itself (ours before the
 tracker, or Megatron-Core's own).
 """
 
+import math
 import os
 import shutil
 import time
@@ -127,6 +128,7 @@ def convert_to_torch_dist(
     overwrite: bool = False,
     progress: Callable[[str], None] | None = None,
     drop_mtp: bool = False,
+    text_only: bool = False,
 ) -> tuple[ConvertSummary, dict[str, object]]:
     """Write the HF checkpoint in ``src_hf_dir`` as a Megatron-Core ``torch_dist``
     checkpoint for ``allocation`` (one megatron component) in ``dst_dir``, atomically:
@@ -139,8 +141,8 @@ def convert_to_torch_dist(
     Megatron's size for its TP. ``layer_spec`` / ``layer_keys``: see
     :func:`~areal_fn.runtime.checkpoint.megatron.export_megatron_checkpoint`. Returns
     the summary and the options written (``vocab_size_padded``, ``layer_spec``,
-    ``layer_keys``). ``drop_mtp=True`` leaves out the checkpoint's multi-token-prediction
-    layers (Megatron's layout holds none), listed as not carried.
+    ``layer_keys``). ``drop_mtp`` / ``text_only`` (Megatron's layout holds no MTP layers):
+    :meth:`~areal_fn.runtime.hf.io.HfCheckpoint.check`; what they leave out is listed.
     """
     src, dst = Path(src_hf_dir), Path(dst_dir)
     start = time.perf_counter()
@@ -158,7 +160,7 @@ def convert_to_torch_dist(
             progress(name)
 
     with HfCheckpoint(src) as ckpt:
-        dropped = ckpt.check(model, drop_mtp=drop_mtp)
+        dropped = ckpt.check(model, drop_mtp=drop_mtp, text_only=text_only)
         hf = read_hf_files(src, weights=ckpt.files)
         _check_dst(src, dst, hf.names, overwrite)
         dtypes = _dtypes(ckpt)
@@ -183,18 +185,14 @@ def convert_to_torch_dist(
             replace_dir(out, dst)
         finally:
             shutil.rmtree(work, ignore_errors=True)
-    for name, shape in sizes.items():
-        n = 1
-        for d in shape:
-            n *= d
-        counted[1] += n * dtypes[name].itemsize
+    counted[1] = sum(math.prod(shape) * dtypes[name].itemsize for name, shape in sizes.items())
     summary = ConvertSummary(
         path=str(dst),
         ranks=(),
         tensors=counted[0],
         bytes=counted[1],
         seconds=round(time.perf_counter() - start, 4),
-        **carried_fields(hf, dropped),
+        **carried_fields(hf, dropped, ckpt.text.described(dropped)),
     )
     return summary, {"vocab_size_padded": rows, "layer_spec": layer_spec, "layer_keys": keys}
 

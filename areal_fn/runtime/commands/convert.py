@@ -235,6 +235,7 @@ def _torch_dist(args: argparse.Namespace, fmt: str) -> int:
                 overwrite=args.overwrite,
                 progress=tick,
                 drop_mtp=args.drop_mtp,
+                text_only=args.text_only,
             )
     if args.json:
         _json(summary, "to-hf" if args.to_hf else "to-local", src, recorded, fmt, options)
@@ -254,6 +255,11 @@ def _check_mtp_flags(args: argparse.Namespace, fmt: str) -> None:
         raise ConversionError(
             "--mtp and --drop-mtp apply to reading an HF checkpoint; --to-hf writes the layers "
             "the files hold (rank files record their multi-token-prediction layers): drop them"
+        )
+    if args.to_hf and args.text_only:
+        raise ConversionError(
+            "--text-only applies to reading an HF checkpoint; --to-hf writes the tensors the "
+            "files hold: drop --text-only"
         )
     if args.mtp and fmt == "torch_dist":
         raise ConversionError(
@@ -350,6 +356,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
                 progress=tick,
                 mtp=args.mtp,
                 drop_mtp=args.drop_mtp,
+                text_only=args.text_only,
             )
     if args.json:
         _json(summary, "to-hf" if args.to_hf else "to-local", src, recorded)

@@ -30,6 +30,7 @@ from areal_fn.errors import ConversionError
 from areal_fn.layouts.layout import Layout
 from areal_fn.model.quantized import Fp8Format
 from areal_fn.model.spec import ModelSpec, load_hf_config, model_from_hf_config
+from areal_fn.model.tensor_spec import layer_of
 from areal_fn.plans.convert import iter_to_hf, iter_to_megatron
 from areal_fn.runtime.hf import rank_files
 from areal_fn.runtime.hf.files import HfFiles, read_hf_files
@@ -95,13 +96,16 @@ class ConvertSummary:
         return text + rank_files.describe_checks(self.verified, self.unverified)
 
 
-def carried_fields(hf: HfFiles, dropped: Sequence[str] = ()) -> dict[str, tuple[str, ...]]:
-    """A summary's ``carried`` / ``not_carried``: files, and MTP layers ``dropped``."""
-    layers = sorted({".".join(n.split(".")[:3]) for n in dropped})
+def carried_fields(
+    hf: HfFiles, dropped: Sequence[str] = (), parts: Sequence[str] = ()
+) -> dict[str, tuple[str, ...]]:
+    """A summary's ``carried`` / ``not_carried``: files, the MTP layers among ``dropped``,
+    and ``parts`` (a multimodal checkpoint's parts left out, ``TextView.described``)."""
+    layers = sorted({".".join(n.split(".")[:3]) for n in dropped if layer_of(n) is not None})
     mtp = tuple(f"{p}.* (a multi-token-prediction layer, left out as asked)" for p in layers)
     return {
         "carried": hf.names,
-        "not_carried": tuple(f"{n} ({why})" for n, why in hf.skipped) + mtp,
+        "not_carried": tuple(f"{n} ({why})" for n, why in hf.skipped) + mtp + tuple(parts),
     }
 
 
@@ -178,6 +182,7 @@ def convert_to_local(
     progress: Callable[[str], None] | None = None,
     mtp: bool = False,
     drop_mtp: bool = False,
+    text_only: bool = False,
 ) -> ConvertSummary:
     """Write ``rank{r:05d}.safetensors`` for ``ranks`` (default all) of ``target``.
 
@@ -186,10 +191,9 @@ def convert_to_local(
     ``dst_dir`` appears whole or not at all; an existing one (``overwrite=True``, holding
     only rank files, ``config.json`` and the files carried: ``check_overwrite``) is
     replaced whole in one step (``replace_dir``); ``ranks`` naming some ranks write into
-    an existing directory of the same allocation, file by file. ``config.json`` and the
-    other non-weight files are copied unchanged; the summary lists them and what was not
-    carried. ``progress(name)`` per tensor written; ``mtp=True``: the model holds the
-    config's multi-token-prediction layers; ``drop_mtp=True``: they are left out.
+    an existing directory of the same allocation, file by file. Non-weight files are
+    copied unchanged, listed in the summary with what was not carried; ``progress(name)``
+    per tensor; ``mtp=True`` holds MTP layers; ``drop_mtp``, ``text_only``: HfCheckpoint.check.
     """
     src, dst = Path(src_hf_dir), Path(dst_dir)
     start = time.perf_counter()
@@ -198,7 +202,7 @@ def convert_to_local(
     chosen = _check_ranks(range(layout.world_size) if ranks is None else ranks, layout.world_size)
     tensors = nbytes = 0
     with HfCheckpoint(src) as ckpt:
-        dropped = ckpt.check(model, drop_mtp=drop_mtp)
+        dropped = ckpt.check(model, drop_mtp=drop_mtp, text_only=text_only)
         hf = read_hf_files(src, weights=ckpt.files)
         owned = rank_files_owned([CONFIG, *hf.names])
         check_overwrite(
@@ -245,7 +249,7 @@ def convert_to_local(
         tensors=tensors,
         bytes=nbytes,
         seconds=round(time.perf_counter() - start, 4),
-        **carried_fields(hf, dropped),
+        **carried_fields(hf, dropped, ckpt.text.described(dropped)),
     )
 
 

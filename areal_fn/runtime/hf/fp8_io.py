@@ -27,6 +27,7 @@ import torch
 
 from areal_fn.errors import ConversionError
 from areal_fn.model.quantized import Fp8Format, fp8_format, is_fp8_quantized, scale_name
+from areal_fn.model.spec import ModelSpec
 from areal_fn.model.tensor_spec import torch_dtype
 from areal_fn.plans.fp8 import block_amax, dequantize_fp8, quantize_fp8, scale_grid
 from areal_fn.plans.tensor_check import listing
@@ -39,8 +40,10 @@ __all__ = [
     "Quantized",
     "fp8_config",
     "fp8_weights",
+    "noting_quantised",
     "quantized_stream",
     "quantized_weights",
+    "written_quantization",
 ]
 
 #: ``stored(name, box)``: ``box`` of a tensor as the checkpoint stores it.
@@ -224,3 +227,39 @@ def quantized_stream(
         scales.add(scale_name(name))
         yield name, q
         yield scale_name(name), s
+
+
+def noting_quantised(
+    items: Iterator[tuple[str, torch.Tensor]], written: set[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``items`` unchanged; ``fp8`` added to ``written`` when one is stored as FP8,
+    ``mxfp4`` when one is MXFP4 blocks (uint8 ``*_blocks``)."""
+    for name, t in items:
+        if t.dtype == torch.float8_e4m3fn:
+            written.add("fp8")
+        elif t.dtype == torch.uint8 and name.endswith("_blocks"):
+            written.add("mxfp4")
+        yield name, t
+
+
+def written_quantization(
+    config: Mapping[str, object] | bytes | None,
+    model: ModelSpec | None,
+    fp8: "Fp8Format | None",
+    *,
+    written: set[str],
+) -> Mapping[str, object] | bytes | None:
+    """The ``config.json`` to write: with ``fp8``'s ``quantization_config`` when FP8
+    tensors were ``written``; without an FP8 or MXFP4 one when none of its tensors were;
+    else ``config`` as given."""
+    cfg = config if config is not None else (model.hf_config() if model is not None else None)
+    if cfg is None:
+        return None
+    parsed = json.loads(cfg) if isinstance(cfg, bytes) else cfg
+    q = parsed.get("quantization_config")
+    method = q.get("quant_method") if isinstance(q, Mapping) else None
+    if fp8 is not None:
+        return fp8_config(parsed, fp8 if "fp8" in written else None)
+    if method in READ_METHODS and method not in written:
+        return fp8_config(parsed, None)
+    return config

@@ -29,6 +29,7 @@ from areal_fn.model.mtp import mtp_names
 from areal_fn.model.quantized import Fp8Format
 from areal_fn.model.spec import ModelSpec
 from areal_fn.plans.convert import check_canonical
+from areal_fn.runtime.hf.text_model import TextView, text_view
 from areal_fn.runtime.replace_dir import check_overwrite, new_output_dir, replace_dir
 from areal_fn.sharding.box import Box
 
@@ -168,6 +169,9 @@ class HfCheckpoint:
                     self._file_of[k] = SINGLE
         else:
             raise ConversionError(f"{self.path} holds neither {SINGLE} nor {INDEX}")
+        #: how a multimodal checkpoint's stored names read as its text model's
+        self.text: TextView = text_view(self.path, self._file_of)
+        self._file_of = {self.text.name(n): f for n, f in self._file_of.items()}
         self._handles: dict[str, object] = {}
         from areal_fn.runtime.hf.fp8_io import quantized_weights
 
@@ -197,7 +201,7 @@ class HfCheckpoint:
 
     @property
     def stored(self) -> tuple[str, ...]:
-        """Every tensor the files hold (an FP8 checkpoint's scales too)."""
+        """Every tensor the files hold (an FP8 checkpoint's scales too; renamed: ``text``)."""
         return tuple(self._file_of)
 
     @property
@@ -228,7 +232,7 @@ class HfCheckpoint:
     def _slice(self, name: str):  # type: ignore[no-untyped-def]
         if name not in self._file_of:
             raise ConversionError(f"tensor {name!r} is not in the checkpoint {self.path}")
-        return self._handle(self._file_of[name]).get_slice(name)
+        return self._handle(self._file_of[name]).get_slice(self.text.stored(name))
 
     def read(self, name: str, box: Box) -> torch.Tensor:
         """Only ``box`` of tensor ``name`` (memory-mapped, copied out; a quantised
@@ -245,25 +249,31 @@ class HfCheckpoint:
             raise ConversionError(
                 f"box {box} has {box.ndim} dims, {name!r} has shape {tuple(sl.get_shape())}"
             )
-        if box.ndim == 0:
-            return self._handle(self._file_of[name]).get_tensor(name)
-        return sl[box.slices()]
+        return sl[box.slices()] if box.ndim else self.read_full(name)
 
     def read_full(self, name: str) -> torch.Tensor:
         if name in self._quantized:
             return self.read(name, Box.full(self.shape(name)))
-        return self._handle(self._file_of[name]).get_tensor(name)
+        return self._handle(self._file_of[name]).get_tensor(self.text.stored(name))
 
     def check(
-        self, model: ModelSpec, *, allow_missing: bool = False, drop_mtp: bool = False
+        self,
+        model: ModelSpec,
+        *,
+        allow_missing: bool = False,
+        drop_mtp: bool = False,
+        text_only: bool = False,
     ) -> tuple[str, ...]:
         """``ConversionError`` listing missing, extra and mis-shaped tensors against ``model``.
 
         ``drop_mtp=True`` leaves out the tensors of the multi-token-prediction layers that
         ``model`` does not hold (``model.layers.{i}.*``, ``i >= num_layers + mtp_layers``,
         of a family that has them) and returns their names; without it (the default) they
-        are refused as unexpected."""
-        dropped = mtp_names(self.names, model) if drop_mtp else ()
+        are refused as unexpected. ``text_only=True`` leaves out the tensors of a multimodal
+        checkpoint that are not its text model (:mod:`~areal_fn.runtime.hf.text_model`),
+        refused without it, and returns them too."""
+        left = self.text.left_out(text_only=text_only, drop_mtp=drop_mtp)
+        dropped = (mtp_names(self.names, model) if drop_mtp else ()) + left
         fake = {
             n: torch.empty(self.shape(n), device="meta") for n in self.names if n not in dropped
         }
@@ -310,7 +320,7 @@ def write_hf_checkpoint(
     written (the weights are then in their own dtype, as transformers must read them).
     """
     from areal_fn.runtime.hf.files import carried_files
-    from areal_fn.runtime.hf.fp8_io import quantized_stream
+    from areal_fn.runtime.hf.fp8_io import noting_quantised, quantized_stream, written_quantization
 
     extra = carried_files(files)
     dest = Path(path)
@@ -329,7 +339,7 @@ def write_hf_checkpoint(
     if fp8 is not None:
         items = quantized_stream(items, fp8, scales)
     written: set[str] = set()
-    items = _noting_quantised(items, written)
+    items = noting_quantised(items, written)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = new_output_dir(dest)
     left = (
@@ -348,7 +358,7 @@ def write_hf_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     try:  # completing the checkpoint in ``tmp``, then putting it in place
-        config = _quantization(config, model, fp8, written=written)
+        config = written_quantization(config, model, fp8, written=written)
         _complete(tmp, shards, total, config=config, model=model, files=extra)
         replace_dir(tmp, dest)
         return dest
@@ -357,44 +367,6 @@ def write_hf_checkpoint(
         if is_write_failure(e):
             raise write_error(e, _written(e, tmp, dest), dest=dest, left=left) from None
         raise
-
-
-def _noting_quantised(
-    items: Iterator[tuple[str, torch.Tensor]], written: set[str]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """``items`` unchanged; ``fp8`` added to ``written`` when one is stored as FP8,
-    ``mxfp4`` when one is MXFP4 blocks (uint8 ``*_blocks``)."""
-    for name, t in items:
-        if t.dtype == torch.float8_e4m3fn:
-            written.add("fp8")
-        elif t.dtype == torch.uint8 and name.endswith("_blocks"):
-            written.add("mxfp4")
-        yield name, t
-
-
-def _quantization(
-    config: Mapping[str, object] | bytes | None,
-    model: ModelSpec | None,
-    fp8: "Fp8Format | None",
-    *,
-    written: set[str],
-) -> Mapping[str, object] | bytes | None:
-    """The ``config.json`` to write: with ``fp8``'s ``quantization_config`` when FP8
-    tensors were ``written``; without an FP8 or MXFP4 one when none of its tensors were;
-    else ``config`` as given."""
-    from areal_fn.runtime.hf.fp8_io import READ_METHODS, fp8_config
-
-    cfg = config if config is not None else (model.hf_config() if model is not None else None)
-    if cfg is None:
-        return None
-    parsed = json.loads(cfg) if isinstance(cfg, bytes) else cfg
-    q = parsed.get("quantization_config")
-    method = q.get("quant_method") if isinstance(q, Mapping) else None
-    if fp8 is not None:
-        return fp8_config(parsed, fp8 if "fp8" in written else None)
-    if method in READ_METHODS and method not in written:
-        return fp8_config(parsed, None)
-    return config
 
 
 def _check_write(

@@ -38,6 +38,7 @@ from areal_fn.plans.tensor_check import listing
 from areal_fn.runtime.hf.convert import read_local
 from areal_fn.runtime.hf.fp8_io import Quantized, quantized_weights
 from areal_fn.runtime.hf.io import INDEX, SINGLE, HfCheckpoint, read_safetensors_header
+from areal_fn.runtime.hf.text_model import TextView
 from areal_fn.sharding.box import Box
 from areal_fn.typecheck import beartype
 
@@ -55,15 +56,20 @@ def hf_views(src_hf_dir: _PathLike) -> dict[str, torch.Tensor]:
     scales); :meth:`HfCheckpoint.read <areal_fn.runtime.hf.io.HfCheckpoint.read>` and
     :func:`load_into` dequantise them. The maps live
     as long as the views. A sharded checkpoint's index must name, for every tensor, a
-    file that holds it.
+    file that holds it. A multimodal checkpoint's text model is keyed by its canonical
+    names, the rest by the names stored (:mod:`~areal_fn.runtime.hf.text_model`).
     """
-    base = Path(src_hf_dir)
+    return _views(Path(src_hf_dir))[0]
+
+
+def _views(base: Path) -> tuple[dict[str, torch.Tensor], TextView]:
+    """:func:`hf_views` of ``base``, and how its stored names read as the text model's."""
     with HfCheckpoint(base) as ckpt:  # checks the directory and its index
-        names, files = ckpt.stored, [f for f in ckpt.files if f != INDEX]
+        names, files, text = ckpt.stored, [f for f in ckpt.files if f != INDEX], ckpt.text
     if (base / INDEX).exists():
         file_of: dict[str, str] = dict(json.loads((base / INDEX).read_text())["weight_map"])
     else:
-        file_of = dict.fromkeys(names, SINGLE)
+        file_of = dict.fromkeys((text.stored(n) for n in names), SINGLE)
     by_file = {f: read_local(base / f) for f in files}
     lost = [f"{n} ({f})" for n, f in file_of.items() if n not in by_file[f]]
     if lost:
@@ -71,7 +77,7 @@ def hf_views(src_hf_dir: _PathLike) -> dict[str, torch.Tensor]:
             f"{base / INDEX} names files that do not hold the tensors it maps to them: "
             f"{listing(lost)}; the checkpoint is inconsistent: download or save it again"
         )
-    return {name: by_file[f][name] for name, f in file_of.items()}
+    return {text.name(name): by_file[f][name] for name, f in file_of.items()}, text
 
 
 def _check_plain(out: Mapping[str, torch.Tensor]) -> None:
@@ -86,27 +92,28 @@ def _check_plain(out: Mapping[str, torch.Tensor]) -> None:
 class _Files:
     """Open weight files and where each canonical tensor's bytes start in its file."""
 
-    def __init__(self, base: Path, views: Mapping[str, torch.Tensor]) -> None:
+    def __init__(self, base: Path, views: Mapping[str, torch.Tensor], text: TextView) -> None:
         self.fds: dict[str, int] = {}
         self.where: dict[str, tuple[int, int]] = {}  # name -> (fd, first byte)
         headers: dict[str, tuple[dict[str, Any], int, int]] = {}
-        for name, f in _file_map(base, views).items():
+        for name, f in _file_map(base, views, text).items():
             if f not in self.fds:
                 headers[f] = read_safetensors_header(base / f)
                 self.fds[f] = os.open(base / f, os.O_RDONLY)
             header, data_start, _ = headers[f]
-            self.where[name] = (self.fds[f], data_start + int(header[name]["data_offsets"][0]))
+            begin = int(header[text.stored(name)]["data_offsets"][0])
+            self.where[name] = (self.fds[f], data_start + begin)
 
     def close(self) -> None:
         for fd in self.fds.values():
             os.close(fd)
 
 
-def _file_map(base: Path, views: Mapping[str, torch.Tensor]) -> dict[str, str]:
+def _file_map(base: Path, views: Mapping[str, torch.Tensor], text: TextView) -> dict[str, str]:
     """Canonical name -> the file holding it, file by file."""
     if (base / INDEX).exists():
         weight_map: dict[str, str] = json.loads((base / INDEX).read_text())["weight_map"]
-        return dict(sorted(weight_map.items(), key=lambda kv: kv[1]))
+        return {text.name(n): f for n, f in sorted(weight_map.items(), key=lambda kv: kv[1])}
     return dict.fromkeys(views, SINGLE)
 
 
@@ -209,6 +216,7 @@ def load_into(
     out: Mapping[str, torch.Tensor],
     cast: bool = False,
     threads: int | None = None,
+    text_only: bool = False,
 ) -> int:
     """Write ``rank``'s local tensors of ``layout``, read from the HF checkpoint in
     ``src_hf_dir``, into the existing tensors ``out`` (layout name -> tensor); the
@@ -221,18 +229,22 @@ def load_into(
     destination must have the checkpoint's dtype. Everything is checked before the first
     write (see the module docstring). The pieces are read on ``threads`` threads
     (default ``torch.get_num_threads()``), largest first; they write disjoint regions.
+    A multimodal checkpoint is read as its text model; the tensors that are not (the
+    vision encoder, ``mtp.*``) are refused, listed, unless ``text_only=True`` leaves
+    them out (:meth:`~areal_fn.runtime.hf.text_model.TextView.left_out`).
     """
     if threads is not None and threads < 1:
         raise ConversionError(f"threads={threads} must be >= 1 (or None: torch's thread count)")
     _check_plain(out)
-    views = hf_views(src_hf_dir)
+    views, text = _views(Path(src_hf_dir))
+    left = set(text.left_out(text_only=text_only))
     q = quantized_weights(
         Path(src_hf_dir),
         tuple(views),
         lambda n: tuple(views[n].shape),
         lambda n: str(views[n].dtype),
     )
-    stored = {n: v for n, v in views.items() if q is None or n not in q.hidden}
+    stored = {n: v for n, v in views.items() if (q is None or n not in q.hidden) and n not in left}
     shown = dict(stored)
     dtypes = {n: v.dtype for n, v in stored.items()}
     if q is not None:
@@ -241,7 +253,7 @@ def load_into(
             dtypes[n] = q.dtype
     check_canonical(shown, layout.canonical)
     check_into(layout, rank, out, dtypes=dtypes, cast=cast)
-    files = _Files(Path(src_hf_dir), stored)
+    files = _Files(Path(src_hf_dir), stored, text)
     jobs = sorted(pieces_into(layout, rank, out), key=lambda job: -job[1].numel())
 
     def run(job: tuple[str, torch.Tensor, Piece]) -> None:
