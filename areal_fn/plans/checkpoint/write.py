@@ -115,7 +115,9 @@ def plan_save(layout: Layout, *, dedup: Dedup = "balanced") -> WritePlan:
     Raises ``CheckpointError`` when some canonical element is held by no rank (the
     layout cannot save a whole model). A layout with strided pieces is planned in its
     lifted basis (:func:`lifted_for_checkpoint`): each piece then reads a view of its
-    local tensor (``WritePlan.views``) and writes a plain canonical box.
+    local tensor (``WritePlan.views``) and writes plain canonical boxes (a piece taking
+    some phases of its units, Megatron's per-expert ``lora_B``, one per unit:
+    :func:`unlift_parts`).
     """
     lifted = lifted_for_checkpoint(layout)
     plan = _plan_save(lifted.layout, dedup)
