@@ -11,10 +11,10 @@ permuted into ``[1, H, I, 2]`` (views: no copy), holds that box element for elem
 :func:`lift_layouts` restates layouts that way. Every canonical tensor that some strided
 piece takes with a step gets its lifted shape, in every layout given, so that they still
 describe one model. Every logical tensor made of strided pieces becomes the view of it
-that holds one plain box, or, when its pieces take one phase each (Megatron's
-per-expert ``lora_B``: columns ``e::E`` of PEFT's ``[out, E * r]``, lifted
-``[out, r, E]``), seen with a dim of 1 after the strided one, each piece the plain box
-of its units and its phase (its sharding kept). Every logical tensor that holds a lifted canonical tensor
+that holds one plain box, or, when its pieces take one phase each (Megatron's per-expert
+``lora_B``: columns ``e::E`` of PEFT's ``[out, E * r]``, lifted ``[out, r, E]``), is seen
+with a dim of 1 after the strided one, each piece the plain box of its units and its
+phase (its sharding kept). Every logical tensor that holds a lifted canonical tensor
 plainly (FSDP2's and the inference engines' ``gate_up_proj``) has the dim split the same
 way (``unflatten``: a view), its sharding kept. The lifted layouts are plain, so the
 transfer and checkpoint planners place them unchanged; a :class:`LocalView` per tensor
@@ -22,9 +22,9 @@ name says how to view the real local tensor, and :func:`apply_view` applies it.
 
 A layout that cannot be lifted so is refused with a :class:`~areal_fn.errors.LayoutError`
 naming the tensor and the rule: strided pieces of a tensor must together fill a plain
-box of one canonical tensor (all phases of a step, stacked along one logical dim), a
-tensor holding them must not be sharded (unless each piece is one phase), and a plain piece or shard of a lifted
-canonical tensor must hold whole units of the step.
+box of one canonical tensor (all phases of a step, stacked along one logical dim) or
+take one phase each, a tensor holding a stack must not be sharded, and a plain piece or
+shard of a lifted canonical tensor must hold whole units of the step.
 """
 
 import functools
