@@ -178,8 +178,29 @@ def run_checkpoint(ref: dict[str, Any], root: Path) -> dict[str, Any]:
     )
 
 
-#: The expert-adapter checkpoint: saved under the first strategy, loaded under the others.
-EXPERT_CHECKPOINT = ("qwen3_moe", "megatron:d4e2", "megatron:d2p2e2", "fsdp:d4")
+#: The expert-adapter checkpoint: saved under the first strategy after one step; each
+#: other strategy loads the checkpoint the one before it saved, saves what it loaded
+#: and takes the second step.
+EXPERT_CHECKPOINT = ("qwen3_moe", "megatron:d4e2", "megatron:d2p2e2", "fsdp:d4", "megatron:d4e4")
+
+
+def _save(engine: Any, root: Path, allocation: str, step: int) -> Path:
+    path: Path = save_checkpoint(
+        root,
+        layout=engine.adapter_layout,
+        states={
+            engine.rank: RankState(
+                params=engine.adapter_local_state(), optim=engine.optimizer_local_state()
+            )
+        },
+        model=engine.spec,
+        allocation=allocation,
+        step=step,
+        optimizer="adamw",
+        lr_scheduler=engine.scheduler_state(),
+        hf=lora_hf_files(engine.spec, lw.lora_of(engine.spec)),
+    )
+    return path
 
 
 def _load_into(engine: Any, path: Path) -> None:
@@ -199,51 +220,35 @@ def _load_into(engine: Any, path: Path) -> None:
     engine.load_scheduler_state(res.lr_scheduler)
 
 
+def _engine(spec: Any, strategy: str) -> Any:
+    if strategy.startswith("fsdp:"):
+        return lw.engine_of(spec, strategy, 1)
+    dims = parse_allocation(strategy).training
+    return MegatronEngine(spec, dims, optimizer=lw.ADAMW, grad_clip=lw.CLIP, lora=lw.lora_of(spec))
+
+
 def run_expert_checkpoint(ref: dict[str, Any], root: Path) -> dict[str, Any]:
     """One step of ``megatron:d4e2`` with adapters on the routed experts (each local
-    expert's part of PEFT's fused pair, ``lora_B`` columns ``e::E``); its adapters and
-    AdamW state saved, loaded by fresh ``megatron:d2p2e2`` and FSDP2 ``fsdp:d4`` engines,
-    each of which then takes the second step."""
+    expert's part of PEFT's fused pair, ``lora_B`` columns ``e::E``), its adapters and
+    AdamW state saved; a fresh ``megatron:d2p2e2`` engine loads them and saves them
+    again, a fresh FSDP2 ``fsdp:d4`` engine loads that and saves it again, a fresh
+    ``megatron:d4e4`` engine loads that: each loads bitwise and takes the second step."""
     spec = ref["spec"]
     _, src, *dsts = EXPERT_CHECKPOINT
-    lora = lw.lora_of(spec)
-    with MegatronEngine(
-        spec, parse_allocation(src).training, optimizer=lw.ADAMW, grad_clip=lw.CLIP, lora=lora
-    ) as a:
-        assert a.adapter_layout is not None
+    with _engine(spec, src) as a:
         a.load_canonical(ref["w0"])
         a.load_adapters(ref["adapters"])
         a.train_step(split_rows(ref["ids"], a.dp_size, a.dp_rank))
-        path = save_checkpoint(
-            root,
-            layout=a.adapter_layout,
-            states={
-                a.rank: RankState(params=a.adapter_local_state(), optim=a.optimizer_local_state())
-            },
-            model=spec,
-            allocation=src,
-            step=1,
-            optimizer="adamw",
-            lr_scheduler=a.scheduler_state(),
-            hf=lora_hf_files(spec, lora),
-        )
-        saved, saved_opt = a.export_adapters(), lw.gathered_optimizer(a)  # type: ignore[arg-type]
+        path = _save(a, root / "0", src, 1)
+        saved, saved_opt = a.export_adapters(), lw.gathered_optimizer(a)
     out: dict[str, Any] = {"expert_tensors": sum(".experts." in k for k in saved)}
-    for dst in dsts:
-        if dst.startswith("megatron:"):
-            b: Any = MegatronEngine(
-                spec,
-                parse_allocation(dst).training,
-                optimizer=lw.ADAMW,
-                grad_clip=lw.CLIP,
-                lora=lora,
-            )
-        else:
-            b = lw.engine_of(spec, dst, 1)
+    for i, dst in enumerate(dsts, 1):
+        b = _engine(spec, dst)
         try:
             b.load_canonical(ref["w0"])
             _load_into(b, path)
             loaded, loaded_opt = b.export_adapters(), lw.gathered_optimizer(b)
+            path = _save(b, root / str(i), dst, 1)
             stats = b.train_step(split_rows(ref["ids"], b.dp_size, b.dp_rank))
             out[dst] = dict(
                 adapters_bitwise=lw.bitwise(loaded, saved),

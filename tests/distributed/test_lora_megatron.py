@@ -15,7 +15,7 @@ agree within fp32 rounding; the base gets no gradient and does not move; the opt
 holds the adapters alone; the adapters start as PEFT starts them (``lora_B`` zero).
 Checkpoints: ``megatron:d2t2``'s adapters and AdamW state resume in an FSDP2 engine;
 qwen3_moe's expert adapters saved under ``megatron:d4e2`` load bitwise under
-``megatron:d2p2e2`` and ``fsdp:d4``.
+``megatron:d2p2e2``, then ``fsdp:d4``, then ``megatron:d4e4`` (each saving for the next).
 """
 
 import json
@@ -135,8 +135,9 @@ def test_megatron_expert_adapter_checkpoint_loads_under_other_strategies(
 ) -> None:
     """qwen3_moe adapters on the routed experts (each local expert's ``lora_B`` holds
     columns ``e::E`` of PEFT's fused one) and their AdamW moments, saved by
-    ``megatron:d4e2`` after one step, load bitwise into fresh ``megatron:d2p2e2`` and
-    FSDP2 ``fsdp:d4`` engines, whose second step is PEFT's."""
+    ``megatron:d4e2`` after one step, load bitwise into a fresh ``megatron:d2p2e2``
+    engine; what it saves again into an FSDP2 ``fsdp:d4`` one; what that saves into a
+    ``megatron:d4e4`` one. Each one's second step is PEFT's."""
     rec = results["cases"]["expert_checkpoint"]
     assert rec["error"] is None, rec["error"]
     assert rec["expert_tensors"] == 2 * 2 * 2, rec[
