@@ -11,7 +11,10 @@ permuted into ``[1, H, I, 2]`` (views: no copy), holds that box element for elem
 :func:`lift_layouts` restates layouts that way. Every canonical tensor that some strided
 piece takes with a step gets its lifted shape, in every layout given, so that they still
 describe one model. Every logical tensor made of strided pieces becomes the view of it
-that holds one plain box. Every logical tensor that holds a lifted canonical tensor
+that holds one plain box, or, when its pieces take one phase each (Megatron's per-expert
+``lora_B``: columns ``e::E`` of PEFT's ``[out, E * r]``, lifted ``[out, r, E]``), is seen
+with a dim of 1 after the strided one, each piece the plain box of its units and its
+phase (its sharding kept). Every logical tensor that holds a lifted canonical tensor
 plainly (FSDP2's and the inference engines' ``gate_up_proj``) has the dim split the same
 way (``unflatten``: a view), its sharding kept. The lifted layouts are plain, so the
 transfer and checkpoint planners place them unchanged; a :class:`LocalView` per tensor
@@ -19,9 +22,9 @@ name says how to view the real local tensor, and :func:`apply_view` applies it.
 
 A layout that cannot be lifted so is refused with a :class:`~areal_fn.errors.LayoutError`
 naming the tensor and the rule: strided pieces of a tensor must together fill a plain
-box of one canonical tensor (all phases of a step, stacked along one logical dim), a
-tensor holding them must not be sharded, and a plain piece or shard of a lifted
-canonical tensor must hold whole units of the step.
+box of one canonical tensor (all phases of a step, stacked along one logical dim) or
+take one phase each, a tensor holding a stack must not be sharded, and a plain piece or
+shard of a lifted canonical tensor must hold whole units of the step.
 """
 
 import functools
@@ -197,10 +200,7 @@ def _factors(layouts: Iterable[Layout]) -> dict[str, tuple[int, ...]]:
 
 
 def _inverse(perm: tuple[int, ...]) -> tuple[int, ...]:
-    inv = [0] * len(perm)
-    for i, p in enumerate(perm):
-        inv[p] = i
-    return tuple(inv)
+    return tuple(perm.index(i) for i in range(len(perm)))
 
 
 def _refuse(t: LogicalTensor, rule: str) -> LayoutError:
@@ -222,6 +222,9 @@ def _lift_strided(
     equal geometry (a layer's experts) are worked out once (``memo``)."""
     if any(f.view is None for f in t.fusion) or len({f.canonical for f in t.fusion}) != 1:
         raise _refuse(t, "it mixes strided and plain pieces or several canonical tensors")
+    phased = _lift_phases(t, factors)
+    if phased is not None:
+        return phased
     name = t.fusion[0].canonical
     key = (
         t.shape,
@@ -238,6 +241,43 @@ def _lift_strided(
         got = memo[key] = _strided_geometry(t, factors)
     ranges, view = got
     return _with_piece(t, name, ranges), view
+
+
+def _lift_phases(t: LogicalTensor, factors: Factors) -> tuple[LogicalTensor, LocalView] | None:
+    """``t`` seen with a dim of 1 after strided dim ``c``, when its pieces take one phase
+    each (in canonical dim order; not all phases of one stack); None otherwise."""
+    view, name = t.fusion[0].view, t.fusion[0].canonical
+    strided = [] if view is None else [d for d, s in enumerate(view.step) if s > 1]
+    if (
+        view is None
+        or any(f.view != view or f.stacked_dims or f.canonical != name for f in t.fusion)
+        or view.perm != tuple(range(len(view.step)))
+        or len(strided) != 1
+        or len(t.shape) != len(view.step)
+        or factors.get(name) != view.step
+    ):
+        return None
+    c, s = strided[0], view.step[strided[0]]
+    if sorted(f.canonical_region.ranges[c][0] % s for f in t.fusion) == list(range(s)):
+        return None  # the phases of one stack: one plain box (_strided_geometry)
+    pieces = []
+    for f in t.fusion:
+        cr, lr, n = (
+            f.canonical_region.ranges,
+            f.logical_box.ranges,
+            counts(f.canonical_region, view),
+        )
+        u, g = divmod(cr[c][0], s)
+        cbox = Box(ranges=(*cr[:c], (u, u + n[c]), (g, g + 1), *cr[c + 1 :]))
+        lbox = Box(ranges=(*lr[: c + 1], (0, 1), *lr[c + 1 :]))
+        pieces.append(
+            FusionPiece(canonical=name, canonical_box=cbox, logical_box=lbox, tied=f.tied)
+        )
+    moved = tuple(_moved(p, {c: s}) for p in t.sharding.placements)
+    shape = (*t.shape[: c + 1], 1, *t.shape[c + 1 :])
+    sharding = Sharding(mesh=t.sharding.mesh, placements=moved)
+    lifted = attrs.evolve(t, shape=shape, fusion=tuple(pieces), sharding=sharding)
+    return lifted, LocalView(ops=(("unflatten", (c, t.shape[c], 1)),))
 
 
 def _strided_geometry(

@@ -178,6 +178,91 @@ def run_checkpoint(ref: dict[str, Any], root: Path) -> dict[str, Any]:
     )
 
 
+#: The expert-adapter checkpoint: saved under the first strategy after one step; each
+#: other strategy loads the checkpoint the one before it saved, saves what it loaded
+#: and takes the second step.
+EXPERT_CHECKPOINT = ("qwen3_moe", "megatron:d4e2", "megatron:d2p2e2", "fsdp:d4", "megatron:d4e4")
+
+
+def _save(engine: Any, root: Path, allocation: str, step: int) -> Path:
+    path: Path = save_checkpoint(
+        root,
+        layout=engine.adapter_layout,
+        states={
+            engine.rank: RankState(
+                params=engine.adapter_local_state(), optim=engine.optimizer_local_state()
+            )
+        },
+        model=engine.spec,
+        allocation=allocation,
+        step=step,
+        optimizer="adamw",
+        lr_scheduler=engine.scheduler_state(),
+        hf=lora_hf_files(engine.spec, lw.lora_of(engine.spec)),
+    )
+    return path
+
+
+def _load_into(engine: Any, path: Path) -> None:
+    assert engine.adapter_layout is not None
+    res = load_checkpoint(
+        path,
+        layout=engine.adapter_layout,
+        states={
+            engine.rank: RankState(
+                params=engine.adapter_local_state(),
+                optim=engine.optimizer_local_state(create=True),
+            )
+        },
+        optimizer="adamw",
+    )
+    assert res.lr_scheduler is not None
+    engine.load_scheduler_state(res.lr_scheduler)
+
+
+def _engine(spec: Any, strategy: str) -> Any:
+    if strategy.startswith("fsdp:"):
+        return lw.engine_of(spec, strategy, 1)
+    dims = parse_allocation(strategy).training
+    return MegatronEngine(spec, dims, optimizer=lw.ADAMW, grad_clip=lw.CLIP, lora=lw.lora_of(spec))
+
+
+def run_expert_checkpoint(ref: dict[str, Any], root: Path) -> dict[str, Any]:
+    """One step of ``megatron:d4e2`` with adapters on the routed experts (each local
+    expert's part of PEFT's fused pair, ``lora_B`` columns ``e::E``), its adapters and
+    AdamW state saved; a fresh ``megatron:d2p2e2`` engine loads them and saves them
+    again, a fresh FSDP2 ``fsdp:d4`` engine loads that and saves it again, a fresh
+    ``megatron:d4e4`` engine loads that: each loads bitwise and takes the second step."""
+    spec = ref["spec"]
+    _, src, *dsts = EXPERT_CHECKPOINT
+    with _engine(spec, src) as a:
+        a.load_canonical(ref["w0"])
+        a.load_adapters(ref["adapters"])
+        a.train_step(split_rows(ref["ids"], a.dp_size, a.dp_rank))
+        path = _save(a, root / "0", src, 1)
+        saved, saved_opt = a.export_adapters(), lw.gathered_optimizer(a)
+    out: dict[str, Any] = {"expert_tensors": sum(".experts." in k for k in saved)}
+    for i, dst in enumerate(dsts, 1):
+        b = _engine(spec, dst)
+        try:
+            b.load_canonical(ref["w0"])
+            _load_into(b, path)
+            loaded, loaded_opt = b.export_adapters(), lw.gathered_optimizer(b)
+            path = _save(b, root / str(i), dst, 1)
+            stats = b.train_step(split_rows(ref["ids"], b.dp_size, b.dp_rank))
+            out[dst] = dict(
+                adapters_bitwise=lw.bitwise(loaded, saved),
+                optimizer_bitwise=lw.bitwise(loaded_opt, saved_opt),
+                steps_done=b.steps_done,
+                second_loss_abs_diff=abs(stats["loss"] - ref["steps"][1]["loss"]),
+                adapter_max_abs_diff=lw.max_abs(b.export_adapters(), ref["after"]),
+            )
+        finally:
+            if hasattr(b, "close"):
+                b.close()
+    return out
+
+
 def checkpoint_section(refs: dict[str, dict[str, Any]], out: Path) -> dict[str, Any]:
     t0 = time.monotonic()
     try:
@@ -191,10 +276,28 @@ def checkpoint_section(refs: dict[str, dict[str, Any]], out: Path) -> dict[str, 
     return rec
 
 
+def expert_checkpoint_section(refs: dict[str, dict[str, Any]], out: Path) -> dict[str, Any]:
+    t0 = time.monotonic()
+    config = EXPERT_CHECKPOINT[0]
+    try:
+        if config not in refs:
+            refs[config] = lw.reference(config)
+        rec = run_expert_checkpoint(refs[config], out / "expert_checkpoint")
+        rec["error"] = None
+    except Exception:
+        rec = {"error": traceback.format_exc()}
+    rec["seconds"] = round(time.monotonic() - t0, 2)
+    if dist.get_rank() == 0:
+        print(f"expert_checkpoint: {rec['error']}", flush=True)
+    return rec
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--only", default="", help="comma-separated case ids (default: all)")
+    parser.add_argument(
+        "--only", default="", help="comma-separated case ids or expert_checkpoint (default: all)"
+    )
     args = parser.parse_args()
     only = [c for c in CASES if "/".join(c) in args.only.split(",")] if args.only else CASES
     warnings.filterwarnings("ignore", category=UserWarning)
@@ -223,6 +326,8 @@ def main() -> int:
                 print(f"{config}/{strategy}: {rec['error']}", flush=True)
         if not args.only:
             results["checkpoint"] = checkpoint_section(refs, Path(args.out))
+        if not args.only or "expert_checkpoint" in args.only.split(","):
+            results["expert_checkpoint"] = expert_checkpoint_section(refs, Path(args.out))
     finally:
         if rank == 0:
             out = Path(args.out)

@@ -13,6 +13,9 @@ the whole batch (``lora_worker.reference``): loss, gradient norm and clipped ada
 gradients of each step, the adapters after both steps and the log-probs after them
 agree within fp32 rounding; the base gets no gradient and does not move; the optimizer
 holds the adapters alone; the adapters start as PEFT starts them (``lora_B`` zero).
+Checkpoints: ``megatron:d2t2``'s adapters and AdamW state resume in an FSDP2 engine;
+qwen3_moe's expert adapters saved under ``megatron:d4e2`` load bitwise under
+``megatron:d2p2e2``, then ``fsdp:d4``, then ``megatron:d4e4`` (each saving for the next).
 """
 
 import json
@@ -122,3 +125,27 @@ def test_megatron_adapter_checkpoint_resumes_in_the_fsdp2_engine(results: dict[s
     assert rec["adapters_bitwise"] and rec["steps_done"] == 2
     assert rec["second_loss_abs_diff"] <= LOSS_ATOL
     assert rec["adapter_max_abs_diff"] <= ADAPTER_ATOL
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.xdist_group("lora_megatron")
+def test_megatron_expert_adapter_checkpoint_loads_under_other_strategies(
+    results: dict[str, Any],
+) -> None:
+    """qwen3_moe adapters on the routed experts (each local expert's ``lora_B`` holds
+    columns ``e::E`` of PEFT's fused one) and their AdamW moments, saved by
+    ``megatron:d4e2`` after one step, load bitwise into a fresh ``megatron:d2p2e2``
+    engine; what it saves again into an FSDP2 ``fsdp:d4`` one; what that saves into a
+    ``megatron:d4e4`` one. Each one's second step is PEFT's."""
+    rec = results["cases"]["expert_checkpoint"]
+    assert rec["error"] is None, rec["error"]
+    assert rec["expert_tensors"] == 2 * 2 * 2, rec[
+        "expert_tensors"
+    ]  # 2 layers x 2 expert params x A/B
+    for dst in worker.EXPERT_CHECKPOINT[2:]:
+        got = rec[dst]
+        assert got["adapters_bitwise"] and got["optimizer_bitwise"], (dst, got)
+        assert got["steps_done"] == 2, (dst, got)
+        assert got["second_loss_abs_diff"] <= LOSS_ATOL, (dst, got)
+        assert got["adapter_max_abs_diff"] <= ADAPTER_ATOL, (dst, got)

@@ -1,20 +1,18 @@
 """Refusals of LoRA adapters on routed experts (``LoraConfig.target_parameters``): the
 configuration's own rules, a family without fused experts, the layouts that do not hold
-them (the inference engines'), the Megatron engine under expert TP, the checkpoint plans of Megatron's per-expert adapters
-and the vLLM sync that cannot serve them: one table of
-(call, error, regex)."""
+them (the inference engines'), the Megatron engine under expert TP and the vLLM sync that
+cannot serve them: one table of (call, error, regex). (Checkpoints of Megatron's
+per-expert adapters save and load: tests/laws/test_strided_checkpoint_parts.py.)"""
 
 from collections.abc import Callable
 
-import attrs
 import pytest
 
-from areal_fn.errors import CheckpointError, LayoutError
+from areal_fn.errors import LayoutError
 from areal_fn.layouts.layout_for import layout_for
-from areal_fn.layouts.lora import adapter_layout, with_lora
+from areal_fn.layouts.lora import with_lora
 from areal_fn.model.lora import EXPERT_PARAMETERS, LoraConfig, LoraError, lora_tensors
 from areal_fn.model.spec import model_from_hf_config
-from areal_fn.plans.checkpoint import plan_save
 
 MOE: dict[str, object] = {
     "model_type": "qwen3_moe",
@@ -124,21 +122,6 @@ CASES: list[tuple[str, Callable[[], object], type[Exception], str]] = [
         r"^target_parameters=\['mlp\.experts\.gate_up_proj', 'mlp\.experts\.down_proj'\]: "
         r"adapters on routed experts are placed in the training engines' layouts \(fsdp2, "
         r"megatron\) only, and this layout is inference: drop target_parameters for it$",
-    ),
-    (
-        "a checkpoint of Megatron's expert adapters",
-        lambda: plan_save(
-            adapter_layout(
-                layout_for(model_from_hf_config(MOE), "megatron:d2e2"),
-                model_from_hf_config(MOE),
-                attrs.evolve(EXPERTS, target_modules=("o_proj",)),
-            )
-        ),
-        CheckpointError,
-        r"^checkpoint planning: decoder\.layers\.0\.mlp\.experts\.local_experts\.0\.linear_fc1\."
-        r"lora_B\.weight: its strided pieces cannot be lifted to a plain box: it is sharded "
-        r"\(R, R, R, SS\(0,2\)\), not replicated; transfer and checkpoint plans place strided "
-        r"pieces that together fill a plain box of one canonical tensor",
     ),
     (
         "the Megatron engine under expert TP",

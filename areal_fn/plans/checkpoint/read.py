@@ -7,11 +7,10 @@ files, no ranks, no clock.
 
 import attrs
 
-from areal_fn.errors import CheckpointError
 from areal_fn.layouts.layout import Layout
-from areal_fn.layouts.lift import LocalView, lift_box, unlift_box
+from areal_fn.layouts.lift import LocalView
 from areal_fn.plans.checkpoint.manifest import CheckpointManifest, check_model
-from areal_fn.plans.checkpoint.write import lifted_for_checkpoint
+from areal_fn.plans.checkpoint.write import lift_parts, lifted_for_checkpoint, unlift_parts
 from areal_fn.sharding.box import Box
 from areal_fn.typecheck import beartype
 
@@ -70,23 +69,18 @@ def plan_load(manifest: CheckpointManifest, layout: Layout, rank: int) -> LoadPl
     Raises ``CheckpointError`` when the checkpoint holds other canonical tensors than
     the layout's model (missing, extra, mis-shaped). A layout with strided pieces is
     planned in its lifted basis: the reads then index views of its local tensors
-    (``LoadPlan.views``), and a stored chunk must hold whole units of the steps.
+    (``LoadPlan.views``); a stored chunk or a strided piece that cuts inside units of
+    the steps is read as the plain boxes it is made of (:func:`lift_parts`,
+    :func:`unlift_parts`).
     """
     check_model(manifest, layout.canonical)
     lifted = lifted_for_checkpoint(layout)
     steps = dict(lifted.factors)
-    chunks: dict[str, list[tuple[Box, Box]]] = {}  # canonical -> (lifted chunk, chunk)
+    chunks: dict[str, list[tuple[Box, Box]]] = {}  # canonical -> (lifted part, chunk)
     for t in manifest.tensors:
         for c in sorted((c.box for c in t.chunks), key=lambda b: b.ranges):
-            up = lift_box(c, steps[t.name]) if t.name in steps else c
-            if up is None:
-                raise CheckpointError(
-                    f"{t.name}: stored chunk {c} cuts inside the units of steps "
-                    f"{steps[t.name]} that this layout's strided pieces take; load it into a "
-                    "layout without strided pieces (FSDP2), or read the canonical tensors and "
-                    "convert them (to_megatron_into)"
-                )
-            chunks.setdefault(t.name, []).append((up, c))
+            parts = lift_parts(c, steps[t.name]) if t.name in steps else ((c, c),)
+            chunks.setdefault(t.name, []).extend((up, c) for up, _ in parts)
     reads: list[ReadPiece] = []
     padding: list[PadPiece] = []
     for lt in lifted.layout.local_tensors(rank):
@@ -100,17 +94,19 @@ def plan_load(manifest: CheckpointManifest, layout: Layout, rank: int) -> LoadPl
                 inter = up.intersect(p.canonical_box) if up.ndim else up
                 if inter is None:
                     continue
-                # both boxes hold whole units, so their intersection does
-                box = unlift_box(inter, steps[p.canonical]) if p.canonical in steps else inter
-                if box is None:
-                    raise CheckpointError(f"{p.canonical}{inter} holds part of a lifted unit")
-                reads.append(
+                parts = (
+                    unlift_parts(inter, steps[p.canonical])
+                    if p.canonical in steps
+                    else ((inter, inter),)
+                )
+                reads.extend(
                     ReadPiece(
                         canonical=p.canonical,
                         box=box,
                         chunk=chunk,
                         tensor=lt.name,
-                        local_box=p.local_of(inter),
+                        local_box=p.local_of(part),
                     )
+                    for part, box in parts
                 )
     return LoadPlan(rank=rank, reads=tuple(reads), padding=tuple(padding), views=lifted.views)

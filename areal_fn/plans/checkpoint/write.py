@@ -7,13 +7,14 @@ holder in rank order. The plan is a function of the layout alone, so every rank
 computes the same one. Pure: no files, no ranks, no clock.
 """
 
+import itertools
 from typing import Literal
 
 import attrs
 
 from areal_fn.errors import CheckpointError, LayoutError
 from areal_fn.layouts.layout import Layout, LayoutKind
-from areal_fn.layouts.lift import LiftedLayout, LocalView, lift_layouts, unlift_box
+from areal_fn.layouts.lift import LiftedLayout, LocalView, lift_layouts
 from areal_fn.model.tensor_spec import DTYPE_BYTES, TensorSpec
 from areal_fn.sharding.box import Box
 from areal_fn.sharding.grid import grid_cells, grid_cuts, holders_by_cell, merge_runs
@@ -114,7 +115,9 @@ def plan_save(layout: Layout, *, dedup: Dedup = "balanced") -> WritePlan:
     Raises ``CheckpointError`` when some canonical element is held by no rank (the
     layout cannot save a whole model). A layout with strided pieces is planned in its
     lifted basis (:func:`lifted_for_checkpoint`): each piece then reads a view of its
-    local tensor (``WritePlan.views``) and writes a plain canonical box.
+    local tensor (``WritePlan.views``) and writes plain canonical boxes (a piece taking
+    some phases of its units, Megatron's per-expert ``lora_B``, one per unit:
+    :func:`unlift_parts`).
     """
     lifted = lifted_for_checkpoint(layout)
     plan = _plan_save(lifted.layout, dedup)
@@ -125,10 +128,14 @@ def plan_save(layout: Layout, *, dedup: Dedup = "balanced") -> WritePlan:
     for rw in plan.ranks:
         pieces = []
         for p in rw.pieces:
-            box = unlift_box(p.box, steps[p.canonical]) if p.canonical in steps else p.box
-            if box is None:  # lifted holders are whole units, so their cells are too
-                raise CheckpointError(f"{p.canonical}{p.box} holds part of a lifted unit")
-            pieces.append(attrs.evolve(p, box=box))
+            if p.canonical not in steps:
+                pieces.append(p)
+                continue
+            k = p.local_box.ndim - p.box.ndim
+            offset = tuple(lo - c for lo, c in zip(p.local_box.start[k:], p.box.start, strict=True))
+            for up, box in unlift_parts(p.box, steps[p.canonical]):
+                local = Box(ranges=p.local_box.ranges[:k] + up.shift(offset).ranges)
+                pieces.append(attrs.evolve(p, box=box, local_box=local))
         ranks.append(RankWrites(rank=rw.rank, pieces=tuple(pieces)))
     return WritePlan(
         kind=layout.kind,
@@ -137,6 +144,65 @@ def plan_save(layout: Layout, *, dedup: Dedup = "balanced") -> WritePlan:
         ranks=tuple(ranks),
         views=lifted.views,
     )
+
+
+_Parts = list[list[tuple[tuple[tuple[int, int], ...], tuple[int, int]]]]
+
+
+def _product(per_dim: _Parts) -> tuple[tuple[Box, Box], ...]:
+    return tuple(
+        (
+            Box._trusted(tuple(r for lifted, _ in combo for r in lifted)),
+            Box._trusted(tuple(plain for _, plain in combo)),
+        )
+        for combo in itertools.product(*per_dim)
+    )
+
+
+def unlift_parts(box: Box, steps: tuple[int, ...]) -> tuple[tuple[Box, Box], ...]:
+    """Lifted ``box`` as (lifted part, plain canonical box) pairs that together hold it,
+    in order: one pair when it holds whole units, else one per unit of each dim whose
+    phases it takes partly (a strided region is a union of plain boxes)."""
+    per_dim: _Parts = []
+    i = 0
+    for s in steps:
+        if s == 1:
+            per_dim.append([((box.ranges[i],), box.ranges[i])])
+            i += 1
+            continue
+        (u0, u1), (p0, p1) = box.ranges[i], box.ranges[i + 1]
+        if (p0, p1) == (0, s):
+            per_dim.append([(((u0, u1), (0, s)), (u0 * s, u1 * s))])
+        else:
+            per_dim.append(
+                [(((u, u + 1), (p0, p1)), (u * s + p0, u * s + p1)) for u in range(u0, u1)]
+            )
+        i += 2
+    return _product(per_dim)
+
+
+def lift_parts(box: Box, steps: tuple[int, ...]) -> tuple[tuple[Box, Box], ...]:
+    """Plain canonical ``box`` as (lifted part, plain part) pairs that together hold it:
+    along each dim of step ``s``, its whole units as one part and each cut unit's phases
+    as parts of their own."""
+    per_dim: _Parts = []
+    for (lo, hi), s in zip(box.ranges, steps, strict=True):
+        if s == 1:
+            per_dim.append([(((lo, hi),), (lo, hi))])
+            continue
+        parts: list[tuple[tuple[tuple[int, int], ...], tuple[int, int]]] = []
+        a = lo
+        while a < hi:
+            u, g = divmod(a, s)
+            if g == 0 and hi - a >= s:
+                b = a + (hi - a) // s * s
+                parts.append((((u, b // s), (0, s)), (a, b)))
+            else:
+                b = min(hi, (u + 1) * s)
+                parts.append((((u, u + 1), (g, b - u * s)), (a, b)))
+            a = b
+        per_dim.append(parts)
+    return _product(per_dim)
 
 
 def lifted_for_checkpoint(layout: Layout) -> LiftedLayout:
