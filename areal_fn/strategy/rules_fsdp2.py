@@ -44,9 +44,9 @@ def _fsdp2_vocab(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
 def _fsdp2_shared(m: ModelSpec, d: ParallelDims, o: _Options) -> Problem | None:
     # DeepSeek's shared experts, or Qwen's gated shared expert (one of them is 0)
     width = m.num_shared_experts * m.moe_intermediate_size + m.shared_expert_size
-    if not width:
-        return None
-    first = next(i for i, moe in enumerate(m.moe_layers) if moe)
+    first = next((i for i, moe in enumerate(m.moe_layers) if moe), None)
+    if not width or first is None:
+        return None  # no shared expert, or no MoE layer to hold one
     name = next(  # the shared experts' first column-split tensor
         t.name
         for t in m.layer_tensors(first)

@@ -219,6 +219,8 @@ def inference_dims_for(
         sizes.append(model.intermediate_size)
     if model.is_moe:
         sizes.append(model.moe_intermediate_size)
+    if model.linear_attention is not None:  # whole key-head groups per rank
+        sizes.append(model.linear_attention.key_heads)
     g = math.gcd(*sizes)
     top = max(1, max_world // min_pp)
     tp = draw(

@@ -195,6 +195,7 @@ def test_context_parallel_refusals() -> None:
         attention(q, q, q, None, packed_seq_params=object())
     steps = MegatronSteps.__new__(MegatronSteps)  # what _packed reads, no process group
     steps.dims, steps._te_cp = ParallelDims(cp=2), True
+    steps.spec = SimpleNamespace(linear_attention=None)  # a model without linear attention
     with pytest.raises(
         LayoutError,
         match=r"^packed sequences under cp=2 with Transformer Engine's attention: its causal "
