@@ -30,7 +30,7 @@ from areal_fn.layouts.layout import FusionPiece, Layout, LayoutKind, LogicalTens
 from areal_fn.layouts.vocab import vocab_tensors
 from areal_fn.model.families.roles import tp_record
 from areal_fn.model.families.tp_role import TpRole
-from areal_fn.model.hf_memory import hf_memory_view
+from areal_fn.model.hf_memory import MemoryTensor, hf_memory_view
 from areal_fn.model.spec import ModelSpec
 from areal_fn.sharding.mesh import Axis, Mesh
 from areal_fn.sharding.placement import Placement, Replicate, Shard, StridedShard
@@ -147,6 +147,24 @@ def fsdp2_sharding(
     return Sharding(mesh=mesh, placements=tuple(placements))
 
 
+def memory_sharding(
+    model: ModelSpec,
+    mt: MemoryTensor,
+    dims: ParallelDims,
+    mesh: Mesh,
+    options: Fsdp2Options,
+    *,
+    vocab: bool,
+) -> Sharding:
+    """The sharding of transformers' in-memory tensor ``mt`` under FSDP2 (+TP): a buffer
+    whole on every rank (FSDP2 shards parameters only), a parameter by
+    :func:`fsdp2_sharding` with the TP placement of its first canonical piece."""
+    if mt.buffer:
+        return Sharding.replicated(mesh)
+    tp = tp_placement(model, mt.pieces[0].canonical, options, vocab=vocab)
+    return fsdp2_sharding(mt.name, mt.shape, dims, mesh, options, tp=tp)
+
+
 @beartype
 def fsdp2_layout(
     model: ModelSpec, dims: Strategy, *, options: Fsdp2Options = Fsdp2Options()
@@ -175,18 +193,7 @@ def fsdp2_layout(
     for mt in hf_memory_view(model):
         if model.tie_word_embeddings and mt.name == model.family.outer.output:
             continue  # the same Parameter as the embedding
-        sharding = (  # FSDP2 shards parameters; a buffer stays whole on every rank
-            Sharding.replicated(mesh)
-            if mt.buffer
-            else fsdp2_sharding(
-                mt.name,
-                mt.shape,
-                dims,
-                mesh,
-                options,
-                tp=tp_placement(model, mt.pieces[0].canonical, options, vocab=mt.name in vocab),
-            )
-        )
+        sharding = memory_sharding(model, mt, dims, mesh, options, vocab=mt.name in vocab)
         fusion = tuple(
             FusionPiece(
                 canonical=p.canonical, canonical_box=p.canonical_box, logical_box=p.memory_box

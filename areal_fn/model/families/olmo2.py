@@ -14,6 +14,7 @@ head of a token).
 
 from areal_fn.model.families import Family
 from areal_fn.model.families.mapping import SWIGLU_MLP_HF
+from areal_fn.model.families.olmo3 import FAMILY as OLMO3
 from areal_fn.model.families.olmo3 import FULL_QK_NORM_ATTENTION_HF, POST_NORMS_HF
 
 FAMILY = Family(
@@ -21,13 +22,7 @@ FAMILY = Family(
     architecture="Olmo2ForCausalLM",
     canonical=(*FULL_QK_NORM_ATTENTION_HF, *SWIGLU_MLP_HF, *POST_NORMS_HF),
     megatron=(),
-    required=(
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "vocab_size",
-    ),
+    required=OLMO3.required,
     defaults=(
         ("tie_word_embeddings", False),
         ("attention_bias", False),
@@ -35,8 +30,8 @@ FAMILY = Family(
         ("rope_theta", 10000.0),
         ("max_position_embeddings", 2048),
     ),
-    bias_flags=(("attention_bias", ("qkv_bias", "o_bias")),),
-    fixed=(("mlp_bias", False), ("qk_norm", True)),
+    bias_flags=OLMO3.bias_flags,
+    fixed=OLMO3.fixed,
     megatron_refusal=(
         "Megatron-Core 0.16's GPTModel cannot express olmo2: its layer has no norm on the "
         "attention and MLP outputs (post_attention_layernorm, post_feedforward_layernorm) and "

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 import attrs
 
 from areal_fn.errors import LayoutError, SpecError
-from areal_fn.layouts.fsdp2 import Fsdp2Options, fsdp2_mesh, fsdp2_sharding, tp_placement
+from areal_fn.layouts.fsdp2 import Fsdp2Options, fsdp2_mesh, memory_sharding
 from areal_fn.layouts.layout import Layout
 from areal_fn.layouts.megatron import (
     MegatronMeshes,
@@ -301,14 +301,7 @@ def fsdp2_census(
             replicated
             if mt.buffer
             else b.intern(
-                fsdp2_sharding(
-                    mt.name,
-                    mt.shape,
-                    dims,
-                    mesh,
-                    options,
-                    tp=tp_placement(model, mt.pieces[0].canonical, options, vocab=mt.name in vocab),
-                ),
+                memory_sharding(model, mt, dims, mesh, options, vocab=mt.name in vocab),
                 b.shardings,
             )
         )
