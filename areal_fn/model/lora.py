@@ -41,6 +41,9 @@ from collections.abc import Iterable
 import attrs
 
 from areal_fn.errors import SpecError
+from areal_fn.model.families.lora_targets import ATTENTION_MODULES as ATTENTION_MODULES
+from areal_fn.model.families.lora_targets import EXPERT_PARAMETERS as EXPERT_PARAMETERS
+from areal_fn.model.families.lora_targets import MLP_MODULES as MLP_MODULES
 from areal_fn.model.spec import ModelSpec
 from areal_fn.model.tensor_spec import TensorSpec
 from areal_fn.typecheck import beartype
@@ -49,22 +52,8 @@ from areal_fn.typecheck import beartype
 PEFT_PREFIX = "base_model.model."
 #: Adapter tensors' dtype (PEFT's, whatever the base model's).
 ADAPTER_DTYPE = "float32"
-ATTENTION_MODULES = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "q_a_proj",
-    "q_b_proj",
-    "kv_a_proj_with_mqa",
-    "kv_b_proj",
-)
-MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 #: The module names a configuration may target.
 MODULES = ATTENTION_MODULES + MLP_MODULES
-#: The fused routed-expert parameters a configuration may target (PEFT's
-#: ``target_parameters``), in the order transformers registers them.
-EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 _TARGET_RE = re.compile(r"^model\.layers\.(\d+)\.(.+\.)?([a-z_]+)\.weight$")
 
