@@ -151,3 +151,13 @@ CASES: list[tuple[str, Callable[[], object], type[Exception], str]] = [
 def test_refused(call: Callable[[], object], error: type[Exception], message: str) -> None:
     with pytest.raises(error, match=message):
         call()
+
+
+def test_an_engine_without_adapters_refuses_adapter_calls() -> None:
+    from areal_fn.runtime.engines.common import trained_adapters
+
+    with pytest.raises(
+        LoraError,
+        match=r"^this engine trains no LoRA adapters; build it with lora=LoraConfig\(\.\.\.\)$",
+    ):
+        trained_adapters(None)

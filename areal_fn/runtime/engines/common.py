@@ -51,6 +51,8 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from areal_fn.errors import LayoutError, SpecError
+from areal_fn.layouts.layout import Layout
+from areal_fn.model.lora import LoraError
 from areal_fn.plans.grad_norm import canonical_multiplicity as canonical_multiplicity
 from areal_fn.plans.grad_norm import norm_weights as norm_weights
 from areal_fn.plans.optim import AdamWConfig as AdamWConfig
@@ -74,6 +76,7 @@ __all__ = [  # noqa: F822 (the engines load lazily, see __getattr__)
     "next_token_targets",
     "norm_weights",
     "split_rows",
+    "trained_adapters",
 ]
 
 
@@ -373,3 +376,10 @@ def _local_of(t: Tensor) -> Tensor:
     from torch.distributed.tensor import DTensor
 
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def trained_adapters(adapter_layout: Layout | None) -> Layout:
+    """An engine's adapter layout; ``LoraError`` for an engine that trains no adapters."""
+    if adapter_layout is None:
+        raise LoraError("this engine trains no LoRA adapters; build it with lora=LoraConfig(...)")
+    return adapter_layout

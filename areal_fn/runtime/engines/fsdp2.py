@@ -64,6 +64,7 @@ from areal_fn.runtime.engines.common import (
     TokenMask,
     next_token_targets,
     norm_weights,
+    trained_adapters,
 )
 from areal_fn.runtime.engines.fp8_training import check_float8
 from areal_fn.runtime.engines.fsdp2_apply import DP_REPLICATE, DP_SHARD, TP, Fsdp2RunOptions
@@ -422,11 +423,7 @@ class Fsdp2Engine(OptimizerSteps):
     # -- LoRA adapters -----------------------------------------------------------------
     @property
     def _adapters(self) -> Layout:
-        if self.adapter_layout is None:
-            raise LoraError(
-                "this engine trains no LoRA adapters; build it with lora=LoraConfig(...)"
-            )
-        return self.adapter_layout
+        return trained_adapters(self.adapter_layout)
 
     @beartype
     def load_adapters(self, adapters: Mapping[str, Tensor]) -> None:

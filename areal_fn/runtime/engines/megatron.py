@@ -77,7 +77,12 @@ from areal_fn.pipeline.partition import StagePlan, megatron_layout_string
 from areal_fn.plans.convert import Reader, to_hf, to_megatron_into
 from areal_fn.plans.memory import PrecisionPolicy
 from areal_fn.plans.optim import LossScale
-from areal_fn.runtime.engines.common import AdamWConfig, DynamicLossScaler, norm_weights
+from areal_fn.runtime.engines.common import (
+    AdamWConfig,
+    DynamicLossScaler,
+    norm_weights,
+    trained_adapters,
+)
 from areal_fn.runtime.engines.megatron_lora import (
     check_expert_lora,
     initial_adapters,
@@ -464,11 +469,7 @@ class MegatronEngine(MegatronSteps):
     # -- LoRA adapters -----------------------------------------------------------------
     @property
     def _adapters(self) -> Layout:
-        if self.adapter_layout is None:
-            raise LoraError(
-                "this engine trains no LoRA adapters; build it with lora=LoraConfig(...)"
-            )
-        return self.adapter_layout
+        return trained_adapters(self.adapter_layout)
 
     @beartype
     def load_adapters(self, adapters: Mapping[str, Tensor]) -> None:
